@@ -1,0 +1,1 @@
+"""deepshard.finetune: the Hydra fine-tuning app."""

@@ -1,0 +1,154 @@
+"""Where this rank's fp32 master weights and AdamW moments live, and where their update runs.
+
+This is the seam between ZeRO and offload (design.md): every ZeRO stage hands its optimizer
+work to a ``StateStore``; :class:`DeviceStateStore` keeps the state beside the params, and the
+offload package provides stores on pinned host memory and on NVMe.  Stage code never branches
+on where the state lives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adamw import adamw
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW hyper-parameters that stay fixed for the run (lr comes per step from the schedule)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class StateStore(ABC):
+    """Owns the fp32 master copy and the AdamW moments of a list of local shards.
+
+    ``params`` are the tensors the model computes with (this rank's shards: local tensors of
+    DTensors, or slices of replicated params), in compute dtype, on the compute device.  After
+    :meth:`step` they hold the updated values.  ``weight_decays`` holds one decay per param.
+    """
+
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> None:
+        assert len(params) == len(weight_decays)
+        self.params = params
+        self.weight_decays = weight_decays
+        self.adamw = adamw
+
+    @abstractmethod
+    def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
+        """Apply one AdamW update with ``grads * grad_scale`` and write the result into ``params``.
+
+        ``step`` is the 1-based count of applied updates (for bias correction); ``grad_scale``
+        folds loss-scale removal and clipping into the update so no store needs a grad copy.
+        """
+
+    def grad_ready(self, index: int, grad: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Called when ``grads[index]`` is final for this step, while backward may still run.
+
+        Stores that move gradients elsewhere (host memory) start the copy here so it overlaps
+        backward; the default keeps the gradient where it is.
+        """
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """``{"master", "exp_avg", "exp_avg_sq"}``: one tensor per param, shaped like it, fp32."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Inverse of :meth:`state_dict`; also refreshes ``params`` from the loaded masters."""
+
+    @abstractmethod
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of master + moments by residence: ``{"device": .., "host": .., "nvme": ..}``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files and buffers (stores with scratch files remove them here)."""
+
+
+def adamw_update(
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    weight_decays: list[float],
+    cfg: AdamWConfig,
+    *,
+    lr: float,
+    step: int,
+) -> None:
+    """One AdamW update of fp32 ``masters`` in place with torch's own math (``step`` is 1-based).
+
+    Grouped by weight decay; fused on CPU and CUDA (5x faster than foreach on CPU, see facts).
+    """
+    groups: dict[float, list[int]] = {}
+    for i, wd in enumerate(weight_decays):
+        groups.setdefault(wd, []).append(i)
+    for wd, idx in groups.items():
+        idx = [i for i in idx if masters[i].numel() > 0]
+        if not idx:
+            continue
+        device = masters[idx[0]].device
+        fused = device.type in ("cpu", "cuda")
+        steps = [torch.tensor(float(step - 1), device=device if fused else "cpu") for _ in idx]
+        adamw(
+            [masters[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            [],
+            steps,
+            fused=fused,
+            foreach=False if fused else None,
+            amsgrad=False,
+            beta1=cfg.betas[0],
+            beta2=cfg.betas[1],
+            lr=lr,
+            weight_decay=wd,
+            eps=cfg.eps,
+            maximize=False,
+        )
+
+
+class DeviceStateStore(StateStore):
+    """State beside the params.  With fp32 params the master *is* the param: no extra bytes."""
+
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> None:
+        super().__init__(params, weight_decays, adamw)
+        self.aliased = all(p.dtype == torch.float32 for p in params)
+        if self.aliased:
+            self.masters = list(params)
+        else:
+            self.masters = [p.detach().float().clone() for p in params]
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+
+    def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
+        g32 = []
+        for g in grads:
+            g = g.float() if g.dtype != torch.float32 else g
+            g32.append(g * grad_scale if grad_scale != 1.0 else g)
+        adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
+                     lr=lr, step=step)
+        if not self.aliased:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {"master": self.masters, "exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        for key, dst in self.state_dict().items():
+            for d, s in zip(dst, state[key]):
+                d.copy_(s)
+        if not self.aliased:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def state_bytes(self) -> dict[str, int]:
+        owned = self.exp_avgs + self.exp_avg_sqs + ([] if self.aliased else self.masters)
+        return {"device": sum(t.numel() * t.element_size() for t in owned), "host": 0, "nvme": 0}
+
