@@ -1,1 +1,14 @@
-"""deepshard.core."""
+"""deepshard.core: mesh, ZeRO stages 0-3 on DTensor placements, precision, optimizer, memory."""
+
+from deepshard.core.config import EngineConfig, OptimConfig, ZeroConfig
+from deepshard.core.engine import Engine, initialize
+from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed
+from deepshard.core.precision import LossScaler, PrecisionConfig
+from deepshard.core.schedules import LRSchedule, SchedulerConfig
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+
+__all__ = [
+    "AdamWConfig", "DeviceStateStore", "Engine", "EngineConfig", "LRSchedule", "LossScaler", "OptimConfig",
+    "ParallelDims", "PrecisionConfig", "SchedulerConfig", "StateStore", "ZeroConfig", "build_mesh",
+    "init_distributed", "initialize",
+]

@@ -1,0 +1,70 @@
+"""Typed configs for the library API; the app builds them from Hydra, library users by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepshard.core.precision import PrecisionConfig
+from deepshard.core.schedules import SchedulerConfig
+
+AC_MODES = ("none", "full", "every_2")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed's zero_optimization knobs that apply to our layouts (sizes in elements)."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    overlap_comm: bool = True
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero.stage={self.stage}: valid stages are 0, 1, 2, 3")
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"zero.{key}={getattr(self, key)}: must be a positive number of elements")
+        if self.prefetch < 0:
+            raise ValueError(f"zero.prefetch={self.prefetch}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with decoupled weight decay on matrices (norm weights are not decayed)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)}: each must be in [0, 1)")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grad_accum: int = 1
+    ac: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ValueError(f"train.grad_accum={self.grad_accum}: must be >= 1")
+        if self.ac not in AC_MODES:
+            raise ValueError(f"ac={self.ac!r}: valid values are {list(AC_MODES)}")

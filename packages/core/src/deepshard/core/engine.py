@@ -1,0 +1,140 @@
+"""``initialize(model, config)``: a thin composition of mesh, ZeRO stage, precision, optimizer.
+
+The engine owns no training logic beyond micro-step bookkeeping; every part is usable alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.core.activation_checkpoint import apply_ac
+from deepshard.core.config import EngineConfig
+from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_bytes
+from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed
+from deepshard.core.optim import StepStats, ZeroOptimizer
+from deepshard.core.precision import LossScaler
+from deepshard.core.schedules import LRSchedule
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+from deepshard.core.zero import apply_zero
+from deepshard.core.zero.layout import local_shard
+from deepshard.core.zero.reducer import local_tensor
+from deepshard.core.zero.stages import ZeroStage
+
+StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
+
+
+def decays(names: Sequence[str], params: Sequence[torch.Tensor], weight_decay: float) -> list[float]:
+    """Weight decay on matrices only: norms and biases are not decayed (the common LLM recipe)."""
+    return [weight_decay if p.dim() >= 2 else 0.0 for p in params]
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: ``model.layers`` by convention (torchtitan and HF Llama agree)."""
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError("initialize(): pass blocks= explicitly, the model has no `layers` ModuleList")
+    return blocks
+
+
+class Engine:
+    """``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(self, model: nn.Module, stage: ZeroStage, optimizer: ZeroOptimizer, config: EngineConfig,
+                 mesh: DeviceMesh, num_params: int) -> None:
+        self.model = model
+        self.stage = stage
+        self.optimizer = optimizer
+        self.config = config
+        self.mesh = mesh
+        self.num_params = num_params
+        self.micro_step = 0
+        self.last_stats: StepStats | None = None
+
+    @property
+    def scaler(self) -> LossScaler:
+        return self.optimizer.scaler
+
+    @property
+    def store(self) -> StateStore:
+        return self.optimizer.store
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def _is_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.config.grad_accum == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale for fp16 and accumulation; reduce only on the accumulation boundary where allowed."""
+        self.stage.set_grad_sync(self._is_boundary())
+        (loss * (self.scaler.scale / self.config.grad_accum)).backward()
+        self.stage.finish_backward()
+        self.micro_step += 1
+
+    def step(self) -> StepStats | None:
+        """The optimizer step on accumulation boundaries (None between them)."""
+        if self.micro_step % self.config.grad_accum:
+            return None
+        self.last_stats = self.optimizer.step()
+        return self.last_stats
+
+    def memory(self) -> dict[str, ModelStateBytes]:
+        """Measured and expected per-rank model-state bytes."""
+        dp = self.mesh["dp"].size()
+        return {
+            "measured": measured_bytes(self.stage, self.store),
+            "expected": expected_bytes(self.stage.stage, self.num_params, dp, self.config.precision.dtype),
+        }
+
+
+def initialize(
+    model: nn.Module,
+    config: EngineConfig,
+    *,
+    mesh: DeviceMesh | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    store_factory: StoreFactory = DeviceStateStore,
+    offload_params: bool = False,
+) -> Engine:
+    """Apply activation checkpointing, precision and ZeRO to ``model`` (fp32, on its device).
+
+    ``mesh`` defaults to a pure data-parallel mesh over all ranks (a 1-rank group is started
+    when none exists).  ``store_factory`` decides where optimizer state lives.
+    """
+    if mesh is None:
+        init_distributed()
+        mesh = build_mesh(ParallelDims())
+    dp_mesh = mesh["dp"]
+    blocks = find_blocks(model) if blocks is None else blocks
+    if isinstance(blocks, nn.ModuleList):
+        apply_ac(blocks, config.ac)
+    elif config.ac != "none":
+        raise ValueError("ac needs the blocks as an nn.ModuleList")
+    dtype = config.precision.torch_dtype
+    stage_num = config.zero.stage
+    num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
+
+    fp32_locals = None
+    if stage_num < 3 and dtype != torch.float32:
+        world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        fp32_locals = [
+            (local_tensor(p.data) if stage_num == 0 else local_shard(local_tensor(p.data), world, rank)).clone()
+            for p in model.parameters() if p.requires_grad
+        ]
+        model.to(dtype)
+    stage = apply_zero(model, dp_mesh, config.zero, blocks=list(blocks), param_dtype=dtype,
+                       offload_params=offload_params)
+    oc = config.optim
+    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+    store = store_factory(stage.local_params(), decays(stage.names, stage.params, oc.weight_decay), adamw)
+    if fp32_locals is not None:  # the master starts from the fp32 init, not its rounded copy
+        store.load_state_dict({"master": fp32_locals, "exp_avg": [torch.zeros_like(t) for t in fp32_locals],
+                               "exp_avg_sq": [torch.zeros_like(t) for t in fp32_locals]})
+    schedule = LRSchedule(config.scheduler, oc.lr)
+    optimizer = ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)
+    return Engine(model, stage, optimizer, config, mesh, num_params)

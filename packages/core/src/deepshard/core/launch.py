@@ -1,0 +1,28 @@
+"""Start local worker processes with torch's elastic launcher (used by the app and the tests).
+
+A worker that raises ends the whole job with its error (ChildFailedError), never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from deepshard.core.mesh import free_port
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int = 1) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks (gloo/nccl group set up by the worker via
+    ``init_distributed``); returns each rank's return value, rank-ordered."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)  # inherited by the workers
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn",
+    )
+    results = elastic_launch(config, fn)(*args)
+    return [results[r] for r in range(nproc)]

@@ -1,0 +1,60 @@
+"""Per-rank model-state bytes: the ZeRO paper's expectation beside what the live tensors hold.
+
+Bytes per parameter (Ψ = this rank's parameter count before data-parallel sharding, N = dp size):
+
+| stage | fp32 training           | bf16/fp16 (fp32 master)        |
+|-------|-------------------------|--------------------------------|
+| 0     | 4 + 4 + 8               | 2 + 2 + 12            = 16Ψ    |
+| 1     | 4 + 4 + 8/N             | 2 + 2 + 12/N                   |
+| 2     | 4 + 4/N + 8/N           | 2 + 2/N + 12/N                 |
+| 3     | (4 + 4 + 8)/N           | (4 + 4 + 8)/N: FSDP2 keeps fp32 shards as the master and
+|       |                         | reduces grads in fp32, the same 16Ψ/N as the paper's 2+2+12 |
+
+With fp32 params the master weight *is* the param shard, so it is not counted twice.
+Offloaded optimizer state is reported under ``host``/``nvme`` instead of ``optimizer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from deepshard.core.state_store import StateStore
+from deepshard.core.zero.stages import ZeroStage
+
+
+@dataclass
+class ModelStateBytes:
+    params: int
+    grads: int
+    optimizer: int  # master (when not aliased) + Adam moments held on the compute device
+    host: int = 0  # optimizer state offloaded to host memory
+    nvme: int = 0  # optimizer state offloaded to files
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.host
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelStateBytes:
+    """The stage's expected per-rank model-state bytes (see the table above)."""
+    mixed = dtype != "fp32"
+    n = num_params
+    if stage == 3:
+        return ModelStateBytes(params=4 * n // dp, grads=4 * n // dp, optimizer=8 * n // dp)
+    p = 2 if mixed else 4
+    opt = 12 if mixed else 8
+    return ModelStateBytes(
+        params=p * n,
+        grads=p * n // dp if stage >= 2 else p * n,
+        optimizer=opt * n // dp if stage >= 1 else opt * n,
+    )
+
+
+def measured_bytes(stage: ZeroStage, store: StateStore) -> ModelStateBytes:
+    """Bytes the live tensors hold on this rank right now (call after backward to count grads)."""
+    state = store.state_bytes()
+    return ModelStateBytes(params=stage.param_bytes(), grads=stage.grad_bytes(), optimizer=state["device"],
+                           host=state["host"], nvme=state["nvme"])

@@ -1,0 +1,87 @@
+"""The process group and the one DeviceMesh (axes ``pp``, ``dp``, ``tp``) everything else hangs on."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh axes; ``dp=-1`` means "whatever the world size leaves"."""
+
+    pp: int = 1
+    dp: int = -1
+    tp: int = 1
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """Fill in ``dp`` and check that the product is the world size (ValueError naming the keys)."""
+        for key, value in (("parallel.pp", self.pp), ("parallel.tp", self.tp)):
+            if value < 1:
+                raise ValueError(f"{key}={value}: must be a positive integer")
+        if self.dp == 0 or self.dp < -1:
+            raise ValueError(f"parallel.dp={self.dp}: must be a positive integer, or -1 to derive it")
+        dp = self.dp
+        if dp == -1:
+            if world_size % (self.pp * self.tp):
+                raise ValueError(
+                    f"parallel.pp={self.pp} x parallel.tp={self.tp} = {self.pp * self.tp} does not divide "
+                    f"the world size {world_size}: choose pp*tp among the divisors of {world_size}"
+                )
+            dp = world_size // (self.pp * self.tp)
+        if self.pp * dp * self.tp != world_size:
+            raise ValueError(
+                f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.tp={self.tp} = {self.pp * dp * self.tp} "
+                f"!= world size {world_size}: the product must equal the number of ranks"
+            )
+        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp)
+
+
+def device_type() -> str:
+    """``cuda`` where a GPU exists, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join (or start) the default process group: nccl on CUDA, gloo on CPU.
+
+    Without torchrun's environment this starts a 1-rank group, so one code path serves 1 or N ranks.
+    Returns ``(rank, world_size)``.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        backend = "nccl" if device_type() == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(dims: ParallelDims) -> DeviceMesh:
+    """One mesh with all three named axes (size-1 axes included), so sub-meshes are ``mesh["dp"]`` etc."""
+    world = dist.get_world_size()
+    dims = dims.resolve(world)
+    return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

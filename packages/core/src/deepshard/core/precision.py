@@ -1,0 +1,80 @@
+"""Compute dtypes and DeepSpeed's dynamic loss scaling for fp16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``dtype`` is the compute dtype; the loss-scale knobs are DeepSpeed's (used for fp16 only)."""
+
+    dtype: str = "fp32"
+    loss_scale: float = 0.0  # > 0: a static scale; 0: dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"precision.dtype={self.dtype!r}: valid values are {sorted(DTYPES)}")
+        for key in ("loss_scale_window", "hysteresis"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"precision.{key}={getattr(self, key)}: must be >= 1")
+        if self.loss_scale < 0:
+            raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0 means dynamic)")
+        if self.min_loss_scale <= 0:
+            raise ValueError(f"precision.min_loss_scale={self.min_loss_scale}: must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+class LossScaler:
+    """DeepSpeed's DynamicLossScaler: halve on overflow (after ``hysteresis`` overflows), double after
+    ``loss_scale_window`` clean steps.  With fp32/bf16, or a static scale, the scale never moves."""
+
+    def __init__(self, config: PrecisionConfig) -> None:
+        self.dynamic = config.dtype == "fp16" and config.loss_scale == 0
+        if config.dtype != "fp16":
+            self.scale = 1.0
+        elif config.loss_scale > 0:
+            self.scale = float(config.loss_scale)
+        else:
+            self.scale = float(2 ** config.initial_scale_power)
+        self.window = config.loss_scale_window
+        self.hysteresis = config.hysteresis
+        self.min_scale = config.min_loss_scale
+        self.cur_hysteresis = config.hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome (the step was skipped when ``overflow``)."""
+        if self.dynamic:
+            if overflow:
+                if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                    self.scale = max(self.scale / 2.0, self.min_scale)
+                else:
+                    self.cur_hysteresis -= 1
+                self.last_overflow = self.iteration
+            elif (self.iteration - self.last_overflow) % self.window == 0:
+                self.cur_hysteresis = self.hysteresis
+                self.scale *= 2.0
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "cur_hysteresis": self.cur_hysteresis, "iteration": self.iteration,
+                "last_overflow": self.last_overflow}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow = int(state["last_overflow"])

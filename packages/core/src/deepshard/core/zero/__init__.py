@@ -1,0 +1,45 @@
+"""ZeRO stages on DTensor placements: build one with :func:`apply_zero`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.core.config import ZeroConfig
+from deepshard.core.zero.fsdp import FullyShardedStage, apply_fsdp
+from deepshard.core.zero.stages import ReplicatedStage, ShardedGradStage, ShardedOptimizerStage, ZeroStage
+
+__all__ = ["ZeroStage", "apply_zero", "apply_fsdp"]
+
+
+def apply_zero(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    config: ZeroConfig,
+    *,
+    blocks: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype = torch.float32,
+    offload_params: bool = False,
+) -> ZeroStage:
+    """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle.
+
+    Stages 0-2 expect the model already in its compute dtype; stage 3 expects fp32 params and
+    casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).
+    """
+    group = dp_mesh.get_group()
+    if config.stage == 3:
+        apply_fsdp(model, blocks, dp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                   reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
+                   prefetch=config.prefetch)
+        return FullyShardedStage(model)
+    if offload_params:
+        raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
+    if config.stage == 0:
+        return ReplicatedStage(model, group, reduce_bucket_numel=config.reduce_bucket_size,
+                               overlap_comm=config.overlap_comm)
+    cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
+    return cls(model, group, reduce_bucket_numel=config.reduce_bucket_size,
+               allgather_bucket_numel=config.allgather_bucket_size, overlap_comm=config.overlap_comm)

@@ -1,0 +1,75 @@
+"""Stage 3: FSDP2 ``fully_shard`` per block and at the root; params, grads and state all Shard(0)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from deepshard.core.zero.reducer import dtensor_replication, local_tensor
+from deepshard.core.zero.stages import ZeroStage, trainable
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    offload_params: bool = False,
+    prefetch: int = 1,
+) -> None:
+    """Shard each block, then the root (embeddings, final norm, head), torchtitan's order.
+
+    ``prefetch`` blocks ahead are all-gathered explicitly in forward and backward, so the next
+    block's parameters arrive while this one computes.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinning needs an accelerator: on a CPU-only host the params simply stay in (plain) host memory.
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params
+                              else OffloadPolicy())
+    blocks = list(blocks)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload)
+    if prefetch > 0 and len(blocks) > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - prefetch):i])))
+
+
+class FullyShardedStage(ZeroStage):
+    """Stage 3: the sharded fp32 params *are* the master weights; FSDP2 reduce-scatters grads."""
+
+    stage = 3
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names, self.params = trainable(model)
+
+    def local_params(self) -> list[torch.Tensor]:
+        return [local_tensor(p.data) for p in self.params]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
+                for p in self.params]
+
+    def replication(self) -> list[int]:
+        return [dtensor_replication(p) for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        return sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
+
+    def param_bytes(self) -> int:
+        return sum(local_tensor(p.data).nbytes for p in self.params)

@@ -1,0 +1,193 @@
+"""ZeRO stages 0-2: params stay replicated; gradients and optimizer state follow design.md's table.
+
+Every stage answers the same few questions for the optimizer glue (which local tensors to update,
+with which local gradients, how many ranks hold identical copies of each) and never knows where
+the optimizer state lives: that is the StateStore's business.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
+from deepshard.core.zero.reducer import (
+    AllReduceReducer,
+    ReduceScatterReducer,
+    dtensor_replication,
+    local_tensor,
+)
+
+
+class ZeroStage(ABC):
+    """What the optimizer glue needs from a stage."""
+
+    stage: int
+    params: list[nn.Parameter]
+    names: list[str]
+
+    @abstractmethod
+    def local_params(self) -> list[torch.Tensor]:
+        """The tensors this rank updates (the StateStore writes into them)."""
+
+    @abstractmethod
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's averaged gradients aligned with :meth:`local_params` (zeros where none)."""
+
+    @abstractmethod
+    def replication(self) -> list[int]:
+        """How many ranks of the dp group hold an identical copy of each local gradient."""
+
+    def set_grad_sync(self, enabled: bool) -> None:  # noqa: B027 - stages without no_sync ignore it
+        """Whether this micro-step's backward reduces gradients (False: accumulate locally)."""
+
+    def finish_backward(self) -> None:  # noqa: B027
+        """Wait for the reductions launched during backward."""
+
+    def after_step(self) -> None:  # noqa: B027
+        """Make the updated shards visible where the model computes (all-gather for stages 1-2)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def grad_bytes(self) -> int:
+        """Bytes of gradients this rank holds right now."""
+
+    def param_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.params:
+            t = local_tensor(p.data)
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+def trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]
+
+
+class ReplicatedStage(ZeroStage):
+    """Stage 0 (DDP): replicated params, all-reduced grads, replicated optimizer state."""
+
+    stage = 0
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
+                 overlap_comm: bool) -> None:
+        self.names, self.params = trainable(model)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reducer = AllReduceReducer(self.params, group, bucket_numel=reduce_bucket_numel,
+                                        overlap=overlap_comm)
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self.reducer.sync = enabled
+
+    def finish_backward(self) -> None:
+        self.reducer.finish()
+
+    def local_params(self) -> list[torch.Tensor]:
+        return [local_tensor(p.data) for p in self.params]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
+                for p in self.params]
+
+    def replication(self) -> list[int]:
+        return [self.world * dtensor_replication(p) for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        return sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
+
+
+class _GatherAfterStep:
+    """All-gather each rank's updated Shard(0) chunks back into the replicated params, in buckets."""
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_numel: int) -> None:
+        self.params = params
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        groups = group_into_buckets([p.numel() for p in params], [p.dtype for p in params], bucket_numel)
+        self.buckets = [(idx, BucketLayout(idx, [params[i].shape for i in idx], self.world)) for idx in groups]
+
+    def gather(self) -> None:
+        for idx, layout in self.buckets:
+            full = [self.params[i] for i in idx]
+            chunks = [local_shard(t, self.world, self.rank) for t in full]
+            send = torch.empty(layout.segment, dtype=full[0].dtype, device=full[0].device)
+            layout.pack_local(chunks, send)
+            recv = torch.empty(self.world * layout.segment, dtype=send.dtype, device=send.device)
+            dist.all_gather_single(recv, send, group=self.group)
+            layout.unpack_full(recv, full)
+
+
+class ShardedOptimizerStage(ReplicatedStage):
+    """Stage 1: grads all-reduced as in stage 0; each rank updates only its Shard(0) chunk."""
+
+    stage = 1
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
+                 allgather_bucket_numel: int, overlap_comm: bool) -> None:
+        super().__init__(model, group, reduce_bucket_numel=reduce_bucket_numel, overlap_comm=overlap_comm)
+        self.gatherer = _GatherAfterStep([local_tensor(p.data) for p in self.params], group,
+                                         allgather_bucket_numel)
+
+    def local_params(self) -> list[torch.Tensor]:
+        return [local_shard(local_tensor(p.data), self.world, self.rank) for p in self.params]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local_shard(g, self.world, self.rank) for g in super().local_grads()]
+
+    def replication(self) -> list[int]:
+        return [dtensor_replication(p) for p in self.params]
+
+    def after_step(self) -> None:
+        self.gatherer.gather()
+
+
+class ShardedGradStage(ShardedOptimizerStage):
+    """Stage 2: grads reduce-scattered into Shard(0) buckets as backward runs; full grads never kept."""
+
+    stage = 2
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
+                 allgather_bucket_numel: int, overlap_comm: bool) -> None:
+        self.names, self.params = trainable(model)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reducer = ReduceScatterReducer(self.params, group, bucket_numel=reduce_bucket_numel,
+                                            overlap=overlap_comm)
+        self.gatherer = _GatherAfterStep([local_tensor(p.data) for p in self.params], group,
+                                         allgather_bucket_numel)
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Stage 2 reduces every micro-step: holding unreduced full grads would defeat it."""
+
+    def local_grads(self) -> list[torch.Tensor]:
+        out = []
+        for p, g in zip(self.params, self.reducer.shard_grads):
+            out.append(g if g is not None else torch.zeros_like(local_shard(local_tensor(p.data), self.world,
+                                                                            self.rank)))
+        return out
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        shards = sum(g.nbytes for g in self.reducer.shard_grads if g is not None)
+        return shards + sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)

@@ -1,0 +1,92 @@
+"""Shared by the ZeRO tests: a micro Llama, fixed batches, a single-process reference and a
+distributed run of the same steps through the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, ZeroConfig, initialize
+from deepshard.core.engine import decays
+from deepshard.finetune.models.llama import Llama, LlamaConfig
+
+MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
+SEQ = 16
+MBS = 2  # sequences per rank per micro-step
+
+
+def build_model(cfg: LlamaConfig = MICRO, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(cfg)
+    model.init_weights(seed)
+    return model
+
+
+def batches(num_steps: int, world: int, grad_accum: int, cfg: LlamaConfig = MICRO) -> torch.Tensor:
+    """[step, micro, rank, MBS, SEQ+1] token ids: the global batch of each step, laid out per rank."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, cfg.vocab_size, (num_steps, grad_accum, world, MBS, SEQ + 1), generator=g)
+
+
+def reference(num_steps: int, world: int, grad_accum: int, optim: OptimConfig, cfg: LlamaConfig = MICRO):
+    """Plain single-process torch: the whole global batch at once, torch.optim.AdamW."""
+    model = build_model(cfg)
+    params = list(model.parameters())
+    wds = decays([], params, optim.weight_decay)
+    groups = [{"params": [p for p, w in zip(params, wds) if w > 0], "weight_decay": optim.weight_decay},
+              {"params": [p for p, w in zip(params, wds) if w == 0], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
+    data = batches(num_steps, world, grad_accum, cfg)
+    losses = []
+    for step in range(num_steps):
+        tokens = data[step].reshape(-1, SEQ + 1)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        if optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaConfig = MICRO,
+                    store_factory=None, inject_overflow_at: int = -1):
+    """Run the engine on this rank; returns (global losses, full params, stats, memory)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(cfg)
+    kwargs = {} if store_factory is None else {"store_factory": store_factory}
+    engine = initialize(model, config, mesh=mesh, **kwargs)
+    data = batches(num_steps, world, config.grad_accum, cfg)
+    losses, stats, memory = [], [], None
+    for step in range(num_steps):
+        total = torch.zeros(())
+        for micro in range(config.grad_accum):
+            tokens = data[step, micro, rank]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            total += loss.detach().float()
+            if step == inject_overflow_at and rank == world - 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+        if step == 0:
+            memory = engine.memory()
+        s = engine.step()
+        stats.append(s)
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * config.grad_accum))
+    full = {}
+    for n, p in engine.model.named_parameters():
+        t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
+        full[n.replace("_checkpoint_wrapped_module.", "")] = t.float().clone()
+    return losses, full, stats, memory
+
+
+def engine_config(stage: int, grad_accum: int = 1, clip: float = 0.0, dtype: str = "fp32", **zero) -> EngineConfig:
+    return EngineConfig(
+        zero=ZeroConfig(stage=stage, reduce_bucket_size=zero.pop("bucket", 3000),
+                        allgather_bucket_size=3000, **zero),
+        precision=PrecisionConfig(dtype=dtype, **zero.pop("precision", {})),
+        optim=OptimConfig(lr=2e-3, weight_decay=0.1, grad_clip=clip),
+        grad_accum=grad_accum,
+    )
