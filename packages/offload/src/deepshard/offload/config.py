@@ -1,0 +1,121 @@
+"""Typed offload configuration and the checks that run before training starts.
+
+Bad values fail here with a ValueError naming the config key, the value and what is valid, so a
+run never discovers a full disk or a too-small buffer hours into training.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+ALIGN = 4096  # O_DIRECT alignment of addresses, lengths and offsets (portable choice)
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's aio knobs, as our ThreadPoolExecutor + preadv/pwritev engine applies them.
+
+    - ``block_size``: bytes per preadv/pwritev syscall; a request is cut into chunks of this size.
+    - ``queue_depth``: most submissions handed to the thread pool and not yet finished; further
+      chunks wait in the engine's software queue (never blocking the submitting thread).
+    - ``thread_count``: worker threads, i.e. syscalls that can run in parallel.
+    - ``single_submit``: True submits every chunk as its own pool task (one syscall each, chunks of
+      different requests interleave); False submits each request as at most ``thread_count``
+      tasks that each issue a contiguous run of chunks (fewer submissions, sequential per thread).
+    - ``overlap_events``: True pipelines the optimizer step (read group i+1 and write group i-1
+      while group i is stepped); False waits for every read and write as soon as it is issued.
+    """
+
+    block_size: int = 8 * 2**20
+    queue_depth: int = 8
+    thread_count: int = 2
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where optimizer state lives (``device``) and how NVMe swapping is staged.
+
+    ``sub_group_size`` and ``buffer_size`` count elements (of each of master, exp_avg, exp_avg_sq);
+    one pool buffer holds one sub-group of all three plus its fp32 gradient.  ``params`` is the
+    ZeRO-3 parameter-offload switch (validated here; the stores only hold optimizer state).
+    """
+
+    device: str = "none"
+    nvme_path: str | None = None
+    params: str = "none"
+    sub_group_size: int = 2**24
+    buffer_count: int = 3
+    buffer_size: int = 2**24
+    aio: AioConfig = field(default_factory=AioConfig)
+
+
+def _bad(key: str, value: object, valid: str) -> ValueError:
+    return ValueError(f"offload config: {key}={value!r} is invalid; {valid}")
+
+
+def _positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(key, value, "expected an integer >= 1")
+
+
+def validate_aio(aio: AioConfig) -> None:
+    """Reject aio knobs the engine cannot honour (block_size must keep O_DIRECT alignment)."""
+    _positive_int("aio.block_size", aio.block_size)
+    if aio.block_size % ALIGN:
+        raise _bad("aio.block_size", aio.block_size, f"expected a positive multiple of {ALIGN} bytes")
+    _positive_int("aio.queue_depth", aio.queue_depth)
+    _positive_int("aio.thread_count", aio.thread_count)
+    for key in ("single_submit", "overlap_events"):
+        if not isinstance(getattr(aio, key), bool):
+            raise _bad(f"aio.{key}", getattr(aio, key), "expected true or false")
+
+
+def validate_offload(stage: int, device: str, params: str = "none") -> None:
+    """Offload needs sharded optimizer state (ZeRO >= 1); parameter offload needs ZeRO-3."""
+    if device not in ("none", "cpu", "nvme"):
+        raise _bad("device", device, "expected one of 'none', 'cpu', 'nvme'")
+    if params not in ("none", "cpu"):
+        raise _bad("params", params, "expected one of 'none', 'cpu'")
+    if device != "none" and stage == 0:
+        raise _bad("device", device, "optimizer offload needs ZeRO stage 1, 2 or 3 (zero.stage is 0)")
+    if params != "none" and stage != 3:
+        raise _bad("params", params, f"parameter offload needs ZeRO stage 3 (zero.stage is {stage})")
+
+
+def validate_config(config: OffloadConfig) -> None:
+    """Checks that need no knowledge of the model: value ranges, aio knobs, the nvme_path."""
+    validate_offload(1, config.device, config.params)  # stage is checked by the caller's validate_offload
+    if config.device != "nvme":
+        return
+    _positive_int("sub_group_size", config.sub_group_size)
+    _positive_int("buffer_count", config.buffer_count)
+    _positive_int("buffer_size", config.buffer_size)
+    validate_aio(config.aio)
+    path = config.nvme_path
+    if not path:
+        raise _bad("nvme_path", path, "device='nvme' needs a directory on a local disk")
+    if not os.path.isdir(path):
+        raise _bad("nvme_path", path, "the directory does not exist")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise _bad("nvme_path", path, "the directory is not writable by this user")
+
+
+def validate_nvme(config: OffloadConfig, bytes_needed: int, largest_group: int | None = None) -> None:
+    """Everything :func:`validate_config` checks, plus free space and the buffer size for a model.
+
+    ``bytes_needed`` is the swap-file size this store will allocate; ``largest_group`` is the
+    largest sub-group in elements (defaults to ``sub_group_size``).
+    """
+    validate_config(config)
+    largest = config.sub_group_size if largest_group is None else largest_group
+    if config.buffer_size < largest:
+        raise _bad("buffer_size", config.buffer_size,
+                   f"must be >= the largest sub-group ({largest} elements; see sub_group_size)")
+    free = shutil.disk_usage(config.nvme_path).free
+    if bytes_needed > free:
+        raise _bad("nvme_path", config.nvme_path,
+                   f"needs {bytes_needed} bytes of swap space but only {free} bytes are free")

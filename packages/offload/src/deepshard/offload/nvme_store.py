@@ -1,0 +1,259 @@
+"""Optimizer state on NVMe: ZeRO-Infinity's swap, streamed through a small pool of host buffers.
+
+Layout: the params are concatenated (each starting at a multiple of 16 elements) into one flat
+element space that is cut into sub-groups of ``sub_group_size`` elements (rounded down to a
+multiple of 16; the last group shorter).  A param that crosses a boundary is split
+across groups; the update is elementwise, so where a group boundary falls never changes the math,
+and every group -- hence every buffer -- is bounded by ``sub_group_size``.  Each state (master,
+exp_avg, exp_avg_sq) has its own preallocated swap file holding group ``g`` at ``g * stride``
+(stride = the largest group's bytes rounded up to 4096, as O_DIRECT needs).
+
+The step streams groups through ``buffer_count`` page-aligned buffers: while group g is stepped
+on the CPU, group g+1 (and more, with more buffers) is being read and group g-1 written back by
+the aio threads.  Gradients are copied (cast to fp32) into the group's buffer right before its
+update and the new masters are cast back into the params right after, so no full-size host copy
+of either ever exists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
+
+from . import scratch
+from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
+from .config import OffloadConfig, validate_nvme
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
+Segment = tuple[int, int, int, int]  # (param index, offset in param, offset in group, length)
+
+
+class _Buffer:
+    """One page-aligned host buffer with a region per state plus an fp32 gradient region."""
+
+    def __init__(self, numel: int, pin: bool) -> None:
+        region = align_up(max(numel, 1) * 4)
+        self.raw = aligned_empty(4 * region, pin=pin)
+        parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(STATES + ("grad",))}
+        self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}
+        self.mv = {k: as_buffer(parts[k]) for k in STATES}
+        self.state_bytes = 3 * region
+
+
+def _segments(numels: list[int], group_size: int) -> list[list[Segment]]:
+    """Cut the concatenation of params into groups of ``group_size`` elements (params may split).
+
+    Params start at multiples of ``VEC`` and groups hold a multiple of ``VEC`` elements, so every
+    piece of a split param starts at a param offset that is a multiple of ``VEC``: torch's fused
+    CPU AdamW splits its work in 16-element units from each tensor's start, so each element gets
+    the same (vector or scalar-tail) arithmetic as in one whole-tensor update: bitwise parity.
+    """
+    align = VEC if group_size >= VEC else 1  # tiny groups: no padding (a gap could skip a group)
+    group_size -= group_size % align
+    groups: list[list[Segment]] = []
+    pos = 0  # position in the padded flat space
+    for i, n in enumerate(numels):
+        if n == 0:
+            continue
+        pos = -(-pos // align) * align
+        offset = 0
+        while offset < n:
+            g, go = divmod(pos, group_size)
+            while len(groups) <= g:
+                groups.append([])
+            k = min(group_size - go, n - offset)
+            groups[g].append((i, offset, go, k))
+            offset += k
+            pos += k
+    return groups
+
+
+class NvmeStateStore(StateStore):
+    """fp32 master + AdamW moments in per-rank swap files under ``config.nvme_path``."""
+
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+                 config: OffloadConfig, rank: int = 0, run_id: str | None = None) -> None:
+        super().__init__(params, weight_decays, adamw)
+        for i, p in enumerate(params):
+            assert p.is_contiguous(), f"param {i} is not contiguous: the store updates it through a flat view"
+        self.config = config
+        self.numel = sum(p.numel() for p in params)
+        self.groups = _segments([p.numel() for p in params], config.sub_group_size)
+        self.group_numels = [g[-1][2] + g[-1][3] for g in self.groups]  # incl. alignment gaps
+        self.largest = max(self.group_numels, default=0)
+        self.stride = align_up(self.largest * 4)
+        file_bytes = max(len(self.groups) * self.stride, 1)
+        validate_nvme(config, 3 * file_bytes, self.largest)
+        self.dir = scratch.make_store_dir(config.nvme_path, run_id or f"pid{os.getpid()}", rank)
+        self.files: dict[str, SwapFile] = {}
+        self.engine: AioEngine | None = None
+        try:
+            for k in STATES:
+                self.files[k] = SwapFile(str(self.dir / f"{k}.swp"), file_bytes)
+            self.direct = all(f.direct for f in self.files.values())
+            self.engine = AioEngine(config.aio)
+            pin = torch.cuda.is_available()
+            num_buffers = min(config.buffer_count, max(len(self.groups), 1))
+            self._buffers = [_Buffer(self.largest, pin) for _ in range(num_buffers)]
+            self._stream(self._fill_initial, read=False, write=True)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the pipeline -------------------------------------------------------------------------
+
+    def _io(self, g: int, buf: _Buffer, *, write: bool) -> list[AioRequest]:
+        assert self.engine is not None
+        nbytes = align_up(self.group_numels[g] * 4)
+        op = self.engine.write if write else self.engine.read
+        return [op(self.files[k].fd, buf.mv[k][:nbytes], g * self.stride) for k in STATES]
+
+    def _stream(self, fn: Callable[[int, _Buffer], None], *, read: bool, write: bool) -> None:
+        """Run ``fn(g, buffer)`` for every group in order, with reads ahead and writes behind.
+
+        With ``overlap_events`` the read of group g+1 (up to ``buffer_count - 2`` groups ahead
+        when buffers are free) and the write of group g-1 are in flight while ``fn`` runs on g;
+        without it every request is waited for right away.
+        """
+        overlap = self.config.aio.overlap_events
+        ahead = max(1, len(self._buffers) - 2) if (overlap and read) else 0
+        free = list(self._buffers)
+        writes: deque[tuple[_Buffer, list[AioRequest]]] = deque()
+        reads: dict[int, tuple[_Buffer, list[AioRequest]]] = {}
+
+        def retire_write() -> None:
+            buf, reqs = writes.popleft()
+            for r in reqs:
+                r.wait()
+            free.append(buf)
+
+        def issue(g: int) -> None:
+            if not free:
+                retire_write()
+            buf = free.pop()
+            reads[g] = (buf, self._io(g, buf, write=False) if read else [])
+
+        try:
+            num_groups = len(self.groups)
+            for g in range(num_groups):
+                if g not in reads:
+                    issue(g)
+                for h in range(g + 1, min(num_groups, g + 1 + ahead)):
+                    if h not in reads:
+                        if not (free or (h == g + 1 and writes)):
+                            break
+                        issue(h)
+                buf, reqs = reads.pop(g)
+                for r in reqs:
+                    r.wait()
+                fn(g, buf)
+                if write:
+                    writes.append((buf, self._io(g, buf, write=True)))
+                    if overlap:
+                        continue
+                    retire_write()
+                else:
+                    free.append(buf)
+            while writes:
+                retire_write()
+        finally:  # on error: no request may still target a buffer or a file we are about to reuse
+            for _, reqs in list(writes) + list(reads.values()):
+                for r in reqs:
+                    try:
+                        r.wait()
+                    except OSError:
+                        pass
+
+    # -- per-group work -------------------------------------------------------------------------
+
+    def _fill_initial(self, g: int, buf: _Buffer) -> None:
+        for pi, po, go, k in self.groups[g]:
+            buf.f32["master"][go:go + k].copy_(self.params[pi].detach().reshape(-1)[po:po + k])
+        n = self.group_numels[g]
+        buf.f32["exp_avg"][:n].zero_()
+        buf.f32["exp_avg_sq"][:n].zero_()
+
+    def _to_params(self, g: int, buf: _Buffer) -> None:
+        with torch.no_grad():
+            for pi, po, go, k in self.groups[g]:
+                self.params[pi].view(-1)[po:po + k].copy_(buf.f32["master"][go:go + k])
+
+    def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
+        flat = [g.detach().reshape(-1) for g in grads]
+
+        def update(g: int, buf: _Buffer) -> None:
+            segs = self.groups[g]
+            gbuf = buf.f32["grad"]
+            for pi, po, go, k in segs:
+                gbuf[go:go + k].copy_(flat[pi][po:po + k])
+            if grad_scale != 1.0:
+                gbuf[:self.group_numels[g]].mul_(grad_scale)
+            views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in STATES + ("grad",)}
+            adamw_update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
+                         [self.weight_decays[s[0]] for s in segs], self.adamw, lr=lr, step=step)
+            self._to_params(g, buf)
+
+        self._stream(update, read=True, write=True)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """Reads the swap files back into fresh fp32 tensors (checkpoints never point at scratch)."""
+        out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params] for k in STATES}
+
+        def gather(g: int, buf: _Buffer) -> None:
+            for pi, po, go, k in self.groups[g]:
+                for key in STATES:
+                    out[key][pi].view(-1)[po:po + k].copy_(buf.f32[key][go:go + k])
+
+        self._stream(gather, read=True, write=False)
+        return out
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        for key in STATES:
+            assert len(state[key]) == len(self.params), f"{key}: {len(state[key])} tensors for {len(self.params)} params"
+        flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in STATES}
+
+        def scatter(g: int, buf: _Buffer) -> None:
+            for pi, po, go, k in self.groups[g]:
+                for key in STATES:
+                    buf.f32[key][go:go + k].copy_(flat[key][pi][po:po + k])
+            self._to_params(g, buf)
+
+        self._stream(scatter, read=False, write=True)
+
+    def state_bytes(self) -> dict[str, int]:
+        """NVMe holds the state; host counts the staging buffers' state regions."""
+        host = sum(b.state_bytes for b in getattr(self, "_buffers", []))
+        return {"device": 0, "host": host, "nvme": 3 * 4 * self.numel}
+
+    def io_stats(self) -> dict[str, float]:
+        """Bytes moved and busy seconds per direction since the last :meth:`reset_io_stats`."""
+        assert self.engine is not None
+        e = self.engine
+        return {"read_bytes": e.bytes[False], "write_bytes": e.bytes[True],
+                "read_busy_s": e.busy_s[False], "write_busy_s": e.busy_s[True]}
+
+    def reset_io_stats(self) -> None:
+        if self.engine is not None:
+            self.engine.reset_stats()
+
+    def close(self) -> None:
+        """Stop the I/O threads, close and delete the swap files (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        self._buffers = []
+        if getattr(self, "dir", None) is not None:
+            scratch.unregister(self.dir)
+            scratch.remove_dir(self.dir)
+            self.dir = None
