@@ -1,0 +1,189 @@
+"""Offload benchmarks, JSON out, each against a baseline measured in the same run.
+
+- swap: read/write bandwidth of the NVMe optimizer step vs a plain sequential O_DIRECT write and
+  read of the same bytes on the same path (goal: step I/O >= 0.8 of sequential).
+- adam: host AdamW step time, CpuStateStore vs torch.optim.AdamW (for-loop, foreach, fused).
+- rss: peak RSS of a fresh process stepping ~100M fp32 params with NvmeStateStore vs
+  DeviceStateStore; the drop should be most of the optimizer-state bytes (goal >= 0.8).
+
+    python bench/offload.py [--sizes 50,500] [--swap-params 100] [--rss-params 100] [--nvme-path /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore
+from deepshard.offload import AioConfig, CpuStateStore, NvmeStateStore, OffloadConfig
+from deepshard.offload.aio import ALIGN, aligned_empty, as_buffer
+
+M = 1_000_000
+CFG = AdamWConfig(weight_decay=0.01)
+
+
+def make_params(numel: int, pieces: int = 10) -> list[torch.Tensor]:
+    """``pieces`` fp32 tensors totalling ``numel`` (odd sizes, like real layers)."""
+    sizes = [numel // pieces] * pieces
+    sizes[-1] += numel - sum(sizes)
+    return [torch.rand(n) for n in sizes]
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up (first touch of pages, thread pools)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def sequential_direct(path: str, nbytes: int, block: int) -> dict[str, float]:
+    """Plain sequential O_DIRECT write then read of ``nbytes`` in ``block``-byte syscalls, one thread."""
+    buf = aligned_empty(block)
+    buf.fill_(1)
+    mv = as_buffer(buf)
+    fname = os.path.join(path, f"deepshard-bench-seq-{os.getpid()}")
+    fd = os.open(fname, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        out = {}
+        for name, op in (("write", os.pwritev), ("read", os.preadv)):
+            t = time.perf_counter()
+            for off in range(0, nbytes, block):
+                n = min(block, nbytes - off)
+                op(fd, [mv[:n]], off)
+            out[f"seq_{name}_GBps"] = nbytes / (time.perf_counter() - t) / 1e9
+            out[f"seq_{name}_s"] = time.perf_counter() - t
+        return out
+    finally:
+        os.close(fd)
+        os.unlink(fname)
+
+
+def bench_swap(nvme_path: str, numel: int, steps: int) -> dict:
+    aio = AioConfig()
+    params = make_params(numel)
+    grads = [torch.rand_like(p) for p in params]
+    cfg = OffloadConfig(device="nvme", nvme_path=nvme_path, sub_group_size=2**23, buffer_size=2**23,
+                        buffer_count=4, aio=aio)
+    store = NvmeStateStore(params, [0.01] * len(params), CFG, config=cfg, run_id=f"bench{os.getpid()}")
+    try:
+        store.step(grads, lr=1e-3, step=1)
+        store.reset_io_stats()
+        t = time.perf_counter()
+        for s in range(steps):
+            store.step(grads, lr=1e-3, step=2 + s)
+        t_step = (time.perf_counter() - t) / steps
+        st = store.io_stats()
+        direct = store.direct
+    finally:
+        store.close()
+    per_step = st["read_bytes"] / steps
+    seq = sequential_direct(nvme_path, int(per_step), aio.block_size)
+    return {
+        "params_M": numel / M, "o_direct": direct, "step_s": t_step, "swap_bytes_per_step_each_way": per_step,
+        "step_read_GBps_busy": st["read_bytes"] / max(st["read_busy_s"], 1e-9) / 1e9,
+        "step_write_GBps_busy": st["write_bytes"] / max(st["write_busy_s"], 1e-9) / 1e9,
+        "step_io_GBps": (st["read_bytes"] + st["write_bytes"]) / steps / t_step / 1e9,
+        **seq,
+        "seq_io_GBps": 2 * per_step / (seq["seq_read_s"] + seq["seq_write_s"]) / 1e9,
+        "ratio_step_vs_sequential": (seq["seq_read_s"] + seq["seq_write_s"]) / t_step,
+    }
+
+
+def bench_adam(numel: int, repeats: int) -> dict:
+    out: dict = {"params_M": numel / M}
+    params = make_params(numel)
+    grads = [torch.rand_like(p) for p in params]
+    for mode in ("for_loop", "foreach", "fused"):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01,
+                                foreach=mode == "foreach", fused=mode == "fused" or None)
+        with torch.no_grad():
+            out[f"torch_{mode}_s"] = best_of(opt.step, repeats)
+        del opt
+    for p in params:
+        p.grad = None
+    store = CpuStateStore(params, [0.01] * len(params), CFG)
+    k = [1]
+
+    def ours() -> None:
+        k[0] += 1
+        store.step(grads, lr=1e-3, step=k[0])
+
+    out["ours_cpu_store_s"] = best_of(ours, repeats)
+    out["ours_vs_fused"] = out["torch_fused_s"] / out["ours_cpu_store_s"]
+    return out
+
+
+def rss_child(kind: str, numel: int, nvme_path: str) -> None:
+    params = make_params(numel)
+    grads = [torch.rand_like(p) for p in params]
+    wds = [0.01] * len(params)
+    if kind == "device":
+        store = DeviceStateStore(params, wds, CFG)
+    else:
+        cfg = OffloadConfig(device="nvme", nvme_path=nvme_path, sub_group_size=2**21, buffer_size=2**21,
+                            buffer_count=3)
+        store = NvmeStateStore(params, wds, CFG, config=cfg, run_id=f"rss{os.getpid()}")
+    for s in range(2):
+        store.step(grads, lr=1e-3, step=s + 1)
+    state = store.state_bytes()
+    store.close()
+    # VmHWM, not ru_maxrss: the latter keeps the forked parent's peak across exec
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    rss = int(hwm.split()[1]) * 1024
+    print(json.dumps({"peak_rss": rss, "state_bytes": state}))
+
+
+def bench_rss(numel: int, nvme_path: str) -> dict:
+    res = {}
+    for kind in ("device", "nvme"):
+        cmd = [sys.executable, __file__, "--rss-child", kind, "--rss-params", str(numel / M), "--nvme-path", nvme_path]
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        res[kind] = json.loads(line)
+    opt_bytes = res["device"]["state_bytes"]["device"]
+    drop = res["device"]["peak_rss"] - res["nvme"]["peak_rss"]
+    return {"params_M": numel / M, "peak_rss_device": res["device"]["peak_rss"],
+            "peak_rss_nvme": res["nvme"]["peak_rss"], "optimizer_state_bytes": opt_bytes,
+            "nvme_staging_bytes": res["nvme"]["state_bytes"]["host"], "rss_drop_over_state": drop / opt_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="50,500", help="host Adam sizes in millions of params")
+    ap.add_argument("--swap-params", type=float, default=100, help="NVMe step size, millions of params")
+    ap.add_argument("--rss-params", type=float, default=100, help="RSS comparison size, millions")
+    ap.add_argument("--nvme-path", default=None, help="disk-backed dir (default: a temp dir under /var/tmp)")
+    ap.add_argument("--only", default="swap,adam,rss")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child, int(args.rss_params * M), args.nvme_path)
+        return
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=args.nvme_path or "/var/tmp") as path:
+        result: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "align": ALIGN}
+        only = args.only.split(",")
+        if "swap" in only:
+            result["swap"] = bench_swap(path, int(args.swap_params * M), args.repeats)
+        if "adam" in only:
+            result["adam"] = [bench_adam(int(float(s) * M), args.repeats) for s in args.sizes.split(",")]
+        if "rss" in only:
+            result["rss"] = bench_rss(int(args.rss_params * M), path)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
