@@ -24,7 +24,12 @@ def build_model(cfg: LlamaConfig = MICRO, seed: int = 0) -> Llama:
 def batches(num_steps: int, world: int, grad_accum: int, cfg: LlamaConfig = MICRO) -> torch.Tensor:
     """[step, micro, rank, MBS, SEQ+1] token ids: the global batch of each step, laid out per rank."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, cfg.vocab_size, (num_steps, grad_accum, world, MBS, SEQ + 1), generator=g)
+    # a learnable rule (next = 5 * prev + 1 mod vocab) from random starts, so the loss really falls
+    start = torch.randint(0, cfg.vocab_size, (num_steps, grad_accum, world, MBS, 1), generator=g)
+    steps = [start]
+    for _ in range(SEQ):
+        steps.append((steps[-1] * 5 + 1) % cfg.vocab_size)
+    return torch.cat(steps, dim=-1)
 
 
 def reference(num_steps: int, world: int, grad_accum: int, optim: OptimConfig, cfg: LlamaConfig = MICRO):
@@ -82,11 +87,11 @@ def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaC
     return losses, full, stats, memory
 
 
-def engine_config(stage: int, grad_accum: int = 1, clip: float = 0.0, dtype: str = "fp32", **zero) -> EngineConfig:
+def engine_config(stage: int, grad_accum: int = 1, clip: float = 0.0, dtype: str = "fp32", *,
+                  bucket: int = 3000, precision: dict | None = None, **zero) -> EngineConfig:
     return EngineConfig(
-        zero=ZeroConfig(stage=stage, reduce_bucket_size=zero.pop("bucket", 3000),
-                        allgather_bucket_size=3000, **zero),
-        precision=PrecisionConfig(dtype=dtype, **zero.pop("precision", {})),
+        zero=ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket, **zero),
+        precision=PrecisionConfig(dtype=dtype, **(precision or {})),
         optim=OptimConfig(lr=2e-3, weight_decay=0.1, grad_clip=clip),
         grad_accum=grad_accum,
     )

@@ -1,0 +1,92 @@
+"""Single-process pieces: loss scaler, LR schedules, bucket layout, config validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepshard.core import LossScaler, LRSchedule, PrecisionConfig, SchedulerConfig, ZeroConfig
+from deepshard.core.config import EngineConfig, OptimConfig
+from deepshard.core.mesh import ParallelDims
+from deepshard.core.zero.layout import BucketLayout, group_into_buckets, shard_rows
+
+
+def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
+    s = LossScaler(PrecisionConfig(dtype="fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2))
+    assert s.scale == 16
+    s.update(True)  # first overflow only uses up hysteresis
+    assert s.scale == 16
+    s.update(True)
+    assert s.scale == 8
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 8
+    s.update(False)  # third clean step since the overflow: grow
+    assert s.scale == 16
+
+
+def test_loss_scaler_static_and_floor():
+    static = LossScaler(PrecisionConfig(dtype="fp16", loss_scale=128))
+    static.update(True)
+    assert static.scale == 128
+    floor = LossScaler(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1))
+    for _ in range(3):
+        floor.update(True)
+    assert floor.scale == 1
+    assert LossScaler(PrecisionConfig(dtype="bf16")).scale == 1.0
+
+
+def test_schedules_match_deepspeed_formulas():
+    warm = LRSchedule(SchedulerConfig("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10), 1.0)
+    assert warm.lr_at(0) == 0.0 and warm.lr_at(5) == 0.5 and warm.lr_at(10) == 1.0 and warm.lr_at(99) == 1.0
+    log = LRSchedule(SchedulerConfig("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="log"), 1.0)
+    assert log.lr_at(4) == pytest.approx(math.log(5) / math.log(10))
+    decay = LRSchedule(SchedulerConfig("WarmupDecayLR", warmup_max_lr=1.0, warmup_num_steps=10,
+                                       total_num_steps=20), 1.0)
+    assert decay.lr_at(15) == pytest.approx(0.5) and decay.lr_at(20) == 0.0
+    cos = LRSchedule(SchedulerConfig("WarmupCosineLR", warmup_num_steps=10, total_num_steps=110,
+                                     cos_min_ratio=0.0), 2.0)
+    assert cos.lr_at(5) == pytest.approx(1.0) and cos.lr_at(60) == pytest.approx(1.0)
+    assert cos.lr_at(110) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("rows,world", [(7, 2), (5, 4), (1, 4), (12, 3)])
+def test_bucket_layout_round_trip(rows, world):
+    tensors = [torch.randn(rows, 3), torch.randn(rows + 1), torch.randn(2, 2)]
+    layout = BucketLayout([0, 1, 2], [t.shape for t in tensors], world)
+    buf = torch.empty(world * layout.segment)
+    layout.pack_full(tensors, buf)
+    out = [torch.zeros_like(t) for t in tensors]
+    layout.unpack_full(buf, out)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, out))
+    # rank r's segment holds exactly its Shard(0) chunks
+    for r in range(world):
+        seg = buf.view(world, layout.segment)[r]
+        for slot, t in zip(layout.slots, tensors):
+            start, end = shard_rows(t.shape[0], world, r)
+            chunk = t[start:end].reshape(-1)
+            assert torch.equal(seg[slot.offset:slot.offset + chunk.numel()], chunk)
+
+
+def test_buckets_respect_size_and_dtype():
+    assert group_into_buckets([4, 4, 4, 4], [torch.float32] * 4, 8) == [[0, 1], [2, 3]]
+    assert group_into_buckets([1, 1], [torch.float32, torch.bfloat16], 8) == [[0], [1]]
+
+
+@pytest.mark.parametrize("make,key", [
+    (lambda: ZeroConfig(stage=4), "zero.stage"),
+    (lambda: ZeroConfig(reduce_bucket_size=-1), "zero.reduce_bucket_size"),
+    (lambda: SchedulerConfig(name="OneCycle"), "scheduler.name"),
+    (lambda: SchedulerConfig(name="WarmupDecayLR", warmup_num_steps=5, total_num_steps=5), "scheduler.total_num_steps"),
+    (lambda: PrecisionConfig(dtype="fp8"), "precision.dtype"),
+    (lambda: OptimConfig(lr=0), "optim.lr"),
+    (lambda: EngineConfig(grad_accum=0), "train.grad_accum"),
+    (lambda: EngineConfig(ac="some"), "ac"),
+    (lambda: ParallelDims(pp=3).resolve(4), "parallel.pp"),
+    (lambda: ParallelDims(pp=2, dp=3, tp=1).resolve(4), "parallel.dp"),
+])
+def test_bad_config_names_the_key(make, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        make()
