@@ -50,6 +50,7 @@ class _HookedReducer:
         b = self.bucket_of[self._index[id(p)]]
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
+            self._ready[b] = 0  # a bucket may fill again (several backward passes, e.g. pipeline micro-batches)
             self._launch(b)
 
     def _grad_or_zeros(self, i: int) -> torch.Tensor:
@@ -61,7 +62,7 @@ class _HookedReducer:
         if not self.sync:
             return
         for b in range(len(self.buckets)):
-            if not self._launched[b]:
+            if not self._launched[b] or self._ready[b]:  # never launched, or partly refilled
                 self._launch(b)
         for b, buf, work in self._pending:
             if work is not None:
