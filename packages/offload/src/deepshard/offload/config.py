@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 ALIGN = 4096  # O_DIRECT alignment of addresses, lengths and offsets (portable choice)
@@ -100,8 +101,10 @@ def validate_config(config: OffloadConfig) -> None:
         raise _bad("nvme_path", path, "device='nvme' needs a directory on a local disk")
     if not os.path.isdir(path):
         raise _bad("nvme_path", path, "the directory does not exist")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise _bad("nvme_path", path, "the directory is not writable by this user")
+    try:  # a real create catches read-only mounts too (os.access does not, and root passes it)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise _bad("nvme_path", path, f"the directory is not writable ({e.strerror})") from e
 
 
 def validate_nvme(config: OffloadConfig, bytes_needed: int, largest_group: int | None = None) -> None:
