@@ -164,6 +164,9 @@ def fused_adamw_(
             if not all(dt.is_dtensor(t) for t in quad) or len({tuple(t.placements) for t in quad}) != 1:
                 raise ValueError("kernels.fused_adamw_: a param, its grad and states must be placed alike")
     lists = [[dt.to_local(t) for t in x] for x in lists]
+    for quad in zip(*lists):
+        if len({t.shape for t in quad}) != 1:
+            raise ValueError(f"kernels.fused_adamw_: param/grad/state shapes differ: {[tuple(t.shape) for t in quad]}")
     for t in (t for x in lists for t in x):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"kernels.fused_adamw_: tensors must be contiguous fp32, got {t.dtype} {tuple(t.shape)}")
