@@ -1,0 +1,31 @@
+"""From a composed Hydra config to running workers: validate first, then launch or run inline."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from deepshard.core.launch import launch_local
+from deepshard.finetune.config import resolve_nproc, validate
+from deepshard.finetune.train import train_worker
+
+
+def under_torchrun() -> bool:
+    """torchrun (any node count) already started one process per rank and set the environment."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict:
+    """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    settings = validate(container)
+    if under_torchrun():
+        settings.parallel.resolve(int(os.environ["WORLD_SIZE"]))
+        return train_worker(container, run_dir)
+    nproc = resolve_nproc(settings.nproc_per_node, torch.cuda.device_count())
+    settings.parallel.resolve(nproc)
+    if nproc == 1:
+        return train_worker(container, run_dir)
+    return launch_local(train_worker, nproc, container, run_dir)[0]

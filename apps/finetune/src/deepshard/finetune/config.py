@@ -1,0 +1,173 @@
+"""The app's typed config: dataclasses registered in Hydra's ConfigStore, and their validation.
+
+Library configs (core's ``ZeroConfig``, ``OptimConfig``, ...) are frozen and validate themselves;
+Hydra needs mutable twins with the same fields, made here so the two can never drift apart.
+``validate`` turns a composed config into typed settings, raising one ValueError that names the
+key, the value and what is valid, before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
+from deepshard.core.config import AC_MODES, EngineConfig
+from deepshard.core.mesh import ParallelDims
+from deepshard.finetune.models.llama import LlamaConfig
+
+
+def hydra_twin(cls: type, name: str) -> type:
+    """A mutable dataclass with ``cls``'s fields and defaults (tuples become lists for OmegaConf)."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if typing.get_origin(tp) is tuple:
+            tp = list[typing.get_args(tp)[0]]
+            fields.append((f.name, tp, field(default_factory=lambda d=default: list(d))))
+        else:
+            fields.append((f.name, tp, field(default=default)))
+    return dataclasses.make_dataclass(name, fields)
+
+
+ZeroSchema = hydra_twin(ZeroConfig, "ZeroSchema")
+OptimSchema = hydra_twin(OptimConfig, "OptimSchema")
+SchedulerSchema = hydra_twin(SchedulerConfig, "SchedulerSchema")
+PrecisionSchema = hydra_twin(PrecisionConfig, "PrecisionSchema")
+ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
+
+
+@dataclass
+class ModelSchema:
+    name: str = "tiny"  # tiny | small | hf
+    path: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional
+    vocab_size: int = 2048
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_hidden: int = 704
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class DataSchema:
+    name: str = "embedded"
+    path: typing.Optional[str] = None  # noqa: UP045
+    seq_len: int = 128
+    num_docs: int = 3000
+    seed: int = 0
+
+
+@dataclass
+class TrainSchema:
+    max_steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    log_every: int = 10
+    seed: int = 0
+
+
+@dataclass
+class LauncherSchema:
+    nproc_per_node: str = "auto"  # auto: every local GPU, or 2 workers on a CPU-only host
+
+
+@dataclass
+class AppSchema:
+    train: TrainSchema = field(default_factory=TrainSchema)
+    launcher: LauncherSchema = field(default_factory=LauncherSchema)
+    model: ModelSchema = field(default_factory=ModelSchema)
+    data: DataSchema = field(default_factory=DataSchema)
+    optim: OptimSchema = field(default_factory=OptimSchema)  # type: ignore[valid-type]
+    scheduler: SchedulerSchema = field(default_factory=SchedulerSchema)  # type: ignore[valid-type]
+    precision: PrecisionSchema = field(default_factory=PrecisionSchema)  # type: ignore[valid-type]
+    zero: ZeroSchema = field(default_factory=ZeroSchema)  # type: ignore[valid-type]
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
+    ac: str = "none"
+
+
+def warmup_steps(total: int, fraction: float) -> int:
+    """``${warmup_steps:${train.max_steps},0.1}``: a warm-up that always fits inside the run."""
+    return max(0, min(int(total * fraction), total - 1))
+
+
+def register() -> None:
+    """The schema for Hydra and the resolvers conf/ uses."""
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="app_schema", node=AppSchema)
+    if not OmegaConf.has_resolver("warmup_steps"):
+        OmegaConf.register_new_resolver("warmup_steps", warmup_steps)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a worker needs, typed and validated."""
+
+    engine: EngineConfig
+    model: LlamaConfig
+    model_name: str
+    model_path: str | None
+    parallel: ParallelDims
+    train: TrainSchema
+    data: DataSchema
+    nproc_per_node: str
+
+
+def _positive(key: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value}: must be a positive integer")
+
+
+def resolve_nproc(value: str, cuda_devices: int) -> int:
+    """``auto``: every local GPU, or 2 workers on a CPU-only host (so the default run really shards)."""
+    if str(value) == "auto":
+        return cuda_devices or 2
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
+    return n
+
+
+def validate(cfg: dict) -> Settings:
+    """Typed settings from a composed config (a plain dict); ValueError naming the first bad key."""
+    t, d, m = cfg["train"], cfg["data"], cfg["model"]
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "log_every"):
+        _positive(f"train.{key}", t[key])
+    _positive("data.seq_len", d["seq_len"])
+    _positive("data.num_docs", d["num_docs"])
+    if m["name"] not in ("tiny", "small", "hf"):
+        raise ValueError(f"model.name={m['name']!r}: valid values are ['tiny', 'small', 'hf']")
+    if m["name"] == "hf" and not m.get("path"):
+        raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
+    arch = {k: v for k, v in m.items() if k not in ("name", "path")}
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+        _positive(f"model.{key}", arch[key])
+    model = LlamaConfig(**arch)
+    if d["seq_len"] > model.max_seq_len:
+        raise ValueError(f"data.seq_len={d['seq_len']}: must be <= model.max_seq_len={model.max_seq_len}")
+    if cfg["ac"] not in AC_MODES:
+        raise ValueError(f"ac={cfg['ac']!r}: valid values are {list(AC_MODES)}")
+    o = dict(cfg["optim"])
+    o["betas"] = tuple(o["betas"])
+    engine = EngineConfig(
+        zero=ZeroConfig(**cfg["zero"]), precision=PrecisionConfig(**cfg["precision"]),
+        optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
+        grad_accum=t["grad_accum"], ac=cfg["ac"],
+    )
+    parallel = ParallelDims(**cfg["parallel"])
+    nproc = str(cfg["launcher"]["nproc_per_node"])
+    resolve_nproc(nproc, 0)
+    return Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
+                    parallel=parallel, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc)

@@ -1,0 +1,1 @@
+"""Datasets, tokenization, packing and the distributed loader."""

@@ -1,0 +1,51 @@
+"""Tokenizers: the project's own byte-level BPE (shipped as assets/tokenizer.json) or a local HF one.
+
+Both are exposed as a transformers ``PreTrainedTokenizerFast``, so the rest of the app sees one type.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+EMBEDDED_VOCAB = 2048
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+
+
+def embedded_tokenizer_path() -> Path:
+    return Path(str(resources.files("deepshard.finetune") / "assets" / "tokenizer.json"))
+
+
+def train_embedded_tokenizer(out: Path, vocab_size: int = EMBEDDED_VOCAB) -> None:
+    """Rebuild assets/tokenizer.json from the embedded corpus (run once; the file is committed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from deepshard.finetune.data.corpus import generate
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(generate(20000, seed=12345), trainer=trainer)
+    tok.save(str(out))
+
+
+def load_tokenizer(path: str | None = None):
+    """A local HF tokenizer directory (``model.path``), or the embedded one when ``path`` is None."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if path is None:
+        return PreTrainedTokenizerFast(tokenizer_file=str(embedded_tokenizer_path()), pad_token="<|pad|>",
+                                       bos_token="<|bos|>", eos_token="<|eos|>")
+    if not Path(path).is_dir():
+        raise ValueError(f"model.path={path!r}: not a directory holding a HF tokenizer")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.eos_token_id is None:
+        raise ValueError(f"model.path={path!r}: the tokenizer defines no eos token, needed to separate documents")
+    return tok
+
+
+if __name__ == "__main__":
+    train_embedded_tokenizer(embedded_tokenizer_path())
+    print("wrote", embedded_tokenizer_path())

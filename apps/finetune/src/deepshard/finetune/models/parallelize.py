@@ -1,0 +1,125 @@
+"""How the Llama model is parallelized: its TP plan, and TP -> AC -> ZeRO in torchtitan's order.
+
+``parallelize_llama`` works on the whole model or on one pipeline stage (a stage lacks the
+embedding or the head: the plan only names what exists), and is what ``pipeline_llama`` hands
+to ``deepshard.pipeline.build_pipeline`` as its ``parallelize_fn``.
+
+TP layout (no sequence parallelism): q/k/v and gate/up are column-parallel (each tp rank owns a
+slice of the heads and of the hidden units: the attention's ``view(b, s, -1, head_dim)`` sees its
+local heads), o/down are row-parallel (one all-reduce per sub-block), the embedding is row-parallel
+over the vocabulary, the head column-parallel with its logits all-gathered (Replicate), so the
+ordinary cross-entropy gives the exact loss.  Norms are replicated DTensors, so gradient clipping
+counts them once per tp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from deepshard.core.config import AC_MODES, EngineConfig, ZeroConfig
+from deepshard.core.precision import DTYPES
+from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
+from deepshard.core.zero import apply_zero
+from deepshard.core.zero.layout import local_shard
+from deepshard.core.zero.reducer import local_tensor
+from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.pipeline import PipelineTrainer, ShardedPart, build_pipeline, build_trainer
+
+__all__ = ["check_tp", "llama_loss", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
+
+
+def check_tp(cfg: LlamaConfig, tp: int) -> None:
+    """ValueError unless ``tp`` splits the heads, the kv heads and the hidden units evenly."""
+    for key, value in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
+                       ("model.ffn_hidden", cfg.ffn_hidden)):
+        if value % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide {key}={value}: each tp rank must own "
+                             f"whole heads / equal slices; choose tp among the divisors of {value}")
+
+
+def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """FQN pattern -> style for the parts of ``model`` (a Llama or a pipeline stage of one) that exist."""
+    plan: dict[str, ParallelStyle] = {
+        "layers.*.input_layernorm": ReplicateParallel(),
+        "layers.*.post_attention_layernorm": ReplicateParallel(),
+        "layers.*.self_attn.q_proj": ColwiseParallel(),
+        "layers.*.self_attn.k_proj": ColwiseParallel(),
+        "layers.*.self_attn.v_proj": ColwiseParallel(),
+        "layers.*.self_attn.o_proj": RowwiseParallel(),
+        "layers.*.mlp.gate_proj": ColwiseParallel(),
+        "layers.*.mlp.up_proj": ColwiseParallel(),
+        "layers.*.mlp.down_proj": RowwiseParallel(),
+    }
+    if getattr(model, "embed_tokens", None) is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = ReplicateParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def _apply_ac(layers: nn.Module, mode: str) -> None:
+    """Checkpoint blocks of a ModuleList or a pipeline stage's ModuleDict (keys are layer indices)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"ac={mode!r}: valid values are {list(AC_MODES)}")
+    if mode == "none":
+        return
+    every = 1 if mode == "full" else 2
+    for key, block in list(layers.named_children()):
+        if int(key) % every == 0:
+            layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
+                      ac: str = "none") -> ShardedPart:
+    """TP on ``mesh["tp"]``, activation checkpointing, then ZeRO on ``mesh["dp"]``, in place.
+
+    ``model`` is fp32 with real weights.  Stages 0-2 compute in ``dtype`` (the fp32 local shards
+    are kept for the master weights); stage 3 keeps fp32 shards and casts per all-gather.
+    """
+    check_tp(model.cfg, mesh["tp"].size())
+    apply_tp(model, mesh["tp"], llama_tp_plan(model))
+    _apply_ac(model.layers, ac)
+    dp_mesh = mesh["dp"]
+    torch_dtype = DTYPES[dtype]
+    fp32_init = None
+    if zero.stage < 3 and torch_dtype != torch.float32:
+        world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        fp32_init = [(local_tensor(p.data) if zero.stage == 0 else local_shard(local_tensor(p.data), world, rank))
+                     .clone() for p in model.parameters() if p.requires_grad]
+        model.to(torch_dtype)
+    stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype)
+    return ShardedPart(stage, fp32_init)
+
+
+def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's own loss (mean over labels != -100), for the pipeline's last stage."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
+                   microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
+                   init_fn: Callable[[nn.Module], None] | None = None) -> PipelineTrainer:
+    """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
+    ZeRO per ``config``), and return the trainer (``train_step(input_ids, labels)``).
+
+    Works for pp=1 too (one stage holding everything), so TP / ZeRO runs take the same path.
+    """
+    check_tp(model.cfg, mesh["tp"].size())
+
+    def parallelize(stage: nn.Module) -> ShardedPart:
+        return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac)
+
+    pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
+                          partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
+                          init_fn=init_fn)
+    return build_trainer(pipe, config, dp_size=mesh["dp"].size())

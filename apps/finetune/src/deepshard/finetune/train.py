@@ -1,0 +1,108 @@
+"""The training recipe: one worker's whole life, the same code for 1 or N ranks."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from deepshard.core import build_mesh, init_distributed, initialize
+from deepshard.core.mesh import local_device
+from deepshard.finetune.config import Settings, validate
+from deepshard.finetune.data.loader import build_loader, forever
+from deepshard.finetune.data.packing import PackedDataset
+from deepshard.finetune.data.sources import SOURCES
+from deepshard.finetune.data.tokenizer import load_tokenizer
+from deepshard.finetune.metrics import RunLogger
+from deepshard.finetune.models.llama import Llama
+
+log = logging.getLogger("deepshard.finetune")
+
+
+def build_model(s: Settings, device: torch.device) -> Llama:
+    """On the meta device first (no memory), then materialized and initialized with the run's seed."""
+    with torch.device("meta"):
+        model = Llama(s.model)
+    model.to_empty(device=device)
+    model.init_weights(seed=s.train.seed)
+    return model
+
+
+def build_dataset(s: Settings, tokenizer) -> PackedDataset:
+    if len(tokenizer) > s.model.vocab_size:
+        raise ValueError(f"model.vocab_size={s.model.vocab_size}: the tokenizer has {len(tokenizer)} tokens")
+    docs = SOURCES[s.data.name](tokenizer, num_docs=s.data.num_docs, seed=s.data.seed)
+    return PackedDataset(docs, s.data.seq_len, tokenizer.eos_token_id)
+
+
+def train_worker(cfg: dict, run_dir: str) -> dict:
+    """Train on this rank; returns the run's summary (identical on every rank)."""
+    settings = validate(cfg)
+    # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    rank, world = init_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    mesh = build_mesh(settings.parallel)
+    dp = mesh["dp"]
+    torch.manual_seed(settings.train.seed)
+
+    tokenizer = load_tokenizer(settings.model_path)
+    model = build_model(settings, local_device())
+    engine = initialize(model, settings.engine, mesh=mesh)
+    dataset = build_dataset(settings, tokenizer)
+    t = settings.train
+    loader = build_loader(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(), micro_batch_size=t.micro_batch_size,
+                          seed=t.seed)
+    batches = forever(loader)
+    logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps)
+    logger.print(f"deepshard: {world} rank(s), zero stage {settings.engine.zero.stage}, "
+                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params, "
+                 f"{len(dataset)} windows of {settings.data.seq_len} tokens")
+
+    tokens_per_step = t.micro_batch_size * t.grad_accum * settings.data.seq_len * dp.size()
+    losses: list[float] = []
+    start = time.perf_counter()
+    step_start = start
+    for step in range(1, t.max_steps + 1):
+        total = torch.zeros((), device=local_device())
+        for _ in range(t.grad_accum):
+            batch = next(batches)
+            loss = engine(batch["input_ids"].to(local_device()), batch["labels"].to(local_device()))
+            total += loss.detach().float()
+            engine.backward(loss)
+        memory = engine.memory()["measured"] if step == 1 else None
+        stats = engine.step()
+        dist.all_reduce(total, group=dp.get_group())
+        loss_value = total.item() / (t.grad_accum * dp.size())
+        losses.append(loss_value)
+        now = time.perf_counter()
+        tok_s = tokens_per_step / (now - step_start)
+        step_start = now
+        if memory is not None:
+            per_rank = torch.tensor([float(memory.total)])
+            gathered = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(gathered, per_rank)
+            logger.scalars(step, {f"memory/model_state_bytes_rank{r}": g.item() for r, g in enumerate(gathered)})
+            logger.scalars(step, {"memory/params_bytes": memory.params, "memory/grads_bytes": memory.grads,
+                                  "memory/optimizer_bytes": memory.optimizer + memory.host})
+        logger.scalars(step, {"train/loss": loss_value, "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
+                              "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
+                              "train/step_applied": float(stats.applied)})
+        logger.progress({"loss": f"{loss_value:.3f}", "tok/s": f"{tok_s:,.0f}"})
+        if step % t.log_every == 0 or step == t.max_steps:
+            logger.print(f"step {step:>5}  loss {loss_value:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
+                         f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
+    elapsed = time.perf_counter() - start
+    logger.close()
+    k = min(10, len(losses))
+    summary = {"steps": t.max_steps, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
+               "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * t.max_steps / elapsed,
+               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir}
+    logger.print(f"done: {t.max_steps} steps in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
+                 f"{summary['final_loss']:.3f} (mean of first/last {k}), {summary['tokens_per_s']:,.0f} tok/s, "
+                 f"logs in {run_dir}")
+    dist.destroy_process_group()
+    return summary

@@ -1,0 +1,73 @@
+"""Every config group composes and validates; bad values fail before work, naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from deepshard.finetune.config import register, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf"
+register()
+
+
+def _compose(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _group_overrides() -> list[list[str]]:
+    out = []
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        for option in sorted(group.glob("*.yaml")):
+            prefix = "+" if group.name == "zero" else ""
+            out.append([f"{prefix}{group.name}={option.stem}"])
+    return out
+
+
+@pytest.mark.parametrize("overrides", _group_overrides(), ids=lambda o: o[0])
+def test_every_group_option_composes_and_validates(overrides):
+    settings = validate(_compose(overrides))
+    group, option = overrides[0].lstrip("+").split("=")
+    if group == "zero":
+        assert settings.engine.zero.stage == int(option[-1])
+    if group == "precision":
+        assert settings.engine.precision.dtype == option
+
+
+def test_no_zero_group_means_stage0():
+    assert validate(_compose([])).engine.zero.stage == 0
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.micro_batch_size=0", "train.micro_batch_size"),
+    ("train.grad_accum=-1", "train.grad_accum"),
+    ("+zero=stage2 zero.reduce_bucket_size=-4", "zero.reduce_bucket_size"),
+    ("scheduler.name=OneCycle", "scheduler.name"),
+    ("ac=sometimes", "ac"),
+    ("launcher.nproc_per_node=zero", "launcher.nproc_per_node"),
+    ("data.seq_len=4096", "data.seq_len"),
+    ("model.n_heads=7", "model.dim"),
+    ("optim.lr=-1", "optim.lr"),
+    ("precision.hysteresis=0", "precision.hysteresis"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        validate(_compose(override.split()))
+
+
+def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: train.micro_batch_size=0: must be a positive integer"]
+    assert not (tmp_path / "tensorboard").exists()  # nothing started
