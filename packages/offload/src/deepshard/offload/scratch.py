@@ -24,7 +24,7 @@ PREFIX = "deepshard-"
 OWNER_FILE = "owner.pid"
 
 _registry: dict[str, int] = {}  # dir -> pid of the process that owns it
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the signal handler may interrupt a holder in the main thread
 _previous: dict[int, object] = {}
 _installed = False
 _num_stores = 0
