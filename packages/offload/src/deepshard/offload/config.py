@@ -41,8 +41,11 @@ class OffloadConfig:
     """Where optimizer state lives (``device``) and how NVMe swapping is staged.
 
     ``sub_group_size`` and ``buffer_size`` count elements (of each of master, exp_avg, exp_avg_sq);
-    one pool buffer holds one sub-group of all three plus its fp32 gradient.  ``params`` is the
-    ZeRO-3 parameter-offload switch (validated here; the stores only hold optimizer state).
+    one pool buffer holds one sub-group of all three plus its fp32 gradient, so ``buffer_size``
+    caps the largest sub-group (buffers are allocated at the largest group's size, 16 bytes per
+    element, ``buffer_count`` of them).  ``params`` is the ZeRO-3 parameter-offload switch
+    (validated here, applied by core's ``initialize(offload_params=...)``; stores hold only
+    optimizer state).
     """
 
     device: str = "none"
