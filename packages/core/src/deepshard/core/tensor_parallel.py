@@ -1,0 +1,80 @@
+"""Tensor parallelism: a plan of ParallelStyles applied with ``parallelize_module`` on the ``tp`` axis.
+
+Core offers the mechanism; which module gets which style is model knowledge and lives with the
+model in the app (e.g. ``llama_tp_plan``).  One style is added here, :class:`ReplicateParallel`,
+for modules whose weights every tp rank holds whole (norms): their parameters become Replicate
+DTensors, so ZeRO's replication factors count their gradients once per tp group when clipping,
+while the module still takes and returns plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+__all__ = ["ReplicateParallel", "apply_tp", "tp_param_numel"]
+
+
+def _to_replicate(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+    return tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if _plain(t) else t
+                 for t in inputs)
+
+
+def _to_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def _plain(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Every tp rank holds the whole module: params become Replicate DTensors, inputs are wrapped
+    as Replicate and the output is handed back as a local tensor.
+
+    Backward of ``from_local(Replicate)`` adds nothing, which is right because the gradient flowing
+    into a replicated module (a norm between two TP blocks) is already identical on every tp rank.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_to_replicate, output_fn=_to_local)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` by ``plan`` (FQN patterns -> styles), torchtitan's
+    ``apply_tp``.  A size-1 tp axis leaves the model untouched (plain tensors, no DTensor cost).
+
+    DTensor params get a hook keeping their gradient in their own placements.
+    Every parameter left out of the plan stays a plain tensor: give replicated modules a
+    :class:`ReplicateParallel` entry, otherwise gradient clipping counts them once per tp rank.
+    """
+    if tp_mesh.size() == 1:
+        return model
+    parallelize_module(model, tp_mesh, dict(plan))
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(_grad_like_param)
+    return model
+
+
+def _grad_like_param(p: torch.Tensor) -> None:
+    """Give the gradient its parameter's placements.
+
+    Some backward rules pick another layout (a vocab-sharded embedding's weight gradient comes
+    back Replicate); ZeRO's reducers work on local tensors and need the param's layout.  Registered
+    before ZeRO's own hooks, so it runs first; Replicate -> Shard is a local slice, no communication.
+    """
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def tp_param_numel(model: nn.Module) -> int:
+    """Elements of the parameters this rank holds (local shards of DTensors)."""
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())

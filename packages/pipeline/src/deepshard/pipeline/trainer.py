@@ -1,0 +1,175 @@
+"""One training step of a pipeline whose stages are sharded by core's ZeRO (and TP).
+
+Per step: gradient sync off -> ``schedule.step`` (every microbatch's forward and backward inside
+torch.distributed.pipelining) -> sync on + ``finish_backward`` (stages 0/1 all-reduce once per
+step; stage 2 already reduce-scattered each microbatch's buckets; FSDP2 stage 3 is reduced by the
+schedule itself) -> ``ZeroOptimizer.step`` (the global-norm clip sums over the whole world, so
+every pp stage and tp shard counts).  The loss is reported as the true global mean on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepshard.core.config import EngineConfig
+from deepshard.core.engine import decays
+from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_bytes
+from deepshard.core.optim import StepStats, ZeroOptimizer
+from deepshard.core.precision import LossScaler
+from deepshard.core.schedules import LRSchedule
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+from deepshard.core.zero.reducer import local_tensor
+from deepshard.core.zero.stages import ZeroStage
+from deepshard.pipeline.build import Pipeline
+
+__all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPart", "build_trainer"]
+
+StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
+
+
+@dataclass
+class ShardedPart:
+    """What a ``parallelize_fn`` returns per stage module: its ZeRO stage, and for bf16/fp16 at
+    stages 0-2 the fp32 values of its local shards taken before the cast (so the master weights
+    start from the exact init, as ``deepshard.core.initialize`` does)."""
+
+    zero: ZeroStage
+    fp32_init: list[torch.Tensor] | None = None
+
+
+class CompositeStage(ZeroStage):
+    """Several ZeRO stages (one per virtual pipeline stage on this rank) seen as one by the optimizer."""
+
+    def __init__(self, parts: list[ZeroStage]) -> None:
+        assert parts and len({p.stage for p in parts}) == 1, "all parts share one ZeRO stage"
+        self.parts = parts
+        self.stage = parts[0].stage
+        self.params = [p for part in parts for p in part.params]
+        self.names = [n for part in parts for n in part.names]
+
+    def local_params(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.local_params()]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.local_grads()]
+
+    def replication(self) -> list[int]:
+        return [r for p in self.parts for r in p.replication()]
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        for p in self.parts:
+            p.set_grad_sync(enabled)
+
+    def finish_backward(self) -> None:
+        for p in self.parts:
+            p.finish_backward()
+
+    def after_step(self) -> None:
+        for p in self.parts:
+            p.after_step()
+
+    def zero_grad(self) -> None:
+        for p in self.parts:
+            p.zero_grad()
+
+    def grad_bytes(self) -> int:
+        return sum(p.grad_bytes() for p in self.parts)
+
+    def param_bytes(self) -> int:
+        return sum(p.param_bytes() for p in self.parts)
+
+
+@dataclass
+class PipelineStepResult:
+    loss: float  # global mean loss of the step (all microbatches, all dp replicas), same on every rank
+    stats: StepStats
+    time_s: float  # wall time of the step on this rank
+
+
+class PipelineTrainer:
+    """``trainer.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
+
+    Every rank of a data-parallel replica passes the same batch (this replica's share of the
+    global batch, ``microbatches`` x micro-batch size rows); only the first stage reads the inputs
+    and only the last stage the labels.
+    """
+
+    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, dp_size: int, dtype: str = "fp32") -> None:
+        self.pipeline = pipeline
+        self.optimizer = optimizer
+        self.dp_size = dp_size
+        self.dtype = dtype
+        self.world = dist.get_world_size()
+        self.loss_ranks = self.world // pipeline.pp_mesh.size()  # ranks holding the last stage
+        self.num_params = self._rank_param_count()
+
+    @property
+    def zero(self) -> ZeroStage:
+        return self.optimizer.stage
+
+    @property
+    def store(self) -> StateStore:
+        return self.optimizer.store
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> PipelineStepResult:
+        p = self.pipeline
+        if input_ids.shape[0] % p.microbatches:
+            raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into "
+                             f"pipeline.microbatches={p.microbatches}: make it a multiple")
+        t0 = time.perf_counter()
+        self.zero.set_grad_sync(False)  # reduce once per step, not once per microbatch
+        p.loss.scale = self.optimizer.scaler.scale
+        args = (input_ids,) if p.has_first else ()
+        scaled: list[torch.Tensor] = []
+        p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False)
+        self.zero.set_grad_sync(True)
+        self.zero.finish_backward()
+        stats = self.optimizer.step()
+        loss = p.loss.true_mean(scaled) if p.has_last else torch.zeros(())
+        dist.all_reduce(loss)  # only last-stage ranks contribute
+        return PipelineStepResult(loss.item() / self.loss_ranks, stats, time.perf_counter() - t0)
+
+    def local_param_numel(self) -> int:
+        """Elements of the parameters this rank holds right now (local shards)."""
+        return sum(local_tensor(q.data).numel() for m in self.pipeline.modules for q in m.parameters())
+
+    def _rank_param_count(self) -> int:
+        """Ψ of design.md for this rank: its stages' parameters after TP, before dp sharding."""
+        n = sum(local_tensor(q.data).numel() for q in self.zero.params)
+        return n * self.dp_size if self.zero.stage == 3 else n
+
+    def memory(self) -> dict[str, ModelStateBytes]:
+        """Measured and expected per-rank model-state bytes (as ``Engine.memory``)."""
+        return {"measured": measured_bytes(self.zero, self.store),
+                "expected": expected_bytes(self.zero.stage, self.num_params, self.dp_size, self.dtype)}
+
+
+def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
+                  store_factory: StoreFactory = DeviceStateStore) -> PipelineTrainer:
+    """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
+
+    ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` must be
+    1: the pipeline's microbatches are the gradient accumulation.
+    """
+    if config.grad_accum != 1:
+        raise ValueError(f"train.grad_accum={config.grad_accum} with pipelining: accumulate through "
+                         f"pipeline.microbatches instead (set grad_accum=1)")
+    parts = [h if isinstance(h, ShardedPart) else ShardedPart(h) for h in pipeline.handles]
+    if not all(isinstance(p.zero, ZeroStage) for p in parts):
+        raise ValueError("build_trainer(): parallelize_fn must return a ZeroStage or ShardedPart per stage module")
+    zero = parts[0].zero if len(parts) == 1 else CompositeStage([p.zero for p in parts])
+    oc = config.optim
+    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+    store = store_factory(zero.local_params(), decays(zero.names, zero.params, oc.weight_decay), adamw)
+    if all(p.fp32_init is not None for p in parts):
+        masters = [t for p in parts for t in p.fp32_init]
+        store.load_state_dict({"master": masters, "exp_avg": [torch.zeros_like(t) for t in masters],
+                               "exp_avg_sq": [torch.zeros_like(t) for t in masters]})
+    lr = LRSchedule(config.scheduler, oc.lr)
+    optimizer = ZeroOptimizer(zero, store, lr.lr_at, LossScaler(config.precision), oc.grad_clip)
+    return PipelineTrainer(pipeline, optimizer, dp_size=dp_size, dtype=config.precision.dtype)
