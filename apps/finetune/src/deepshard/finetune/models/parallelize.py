@@ -33,7 +33,7 @@ from deepshard.core.zero.reducer import local_tensor
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.pipeline import PipelineTrainer, ShardedPart, build_pipeline, build_trainer
 
-__all__ = ["check_tp", "llama_loss", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
+__all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
 
 
 def check_tp(cfg: LlamaConfig, tp: int) -> None:
@@ -99,6 +99,32 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
         model.to(torch_dtype)
     stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype)
     return ShardedPart(stage, fp32_init)
+
+
+def llama_stage_init(seed: int = 0) -> Callable[[nn.Module], None]:
+    """``init_fn`` for a pipeline split of a meta-device Llama: the stage gets exactly the weights
+    ``Llama(cfg).init_weights(seed)`` gives the full model (single-process parity), plus its RoPE
+    tables.  The full model is materialized once on the host, lazily, and shared by the stages of
+    this rank; a run that loads a checkpoint afterwards can skip this (any init_fn will do).
+    """
+    cache: dict[str, Llama] = {}
+
+    def init(stage: nn.Module) -> None:
+        if "full" not in cache:
+            with torch.device("meta"):  # init_weights writes every parameter: skip the default init
+                full = Llama(stage.cfg)
+            full.to_empty(device="cpu")
+            full.init_weights(seed)
+            cache["full"] = full
+        full = cache["full"]
+        own = dict(full.named_parameters())
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                p.copy_(own[name])
+            stage.rope_cos.copy_(full.rope_cos)
+            stage.rope_sin.copy_(full.rope_sin)
+
+    return init
 
 
 def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
