@@ -1,0 +1,57 @@
+"""Consolidate a sharded DCP checkpoint one tensor at a time, in one process, without a group.
+
+Export tools read the metadata, then ask DCP for a single full tensor at a time: the file
+reader fetches only that tensor's chunks, so memory stays at about one tensor however large
+the model is.  Which keys mean what (the HF names, the config) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def tensor_infos(path: str | os.PathLike, prefix: str = "") -> list[TensorInfo]:
+    """Every tensor under ``prefix`` in the checkpoint, in saved order, with its full shape and dtype."""
+    meta = FileSystemReader(str(path)).read_metadata()
+    out = []
+    for key, md in meta.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            out.append(TensorInfo(key, tuple(md.size), md.properties.dtype))
+    return out
+
+
+def load_full_tensor(path: str | os.PathLike, info: TensorInfo) -> torch.Tensor:
+    """One tensor, consolidated from all its shards into a plain CPU tensor."""
+    out = torch.empty(info.shape, dtype=info.dtype)
+    with warnings.catch_warnings():  # "no process group: loading without one" is the point here
+        warnings.simplefilter("ignore")
+        dcp.load({info.key: out}, checkpoint_id=str(path), no_dist=True)
+    return out
+
+
+def iter_full_tensors(path: str | os.PathLike, prefix: str = "") -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    """``(info, tensor)`` for every tensor under ``prefix``, one at a time (drop each before the next)."""
+    for info in tensor_infos(path, prefix):
+        yield info, load_full_tensor(path, info)
