@@ -112,6 +112,17 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def num_warps_for(block: int) -> int:
+    """Warps per program for a row of ``block`` elements (Liger's heuristic; ignored by the interpreter)."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
 def num_programs_hint(device: torch.device) -> int:
     """How many persistent programs to launch for row-looping kernels (SM count on CUDA)."""
     if device.type == "cuda":

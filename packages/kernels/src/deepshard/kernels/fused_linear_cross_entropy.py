@@ -28,6 +28,7 @@ from deepshard.kernels.backend import (
     check_triton_device,
     lazy_jit,
     next_power_of_2,
+    num_warps_for,
     resolve_backend,
 )
 
@@ -86,8 +87,9 @@ def _ce_chunk_triton(
     rows, n_cols = logits.shape
     targets = targets.contiguous()
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    block = min(4096, next_power_of_2(n_cols))
     _ce_fwd_bwd_kernel[(rows,)](
-        logits, logits.stride(0), targets, loss, scale, n_cols, ignore_index, BLOCK=min(4096, next_power_of_2(n_cols))
+        logits, logits.stride(0), targets, loss, scale, n_cols, ignore_index, BLOCK=block, num_warps=num_warps_for(block)
     )
     return loss.sum(), logits
 
@@ -98,10 +100,14 @@ def _ce_chunk_torch(
     """Same contract as the Triton step, in in-place PyTorch ops (no second [chunk, vocab] buffer)."""
     valid = targets != ignore_index
     safe_targets = targets.masked_fill(~valid, 0).unsqueeze(1)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
+    target_logits = logits.gather(1, safe_targets).squeeze(1)
+    # logsumexp by hand so exp() lands in the logits buffer itself (torch.logsumexp allocates another)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    exp_sum = logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+    lse = (row_max + exp_sum.log()).squeeze(1)
+    loss = ((lse - target_logits) * valid).sum()
     if need_grad:
-        logits.sub_(lse.unsqueeze(1)).exp_()
+        logits.div_(exp_sum)  # softmax
         logits.scatter_add_(1, safe_targets, torch.full_like(safe_targets, -1, dtype=logits.dtype))
         logits.mul_((valid * scale).unsqueeze(1))
     return loss, logits
@@ -120,8 +126,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         reduction: str,
         chunk_size: int,
         use_triton: bool,
+        grad_enabled: bool,
     ) -> torch.Tensor:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad is True under no_grad too; grad_enabled (read before apply) skips the grad work
+        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         n_tokens = hidden.shape[0]
         n_valid = (targets != ignore_index).sum()
         # scale stays on device (no host sync); clamp so all-ignored batches give zero grads, not nan
@@ -158,7 +166,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_h = grad_h * grad_out.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _check_args(hidden: Any, weight: Any, targets: Any, reduction: str, chunk_size: int) -> None:
@@ -199,7 +207,7 @@ def linear_cross_entropy(
         hidden, weight, targets = dt.to_local(hidden), dt.to_local(weight), dt.to_local(targets)
     use_triton = resolve_backend(backend, hidden.device) == "triton"
     loss = LinearCrossEntropyFunction.apply(
-        hidden, weight, targets, ignore_index, reduction, chunk_size, use_triton
+        hidden, weight, targets, ignore_index, reduction, chunk_size, use_triton, torch.is_grad_enabled()
     )
     if ref is not None:
         return dt.DTensor.from_local(loss, ref.device_mesh, ref.placements, run_check=False)

@@ -23,6 +23,7 @@ from deepshard.kernels.backend import (
     lazy_jit,
     next_power_of_2,
     num_programs_hint,
+    num_warps_for,
     resolve_backend,
 )
 
@@ -88,7 +89,8 @@ def rms_norm_forward_triton(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
         _rms_norm_fwd_kernel[(n_rows,)](
-            x2d, weight, y, rstd, x2d.stride(0), y.stride(0), n_cols, eps, BLOCK=next_power_of_2(n_cols)
+            x2d, weight, y, rstd, x2d.stride(0), y.stride(0), n_cols, eps,
+            BLOCK=next_power_of_2(n_cols), num_warps=num_warps_for(next_power_of_2(n_cols)),
         )
     return y, rstd
 
@@ -106,7 +108,8 @@ def rms_norm_backward_triton(
     if n_rows:
         _rms_norm_bwd_kernel[(num_programs,)](
             dy, x2d, weight, rstd, dx, dw_part, dy.stride(0), x2d.stride(0), dx.stride(0),
-            n_rows, n_cols, rows_per_program, BLOCK=next_power_of_2(n_cols),
+            n_rows, n_cols, rows_per_program,
+            BLOCK=next_power_of_2(n_cols), num_warps=num_warps_for(next_power_of_2(n_cols)),
         )
     return dx, dw_part.sum(0).to(weight.dtype)
 
