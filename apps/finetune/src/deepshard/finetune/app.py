@@ -9,7 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from deepshard.core.launch import launch_local
 from deepshard.finetune.config import resolve_nproc, validate
+from deepshard.finetune.runtime import prepare
 from deepshard.finetune.train import train_worker
+from deepshard.offload import remove_scratch
 
 
 def under_torchrun() -> bool:
@@ -20,6 +22,7 @@ def under_torchrun() -> bool:
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
     container = OmegaConf.to_container(cfg, resolve=True)
+    prepare(container)  # the batch triple for this world size, fp16 on a CPU host, user data read once
     settings = validate(container)
     if under_torchrun():
         settings.parallel.resolve(int(os.environ["WORLD_SIZE"]))
@@ -28,4 +31,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     settings.parallel.resolve(nproc)
     if nproc == 1:
         return train_worker(container, run_dir)
-    return launch_local(train_worker, nproc, container, run_dir)[0]
+    run_id = f"run{os.getpid()}"
+    try:
+        return launch_local(train_worker, nproc, container, run_dir, run_id=run_id)[0]
+    finally:  # swap files are scratch: gone after a normal end, Ctrl-C, or a crashed worker
+        if settings.offload.device == "nvme":
+            remove_scratch(settings.offload.nvme_path, run_id)

@@ -13,14 +13,16 @@ from typing import Any
 from deepshard.core.mesh import free_port
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int = 1) -> list[Any]:
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int = 1,
+                 run_id: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (gloo/nccl group set up by the worker via
-    ``init_distributed``); returns each rank's return value, rank-ordered."""
+    ``init_distributed``); returns each rank's return value, rank-ordered.  ``run_id`` reaches the
+    workers as ``TORCHELASTIC_RUN_ID`` (it names per-run scratch such as NVMe swap dirs)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)  # inherited by the workers
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn",
     )

@@ -58,7 +58,7 @@ class OffloadConfig:
 
 
 def _bad(key: str, value: object, valid: str) -> ValueError:
-    return ValueError(f"offload config: {key}={value!r} is invalid; {valid}")
+    return ValueError(f"offload.{key}={value!r} is invalid; {valid}")
 
 
 def _positive_int(key: str, value: object) -> None:
