@@ -1,0 +1,178 @@
+"""The app's checkpoint policy: when to save, what to resume from, and stopping cleanly on SIGTERM.
+
+Core does the mechanism (sharded, atomic, verified DCP saves that load at any world size and
+stage); this file decides the schedule (``checkpoint.every_steps``, ``keep_last``), the resume
+choice (``auto`` = newest good checkpoint, a path, or ``none``), and what app state rides along:
+step, tokens seen and the world-size-independent data position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepshard.core.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from deepshard.core.checkpoint_manifest import CheckpointError, prune, step_dirs
+from deepshard.core.engine import Engine
+from deepshard.finetune.data.resumable import ResumableStream
+
+log = logging.getLogger("deepshard.finetune")
+
+
+@dataclass
+class CheckpointSchema:
+    every_steps: int = 0  # 0: only at the end (and on preemption)
+    keep_last: int = 3  # 0 keeps every checkpoint
+    resume: str = "auto"  # auto | none | PATH (a step-* directory, or a folder of them)
+    dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
+
+
+def validate_checkpoint(c: dict[str, Any]) -> CheckpointSchema:
+    """Typed checkpoint settings; ValueError naming the key."""
+    s = CheckpointSchema(**c)
+    for key in ("every_steps", "keep_last"):
+        value = getattr(s, key)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
+    if s.resume not in ("auto", "none") and not Path(s.resume).is_dir():
+        raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'none' or an existing "
+                         f"checkpoint directory")
+    return s
+
+
+class Preemption:
+    """SIGTERM/SIGINT set a flag instead of killing: the step finishes, a checkpoint is written."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            log.warning("received %s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank was signalled (one tiny all-reduce per step)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class RunCheckpoints:
+    """Resume before the loop, ``after_step`` inside it; a few lines in train.py."""
+
+    def __init__(self, settings: CheckpointSchema, *, run_dir: str, engine: Engine, data: ResumableStream,
+                 tokens_per_step: int, meta: dict[str, Any], tokenizer: Any = None) -> None:
+        self.settings = settings
+        self.root = Path(settings.dir or os.path.join(run_dir, "checkpoints"))
+        self.engine = engine
+        self.data = data
+        self.tokens_per_step = tokens_per_step
+        self.meta = meta
+        self.tokenizer = tokenizer
+        self.tokens_seen = 0
+        self.last_saved: str | None = None
+        self.saved_step = -1
+        self.preemption = Preemption()
+        self.preempted = False
+
+    def _resolve(self) -> Path | None:
+        resume = self.settings.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            path = find_resume(self.root)
+            if path is None and not step_dirs(self.root):
+                log.info("checkpoint: none under %s, starting fresh", self.root)
+            elif path is None:
+                log.warning("checkpoint: no usable checkpoint under %s, starting fresh", self.root)
+            return path
+        path = Path(resume)
+        if not (path / "manifest.json").exists() and step_dirs(path):
+            found = find_resume(path)
+            if found is None:
+                raise CheckpointError(f"checkpoint.resume={resume!r}: no usable checkpoint in that folder")
+            return found
+        return path
+
+    def resume(self) -> int:
+        """Restore everything from the chosen checkpoint; returns the number of steps already done."""
+        path = self._resolve()
+        if path is None:
+            return 0
+        dp = self.engine.mesh["dp"]
+        app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model)
+        self.data.load_state_dict(app["data"])
+        self.tokens_seen = int(app["tokens_seen"])
+        self.saved_step = int(app["step"])
+        log.info("checkpoint: resumed from %s at step %d (%d tokens seen)", path, app["step"], self.tokens_seen)
+        return int(app["step"])
+
+    def after_step(self, step: int, *, last: bool) -> bool:
+        """Count tokens; save on schedule, at the end, or on preemption.  True: stop now (preempted)."""
+        self.tokens_seen += self.tokens_per_step
+        self.preempted = self.preemption.agreed()
+        every = self.settings.every_steps
+        if self.preempted or last or (every and step % every == 0):
+            self.save(step)
+            if self.preempted:
+                log.warning("checkpoint: preempted after step %d, saved %s; exiting", step, self.last_saved)
+        return self.preempted
+
+    def save(self, step: int) -> Path:
+        if step == self.saved_step:
+            return Path(self.last_saved or "")
+        tok = self.tokenizer
+        meta = dict(self.meta)
+        if tok is not None:
+            meta["tokenizer"] = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                                 "pad_token_id": tok.pad_token_id}
+        app_state = {"step": step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
+        path = save_checkpoint(self.root, step, self.engine.optimizer, self.engine.mesh["dp"],
+                               model=self.engine.model, app_state=app_state, meta=meta,
+                               write_extra=None if tok is None else self._write_tokenizer)
+        if dist.get_rank() == 0:
+            prune(self.root, self.settings.keep_last)
+        self.saved_step, self.last_saved = step, str(path)
+        return path
+
+    def _write_tokenizer(self, directory: Path) -> None:
+        self.tokenizer.save_pretrained(str(directory / "tokenizer"))
+
+    def close(self) -> None:
+        self.preemption.restore()
+
+
+def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, engine: Engine, dataset: Any,
+                        tokenizer: Any) -> tuple[RunCheckpoints, ResumableStream, int]:
+    """The resumable batch stream and the checkpointer, resumed; returns them and the steps already done."""
+    dp, t = engine.mesh["dp"], settings.train
+    data = ResumableStream(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
+                           micro_batch_size=t.micro_batch_size, seed=t.seed)
+    tokens_per_step = t.micro_batch_size * t.grad_accum * settings.data.seq_len * dp.size()
+    meta = {"model": dataclasses.asdict(settings.model), "config": cfg}
+    ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,
+                          tokens_per_step=tokens_per_step, meta=meta, tokenizer=tokenizer)
+    return ckpt, data, ckpt.resume()
