@@ -62,6 +62,8 @@ def test_type_regex_counts_matching_modules():
     (dict(schedule="zero_bubble", virtual_stages=2, microbatches=6, pp=4), "multiple of parallel.pp=4"),
     (dict(schedule="gpipe", virtual_stages=2), "pipeline.virtual_stages=2"),
     (dict(microbatches=0), "pipeline.microbatches=0"),
+    (dict(partition="balanced"), "pipeline.partition='balanced'"),
+    (dict(partition="type:(unclosed"), "invalid regular expression"),
 ])
 def test_validation_errors_name_the_key(kwargs, match):
     args = dict(schedule="gpipe", pp=2, microbatches=4, virtual_stages=1, num_layers=4) | kwargs

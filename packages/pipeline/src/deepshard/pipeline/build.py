@@ -87,7 +87,7 @@ def build_pipeline(
     virtual_stages = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
     layers = getattr(model, spec.layers)
     validate_pipeline(schedule=schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages,
-                      num_layers=len(layers))
+                      num_layers=len(layers), partition=partition)
     num_stages = pp * virtual_stages
     ranges = partition_layers(list(layers), num_stages, partition,
                               first_extra=[getattr(model, n) for n in spec.first],

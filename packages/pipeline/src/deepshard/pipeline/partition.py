@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["layer_weights", "partition_balanced", "partition_layers", "partition_uniform"]
+__all__ = ["check_method", "layer_weights", "partition_balanced", "partition_layers", "partition_uniform"]
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> list[range]:
@@ -93,6 +93,7 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: str =
     ``first_extra``/``last_extra``: modules outside the layers that sit on the first/last stage
     (embedding; final norm and head), counted by the ``parameters`` method only.
     """
+    check_method(method)
     weights = layer_weights(layers, method)
     if method == "uniform":
         return partition_uniform(len(layers), num_stages)
@@ -104,6 +105,16 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: str =
         first = float(sum(p.numel() for m in first_extra if m is not None for p in m.parameters()))
         last = float(sum(p.numel() for m in last_extra if m is not None for p in m.parameters()))
     return partition_balanced(weights, num_stages, first_extra=first, last_extra=last)
+
+
+def check_method(method: str) -> None:
+    """ValueError unless ``method`` is a known partition method (with a valid regex)."""
+    if method in ("uniform", "parameters"):
+        return
+    if method.startswith("type:"):
+        _compile(method)
+        return
+    raise ValueError(f"pipeline.partition={method!r}: valid values are 'uniform', 'parameters', 'type:REGEX'")
 
 
 def _compile(method: str) -> re.Pattern[str]:

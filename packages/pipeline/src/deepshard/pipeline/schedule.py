@@ -23,6 +23,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from deepshard.pipeline.partition import check_method
+
 __all__ = ["SCHEDULES", "MicrobatchLoss", "build_schedule", "stage_ids_for_rank", "validate_pipeline"]
 
 SCHEDULES = {
@@ -39,8 +41,11 @@ def default_virtual_stages(schedule: str) -> int:
     return 2 if schedule in MULTI_STAGE else 1
 
 
-def validate_pipeline(*, schedule: str, pp: int, microbatches: int, virtual_stages: int, num_layers: int) -> None:
-    """Every pipeline setting a run could get wrong, checked before any process group work."""
+def validate_pipeline(*, schedule: str, pp: int, microbatches: int, virtual_stages: int, num_layers: int,
+                      partition: str = "uniform") -> None:
+    """Every pipeline setting a run could get wrong, checked before any process group work
+    (the app can call it while validating its config)."""
+    check_method(partition)
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline.schedule={schedule!r}: valid values are {sorted(SCHEDULES)}")
     if microbatches < 1:
