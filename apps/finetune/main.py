@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from deepshard.finetune.config import register
+from deepshard.finetune.ds_config import merge_argv
 
 register()
 
@@ -29,4 +30,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
+        sys.argv = merge_argv(sys.argv, conf_dir=Path(__file__).resolve().parents[2] / "conf")[0]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

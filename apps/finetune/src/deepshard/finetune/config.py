@@ -59,11 +59,19 @@ class ModelSchema:
 
 @dataclass
 class DataSchema:
-    name: str = "embedded"
-    path: typing.Optional[str] = None  # noqa: UP045
+    name: str = "embedded"  # embedded | jsonl | text | hf_disk
+    path: typing.Optional[str] = None  # noqa: UP045 - a file, directory or glob
     seq_len: int = 128
     num_docs: int = 3000
     seed: int = 0
+    pack: bool = True  # false: one document per row, padded with -100 labels
+    doc_mask: bool = True  # packed rows: attention stays inside each document
+    eval_fraction: float = 0.0  # documents held out for eval loss / perplexity
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    text_unit: str = "file"  # data=text: file | paragraph | line is one document
+    split: str = "train"  # data=hf_disk: the split of a saved DatasetDict
 
 
 @dataclass
@@ -73,6 +81,18 @@ class TrainSchema:
     grad_accum: int = 1
     log_every: int = 10
     seed: int = 0
+    global_batch_size: int = 0  # DeepSpeed's train_batch_size; 0: micro_batch_size * grad_accum * dp
+    eval_every: int = 0  # steps between evals (0: only at the end, when data.eval_fraction > 0)
+    sample_prompt: typing.Optional[str] = None  # noqa: UP045 - greedy sample from rank 0 at the end
+    sample_tokens: int = 16
+    tensorboard_dir: typing.Optional[str] = None  # noqa: UP045 - default: <run dir>/tensorboard
+
+
+@dataclass
+class ProfileSchema:
+    enabled: bool = False  # per-step wall-clock split, FLOP/s and MFU
+    trace_steps: list[int] = field(default_factory=list)  # steps to record a torch.profiler trace of
+    peak_tflops: float = 0.0  # per-rank peak for MFU; 0: from the device table
 
 
 @dataclass
@@ -91,6 +111,7 @@ class AppSchema:
     precision: PrecisionSchema = field(default_factory=PrecisionSchema)  # type: ignore[valid-type]
     zero: ZeroSchema = field(default_factory=ZeroSchema)  # type: ignore[valid-type]
     parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
+    profile: ProfileSchema = field(default_factory=ProfileSchema)
     ac: str = "none"
 
 
@@ -120,6 +141,7 @@ class Settings:
     train: TrainSchema
     data: DataSchema
     nproc_per_node: str
+    profile: ProfileSchema = field(default_factory=ProfileSchema)
 
 
 def _positive(key: str, value: int) -> None:
@@ -140,6 +162,27 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
     return n
 
 
+def _validate_extras(d: dict, t: dict, prof: dict) -> None:
+    """The data sources, the held-out split, eval/sample and profiler keys."""
+    from deepshard.finetune.data.sources import SOURCES
+
+    if d["name"] not in SOURCES:
+        raise ValueError(f"data.name={d['name']!r}: valid values are {sorted(SOURCES)}")
+    if not 0 <= d.get("eval_fraction", 0.0) < 1:
+        raise ValueError(f"data.eval_fraction={d['eval_fraction']}: must be in [0, 1)")
+    if d.get("text_unit", "file") not in ("file", "paragraph", "line"):
+        raise ValueError(f"data.text_unit={d['text_unit']!r}: valid values are ['file', 'paragraph', 'line']")
+    for key in ("eval_every", "global_batch_size"):
+        if t.get(key, 0) < 0:
+            raise ValueError(f"train.{key}={t[key]}: must be >= 0")
+    if t.get("sample_tokens", 1) < 1:
+        raise ValueError(f"train.sample_tokens={t['sample_tokens']}: must be a positive integer")
+    if prof.get("peak_tflops", 0.0) < 0:
+        raise ValueError(f"profile.peak_tflops={prof['peak_tflops']}: must be >= 0 (0: from the device table)")
+    if any(s < 1 for s in prof.get("trace_steps", [])):
+        raise ValueError(f"profile.trace_steps={prof['trace_steps']}: steps count from 1")
+
+
 def validate(cfg: dict) -> Settings:
     """Typed settings from a composed config (a plain dict); ValueError naming the first bad key."""
     t, d, m = cfg["train"], cfg["data"], cfg["model"]
@@ -147,6 +190,7 @@ def validate(cfg: dict) -> Settings:
         _positive(f"train.{key}", t[key])
     _positive("data.seq_len", d["seq_len"])
     _positive("data.num_docs", d["num_docs"])
+    _validate_extras(d, t, cfg.get("profile") or {})
     if m["name"] not in ("tiny", "small", "hf"):
         raise ValueError(f"model.name={m['name']!r}: valid values are ['tiny', 'small', 'hf']")
     if m["name"] == "hf" and not m.get("path"):
@@ -170,4 +214,5 @@ def validate(cfg: dict) -> Settings:
     nproc = str(cfg["launcher"]["nproc_per_node"])
     resolve_nproc(nproc, 0)
     return Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
-                    parallel=parallel, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc)
+                    parallel=parallel, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc,
+                    profile=ProfileSchema(**(cfg.get("profile") or {})))

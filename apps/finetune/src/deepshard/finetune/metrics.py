@@ -8,16 +8,17 @@ from tqdm import tqdm
 
 
 class RunLogger:
-    """Rank 0 writes TensorBoard events under ``<run_dir>/tensorboard`` and draws the progress bar."""
+    """Rank 0 writes TensorBoard events under ``<run_dir>/tensorboard`` (or ``tb_dir``) and draws the progress bar."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, initial_step: int = 0) -> None:
+    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, initial_step: int = 0,
+                 tb_dir: str | None = None) -> None:
         self.enabled = enabled
         self.writer = None
         self.bar = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.writer = SummaryWriter(tb_dir or os.path.join(run_dir, "tensorboard"))
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
                             dynamic_ncols=True, mininterval=1.0)
 

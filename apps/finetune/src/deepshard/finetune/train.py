@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 import warnings
 
@@ -12,12 +14,14 @@ import torch.distributed as dist
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.mesh import local_device
 from deepshard.finetune.config import Settings, validate
+from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.loader import build_loader, forever
-from deepshard.finetune.data.packing import PackedDataset
-from deepshard.finetune.data.sources import SOURCES
 from deepshard.finetune.data.tokenizer import load_tokenizer
+from deepshard.finetune.evaluate import evaluate, model_inputs
 from deepshard.finetune.metrics import RunLogger
 from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.profiling import build_profiler
+from deepshard.finetune.sample import greedy_sample
 
 log = logging.getLogger("deepshard.finetune")
 
@@ -31,11 +35,9 @@ def build_model(s: Settings, device: torch.device) -> Llama:
     return model
 
 
-def build_dataset(s: Settings, tokenizer) -> PackedDataset:
-    if len(tokenizer) > s.model.vocab_size:
-        raise ValueError(f"model.vocab_size={s.model.vocab_size}: the tokenizer has {len(tokenizer)} tokens")
-    docs = SOURCES[s.data.name](tokenizer, num_docs=s.data.num_docs, seed=s.data.seed)
-    return PackedDataset(docs, s.data.seq_len, tokenizer.eos_token_id)
+def build_dataset(s: Settings, tokenizer):
+    """The training dataset alone (see data.build.build_datasets for the held-out split)."""
+    return build_datasets(s.data, tokenizer, s.model.vocab_size)[0]
 
 
 def train_worker(cfg: dict, run_dir: str) -> dict:
@@ -52,12 +54,17 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     tokenizer = load_tokenizer(settings.model_path)
     model = build_model(settings, local_device())
     engine = initialize(model, settings.engine, mesh=mesh)
-    dataset = build_dataset(settings, tokenizer)
+    dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
     loader = build_loader(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(), micro_batch_size=t.micro_batch_size,
                           seed=t.seed)
     batches = forever(loader)
-    logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps)
+    logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, tb_dir=t.tensorboard_dir)
+    prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
+                          device=local_device())
+    eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
+                 "micro_batch_size": t.micro_batch_size, "device": local_device()}
+    evals: dict[str, float] = {}
     logger.print(f"deepshard: {world} rank(s), zero stage {settings.engine.zero.stage}, "
                  f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params, "
                  f"{len(dataset)} windows of {settings.data.seq_len} tokens")
@@ -67,20 +74,24 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     start = time.perf_counter()
     step_start = start
     for step in range(1, t.max_steps + 1):
+        prof.begin_step(step)
         total = torch.zeros((), device=local_device())
         for _ in range(t.grad_accum):
-            batch = next(batches)
-            loss = engine(batch["input_ids"].to(local_device()), batch["labels"].to(local_device()))
+            args, kwargs = model_inputs(next(batches), local_device())
+            with prof.phase("forward"):
+                loss = engine(*args, **kwargs)
             total += loss.detach().float()
-            engine.backward(loss)
+            with prof.phase("backward"):
+                engine.backward(loss)
         memory = engine.memory()["measured"] if step == 1 else None
-        stats = engine.step()
+        with prof.phase("optimizer"):
+            stats = engine.step()
         dist.all_reduce(total, group=dp.get_group())
         loss_value = total.item() / (t.grad_accum * dp.size())
         losses.append(loss_value)
         now = time.perf_counter()
         tok_s = tokens_per_step / (now - step_start)
-        step_start = now
+        logger.scalars(step, prof.end_step(step, now - step_start))
         if memory is not None:
             per_rank = torch.tensor([float(memory.total)])
             gathered = [torch.zeros(1) for _ in range(world)]
@@ -88,19 +99,29 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
             logger.scalars(step, {f"memory/model_state_bytes_rank{r}": g.item() for r, g in enumerate(gathered)})
             logger.scalars(step, {"memory/params_bytes": memory.params, "memory/grads_bytes": memory.grads,
                                   "memory/optimizer_bytes": memory.optimizer + memory.host})
-        logger.scalars(step, {"train/loss": loss_value, "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
+        logger.scalars(step, {"train/loss": loss_value, "train/perplexity": math.exp(min(loss_value, 50.0)),
+                              "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                               "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
                               "train/step_applied": float(stats.applied)})
         logger.progress({"loss": f"{loss_value:.3f}", "tok/s": f"{tok_s:,.0f}"})
         if step % t.log_every == 0 or step == t.max_steps:
             logger.print(f"step {step:>5}  loss {loss_value:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
                          f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
+        if eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
+            evals = evaluate(engine, eval_set, **eval_args)
+            logger.scalars(step, evals)
+            logger.print(f"eval  {step:>5}  loss {evals['eval/loss']:.4f}  perplexity {evals['eval/perplexity']:.2f}")
+        step_start = time.perf_counter()
     elapsed = time.perf_counter() - start
     logger.close()
     k = min(10, len(losses))
     summary = {"steps": t.max_steps, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
                "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * t.max_steps / elapsed,
-               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir}
+               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals}
+    if t.sample_prompt:
+        summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
+                                          max_seq_len=settings.model.max_seq_len, device=local_device())
+        logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
     logger.print(f"done: {t.max_steps} steps in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
                  f"{summary['final_loss']:.3f} (mean of first/last {k}), {summary['tokens_per_s']:,.0f} tok/s, "
                  f"logs in {run_dir}")

@@ -2,16 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import islice
 
 from deepshard.finetune.data.corpus import generate
+from deepshard.finetune.data.records import READERS, Record
+
+IGNORE = -100  # label of a token that is not learned (prompt tokens, padding)
 
 
-def embedded_docs(tokenizer, *, num_docs: int, seed: int) -> Iterator[tuple[list[int], list[int]]]:
+def embedded_docs(tokenizer, *, num_docs: int, seed: int, **_: object) -> Iterator[tuple[list[int], list[int]]]:
     """The generated stories, every token learned."""
     for text in generate(num_docs, seed=seed):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         yield ids, ids
 
 
-SOURCES = {"embedded": embedded_docs}
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def tokenize_records(tokenizer, records: Iterable[Record], chunk: int = 512) -> Iterator[tuple[list[int], list[int]]]:
+    """Text records learn every token; prompt/response records learn only the response (prompt: -100).
+
+    Records are tokenized in chunks, since the fast tokenizers are much quicker on batches.
+    """
+    it = iter(records)
+    while batch := list(islice(it, chunk)):
+        texts = [r["text"] for r in batch if "text" in r]
+        prompts = [r["prompt"] for r in batch if "text" not in r]
+        responses = [r["response"] for r in batch if "text" not in r]
+        t_ids, p_ids, r_ids = iter(_encode(tokenizer, texts)), iter(_encode(tokenizer, prompts)), \
+            iter(_encode(tokenizer, responses))
+        for r in batch:
+            if "text" in r:
+                ids = next(t_ids)
+                yield ids, ids
+            else:
+                p, resp = next(p_ids), next(r_ids)
+                yield p + resp, [IGNORE] * len(p) + resp
+
+
+def _reader_source(name: str):
+    def docs(tokenizer, **options: object) -> Iterator[tuple[list[int], list[int]]]:
+        return tokenize_records(tokenizer, READERS[name](**options))
+
+    docs.__doc__ = f"Records of the {name!r} reader, tokenized."
+    return docs
+
+
+SOURCES = {"embedded": embedded_docs, **{name: _reader_source(name) for name in READERS}}

@@ -77,7 +77,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -87,7 +88,10 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:  # the fast path: the kernel's own causal mask
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -110,15 +114,25 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool: position t sees s <= t of its own document (block-diagonal causal)."""
+    s = doc_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal
+
+
 class Llama(nn.Module):
-    """``forward(input_ids, labels=None)``: the mean loss over labels != -100, else the logits.
+    """``forward(input_ids, labels=None, doc_ids=None)``: the mean loss over labels != -100, else the logits.
 
     ``labels`` are already aligned with the positions (``labels[t]`` is the token after ``t``).
+    ``doc_ids`` ([batch, seq], the document of each position) keeps attention inside documents of
+    a packed row; RoPE is relative, so a document then computes exactly as if it stood alone.
     Any of ``embed_tokens``, ``norm``/``lm_head`` may be None (a pipeline stage drops them).
     """
 
@@ -150,10 +164,12 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        extra = () if doc_ids is None else (doc_causal_mask(doc_ids),)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, self.rope_cos, self.rope_sin, *extra)
         if self.lm_head is None:
             return h
         logits = self.lm_head(self.norm(h))

@@ -1,0 +1,48 @@
+"""From ``data.*`` settings to the train and held-out datasets (the split is by document)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+from torch.utils.data import Dataset
+
+from deepshard.finetune.data.packing import PackedDataset, PaddedDataset
+from deepshard.finetune.data.sources import SOURCES
+
+
+def split_docs(docs: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded, document-level held-out split: no eval document is ever seen in training."""
+    if eval_fraction <= 0:
+        return docs, []
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, math.ceil(len(docs) * eval_fraction))
+    if n_eval >= len(docs):
+        raise ValueError(f"data.eval_fraction={eval_fraction}: leaves no training documents ({len(docs)} in all)")
+    held = set(order[:n_eval])
+    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+
+
+def make_dataset(docs: list, data, tokenizer, *, what: str = "train") -> Dataset:
+    """Packed windows (``data.pack=true``) or one padded document per row."""
+    try:
+        if data.pack:
+            return PackedDataset(docs, data.seq_len, tokenizer.eos_token_id, with_doc_ids=data.doc_mask)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return PaddedDataset(docs, data.seq_len, tokenizer.eos_token_id, pad)
+    except ValueError as e:
+        raise ValueError(f"{e} (the {what} split)") from None
+
+
+def build_datasets(data, tokenizer, vocab_size: int) -> tuple[Dataset, Dataset | None]:
+    """Tokenized train and eval datasets (eval is None when ``data.eval_fraction`` is 0)."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size}: the tokenizer has {len(tokenizer)} tokens")
+    options = dataclasses.asdict(data) if dataclasses.is_dataclass(data) else dict(data)
+    docs = list(SOURCES[data.name](tokenizer, **options))
+    train, held = split_docs(docs, data.eval_fraction, data.seed)
+    train_set = make_dataset(train, data, tokenizer)
+    eval_set = make_dataset(held, data, tokenizer, what="eval") if held else None
+    return train_set, eval_set

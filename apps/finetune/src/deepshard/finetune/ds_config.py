@@ -1,0 +1,307 @@
+"""A DeepSpeed config file (ds_config.json, as users write it) as the app's Hydra overrides.
+
+``python apps/finetune/main.py +deepspeed=ds_config.json`` translates the file into overrides placed
+before the command line's own, so anything given on the command line wins; keys the app does not
+support are named in one warning (an error with ``deepspeed.strict=true``).
+``python -m deepshard.finetune.ds_config FILE`` prints the overrides.
+
+Values ``"auto"`` (the HF Trainer convention) leave the app's value in place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+AUTO = "auto"
+GROUPS = ("zero", "precision", "scheduler", "optim", "offload")  # config groups a translation may pick
+SCHEDULERS = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "warmup_cosine"}
+SCHEDULER_PARAMS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
+}
+FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+AIO_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events")
+# keys whose DeepSpeed meaning our implementation already has, so they need no override (why, for the notes)
+BUILT_IN = {
+    "zero_optimization.contiguous_gradients": "buckets are always contiguous",
+    "zero_optimization.reduce_scatter": "stage 2 always reduce-scatters",
+    "zero_optimization.allgather_partitions": "stages 1-2 always all-gather updated partitions",
+    "zero_optimization.stage3_max_live_parameters": "at most 1 + zero.prefetch blocks are gathered at once",
+    "zero_optimization.stage3_max_reuse_distance": "FSDP2 frees gathered blocks after use",
+    "zero_optimization.stage3_param_persistence_threshold": "FSDP2 gathers small params with their block",
+    "zero_optimization.round_robin_gradients": "gradient partitions are per-parameter Shard(0)",
+    "zero_optimization.offload_optimizer.pin_memory": "host buffers are pinned whenever an accelerator exists",
+    "zero_optimization.offload_param.pin_memory": "host params are pinned whenever an accelerator exists",
+    "zero_optimization.offload_optimizer.fast_init": "no effect here",
+    "zero_allow_untested_optimizer": "no effect here",
+    "zero_force_ds_cpu_optimizer": "offloaded state uses torch's fused CPU AdamW",
+    "optimizer.params.adam_w_mode": "Adam is AdamW (DeepSpeed's default adam_w_mode=true)",
+    "optimizer.params.torch_adam": "always torch's AdamW kernels",
+    "tensorboard.enabled": "TensorBoard is always written",
+}
+
+
+@dataclass
+class Translation:
+    """Overrides for the app, unsupported keys (to warn about) and built-in ones (for the record)."""
+
+    overrides: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _value(v: object) -> str:
+    """A JSON value as a Hydra override value (``5e8`` -> ``500000000``, strings quoted when needed)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 1:
+        return str(int(v))
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v)
+    return s if re.fullmatch(r"[\w./\-:]+", s) else "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class _Translator:
+    def __init__(self) -> None:
+        self.t = Translation()
+
+    def set(self, key: str, value: object) -> None:
+        if value != AUTO and value is not None:
+            self.t.overrides.append(f"{key}={_value(value)}")
+
+    def copy(self, section: dict, path: str, mapping: dict[str, str]) -> None:
+        """Map known keys of ``section`` to override keys; the rest are unsupported or built in."""
+        for key, value in section.items():
+            dotted = f"{path}.{key}"
+            if key in mapping:
+                self.set(mapping[key], value)
+            elif dotted in BUILT_IN:
+                self.t.notes.append(f"{dotted}: {BUILT_IN[dotted]}" if BUILT_IN[dotted] else dotted)
+            else:
+                self.t.unsupported.append(dotted)
+
+
+def _enabled(section: object) -> bool:
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def translate(ds: dict) -> Translation:
+    """The overrides equivalent to a DeepSpeed config dict (see the module docstring)."""
+    tr = _Translator()
+    t = tr.t
+    handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
+    _batch(ds, tr)
+
+    if "optimizer" in ds:
+        handled.add("optimizer")
+        opt = ds["optimizer"]
+        kind = str(opt.get("type", "AdamW"))
+        if kind.lower() not in ("adamw", "adam"):
+            t.unsupported.append(f"optimizer.type={kind}")
+        params = dict(opt.get("params", {}))
+        if params.get("adam_w_mode") is False:
+            t.unsupported.append("optimizer.params.adam_w_mode=false")
+            params.pop("adam_w_mode")
+        if isinstance(params.get("betas"), list):
+            t.overrides.append("optim.betas=[" + ",".join(_value(b) for b in params.pop("betas")) + "]")
+        tr.copy(params, "optimizer.params", {"lr": "optim.lr", "eps": "optim.eps", "weight_decay": "optim.weight_decay"})
+        t.unsupported += [f"optimizer.{k}" for k in opt if k not in ("type", "params")]
+
+    if "scheduler" in ds:
+        handled.add("scheduler")
+        kind = ds["scheduler"].get("type")
+        if kind in SCHEDULERS:
+            t.overrides.append(f"scheduler={SCHEDULERS[kind]}")
+            tr.copy(ds["scheduler"].get("params", {}), "scheduler.params",
+                    {k: f"scheduler.{k}" for k in SCHEDULER_PARAMS[kind]})
+        else:
+            t.unsupported.append(f"scheduler.type={kind}")
+
+    if _enabled(ds.get("fp16")) and (_enabled(ds.get("bf16")) or _enabled(ds.get("bfloat16"))):
+        raise ValueError("fp16.enabled=true and bf16.enabled=true: enable at most one of them")
+    for name in ("fp16", "bf16", "bfloat16"):
+        if name in ds:
+            handled.add(name)
+            section = ds[name]
+            if _enabled(section):
+                t.overrides.append("precision=fp16" if name == "fp16" else "precision=bf16")
+            # false-valued switches ask for nothing we lack
+            extra = {k: v for k, v in section.items() if k != "enabled" and not (
+                k in ("consecutive_hysteresis", "auto_cast", "immediate_grad_update") and not v)}
+            tr.copy(extra, name, {k: f"precision.{k}" for k in FP16_KEYS} if name == "fp16" else {})
+
+    if "zero_optimization" in ds:
+        handled.add("zero_optimization")
+        _zero(ds["zero_optimization"], tr)
+    if "aio" in ds:
+        handled.add("aio")
+        tr.copy(ds["aio"], "aio", {k: f"offload.aio.{k}" for k in AIO_KEYS})
+
+    simple = {"gradient_clipping": "optim.grad_clip", "steps_per_print": "train.log_every"}
+    for key, target in simple.items():
+        if key in ds:
+            handled.add(key)
+            tr.set(target, ds[key])
+    if "wall_clock_breakdown" in ds:
+        handled.add("wall_clock_breakdown")
+        if ds["wall_clock_breakdown"] is True:
+            t.overrides.append("profile.enabled=true")
+    if "activation_checkpointing" in ds:
+        handled.add("activation_checkpointing")
+        ac = ds["activation_checkpointing"]
+        t.overrides.append("ac=full")  # the section asks for checkpointing: every block, non-reentrant
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                    "synchronize_checkpoint_boundary", "profile"):
+            if ac.get(key):
+                t.unsupported.append(f"activation_checkpointing.{key}")
+    if "flops_profiler" in ds:
+        handled.add("flops_profiler")
+        fp = dict(ds["flops_profiler"])
+        if fp.pop("enabled", False) is True:
+            t.overrides.append("profile.enabled=true")
+        if "profile_step" in fp:
+            t.overrides.append(f"profile.trace_steps=[{int(fp.pop('profile_step'))}]")
+        tr.copy(fp, "flops_profiler", {})
+    if "tensorboard" in ds:
+        handled.add("tensorboard")
+        tb = dict(ds["tensorboard"])
+        path, job = tb.pop("output_path", None), tb.pop("job_name", None)
+        if path or job:
+            tr.set("train.tensorboard_dir", str(Path(path or ".") / (job or "")).rstrip("/"))
+        tr.copy({k: v for k, v in tb.items() if k != "enabled" or v is not False}, "tensorboard", {})
+        if tb.get("enabled") is False:
+            t.unsupported.append("tensorboard.enabled=false")
+    t.notes += [f"{k}: {BUILT_IN[k]}" for k in ds if k not in handled and k in BUILT_IN]
+    t.unsupported += [k for k in ds if k not in handled and k not in BUILT_IN]
+    return t
+
+
+def _batch(ds: dict, tr: _Translator) -> None:
+    """DeepSpeed's batch triple; a value that is absent or "auto" is derived (0 marks it for the app)."""
+    g, m, a = (ds.get(k, AUTO) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                          "gradient_accumulation_steps"))
+    given = [v != AUTO and v is not None for v in (g, m, a)]
+    if not any(given):
+        return
+    if given[0]:
+        tr.set("train.global_batch_size", g)
+        tr.set("train.micro_batch_size", m if given[1] else 0)
+        tr.set("train.grad_accum", a if given[2] else (0 if given[1] else 1))
+    else:  # no global batch: DeepSpeed defaults a missing accumulation to 1
+        tr.set("train.micro_batch_size", m)
+        tr.set("train.grad_accum", a if given[2] else 1)
+
+
+def _zero(z: dict, tr: _Translator) -> None:
+    t = tr.t
+    stage = z.get("stage", 0)
+    if stage != AUTO:
+        t.overrides.append(f"+zero=stage{int(stage)}")
+    z = {k: v for k, v in z.items() if k != "stage"}
+    prefetch = z.pop("stage3_prefetch_bucket_size", AUTO)
+    if prefetch != AUTO:  # a bucket of elements ahead: 0 turns prefetching off, anything else is one block
+        tr.set("zero.prefetch", 0 if prefetch == 0 else 1)
+    if "sub_group_size" in z:
+        tr.set("offload.sub_group_size", z.pop("sub_group_size"))
+    for which, target in (("offload_optimizer", None), ("offload_param", "offload.params")):
+        section = dict(z.pop(which, None) or {})
+        device = section.pop("device", "none")
+        path = f"zero_optimization.{which}"
+        if target is None:
+            if device in ("cpu", "nvme"):
+                t.overrides.append(f"+offload={device}")
+            elif device not in ("none", None):
+                t.unsupported.append(f"{path}.device={device}")
+            overlap = [section.pop(k) for k in ("pipeline_read", "pipeline_write") if k in section]
+            if overlap:  # DeepSpeed's swap pipelining is our aio overlap_events
+                tr.set("offload.aio.overlap_events", any(overlap))
+            tr.copy(section, path, {"nvme_path": "offload.nvme_path", "buffer_count": "offload.buffer_count"})
+        else:
+            if device == "cpu":
+                t.overrides.append("offload.params=cpu")
+            elif device not in ("none", None):
+                t.unsupported.append(f"{path}.device={device}")
+            if device == "cpu":  # the swap knobs only matter for parameter swapping to NVMe
+                section = {k: v for k, v in section.items() if k not in ("buffer_count", "buffer_size", "max_in_cpu")}
+            tr.copy(section, path, {})
+    keys = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+    tr.copy(z, "zero_optimization", {k: f"zero.{k}" for k in keys})
+
+
+def load(path: str) -> dict:
+    """The JSON file, with a ValueError naming it when it cannot be read."""
+    try:
+        ds = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"deepspeed={path!r}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"deepspeed={path!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"deepspeed={path!r}: expected a JSON object at the top level")
+    return ds
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge_argv(argv: list[str], *, conf_dir: Path | None = None) -> tuple[list[str], Translation | None]:
+    """``argv`` with ``+deepspeed=FILE`` replaced by its overrides, ahead of the user's own.
+
+    A key or group the user sets is dropped from the translation (the user wins); offload overrides
+    are dropped, and named as unsupported, while ``conf/offload`` does not exist yet.
+    """
+    rest, path, strict = [], None, False
+    for arg in argv:
+        key = _key(arg)
+        if key == "deepspeed" and "=" in arg:
+            path = arg.split("=", 1)[1]
+        elif key == "deepspeed.strict" and "=" in arg:
+            strict = arg.split("=", 1)[1].lower() in ("true", "1", "yes")
+        else:
+            rest.append(arg)
+    if path is None:
+        return argv, None
+    tr = translate(load(path))
+    user = {_key(a) for a in rest if "=" in a and not a.startswith("-")}
+    if conf_dir is not None and not (conf_dir / "offload").is_dir():
+        dropped = [o for o in tr.overrides if _key(o) == "offload" or _key(o).startswith("offload.")]
+        tr.overrides = [o for o in tr.overrides if o not in dropped]
+        tr.unsupported += [f"{o} (no offload config group in this build)" for o in dropped]
+    tr.overrides = [o for o in tr.overrides if _key(o) not in user]
+    if tr.unsupported:
+        message = f"deepspeed={path}: not supported, ignored: {', '.join(tr.unsupported)}"
+        if strict:
+            raise ValueError(message + " (deepspeed.strict=true)")
+        print(f"warning: {message}", file=sys.stderr)
+    return rest[:1] + tr.overrides + rest[1:], tr
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m deepshard.finetune.ds_config FILE``: the equivalent command-line overrides."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m deepshard.finetune.ds_config ds_config.json", file=sys.stderr)
+        return 2
+    try:
+        tr = translate(load(args[0]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(shlex.quote(o) for o in tr.overrides))
+    for note in tr.notes:
+        print(f"# built in: {note}", file=sys.stderr)
+    if tr.unsupported:
+        print(f"# not supported, ignored: {', '.join(tr.unsupported)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
