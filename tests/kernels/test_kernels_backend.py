@@ -21,6 +21,7 @@ def test_torch_and_auto_on_cpu() -> None:
     assert resolve_backend("torch") == "torch"
     if not torch.cuda.is_available():
         assert resolve_backend("auto") == "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"  # even on a GPU host
 
 
 @pytest.mark.skipif(triton_interpreting(), reason="the interpreter is active in this process")

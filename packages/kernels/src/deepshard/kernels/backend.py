@@ -54,7 +54,8 @@ def _check_name(name: str) -> None:
 def resolve_backend(name: str, device: torch.device | str | None = None) -> Backend:
     """Map ``auto|triton|torch`` to the backend that will run.
 
-    ``auto`` picks triton only where it compiles (CUDA present and triton importable); an explicit
+    ``auto`` picks triton only where it compiles (CUDA present, or ``device`` a CUDA device, and triton
+    importable; a CPU tensor on a GPU host stays on torch); an explicit
     ``triton`` is honoured and, when ``device`` is given, checked now so a misconfiguration fails
     with a clear message instead of an obscure driver error at launch.
     """
@@ -62,7 +63,8 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> Back
     if name == "torch":
         return "torch"
     if name == "auto":
-        return "triton" if torch.cuda.is_available() and triton_importable() else "torch"
+        on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        return "triton" if on_gpu and triton_importable() else "torch"
     if device is not None:
         check_triton_device(torch.device(device))
     elif not triton_importable():
