@@ -36,7 +36,7 @@ def run_pair(make_store, dtype, *, steps=STEPS, grad_ready=False, seed=0):
         grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
         scale = 1.0 if step % 2 else 0.37
         with torch.no_grad():
-            ref.step(grads, lr=1e-2, step=step, grad_scale=scale)
+            ref.step([g.clone() for g in grads], lr=1e-2, step=step, grad_scale=scale)  # stores consume grads
             if grad_ready:
                 for i in reversed(range(len(grads))):  # backward order
                     store.grad_ready(i, grads[i])

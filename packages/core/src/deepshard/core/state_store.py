@@ -44,6 +44,7 @@ class StateStore(ABC):
 
         ``step`` is the 1-based count of applied updates (for bias correction); ``grad_scale``
         folds loss-scale removal and clipping into the update so no store needs a grad copy.
+        The grads are consumed: a store may overwrite them.
         """
 
     def grad_ready(self, index: int, grad: torch.Tensor) -> None:  # noqa: B027 - optional hook
@@ -79,10 +80,13 @@ def adamw_update(
     *,
     lr: float,
     step: int,
+    grad_scale: float = 1.0,
 ) -> None:
     """One AdamW update of fp32 ``masters`` in place with torch's own math (``step`` is 1-based).
 
     Grouped by weight decay; fused on CPU and CUDA (5x faster than foreach on CPU, see facts).
+    ``grad_scale`` multiplies the grads inside the fused kernel (which rescales them in place),
+    so clipping and loss-scale removal cost no extra gradient copy.
     """
     groups: dict[float, list[int]] = {}
     for i, wd in enumerate(weight_decays):
@@ -94,15 +98,23 @@ def adamw_update(
         device = masters[idx[0]].device
         fused = device.type in ("cpu", "cuda")
         steps = [torch.tensor(float(step - 1), device=device if fused else "cpu") for _ in idx]
+        group_grads = [grads[i] for i in idx]
+        inv_scale = None
+        if grad_scale != 1.0:
+            if fused:
+                inv_scale = torch.tensor(1.0 / grad_scale, device=device)
+            else:
+                group_grads = [g * grad_scale for g in group_grads]
         adamw(
             [masters[i] for i in idx],
-            [grads[i] for i in idx],
+            group_grads,
             [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx],
             [],
             steps,
             fused=fused,
             foreach=False if fused else None,
+            grad_scale=inv_scale,
             amsgrad=False,
             beta1=cfg.betas[0],
             beta2=cfg.betas[1],
@@ -127,12 +139,9 @@ class DeviceStateStore(StateStore):
         self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
-        g32 = []
-        for g in grads:
-            g = g.float() if g.dtype != torch.float32 else g
-            g32.append(g * grad_scale if grad_scale != 1.0 else g)
+        g32 = [g.float() if g.dtype != torch.float32 else g for g in grads]
         adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
-                     lr=lr, step=step)
+                     lr=lr, step=step, grad_scale=grad_scale)
         if not self.aliased:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)

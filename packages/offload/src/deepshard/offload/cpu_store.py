@@ -67,21 +67,18 @@ class CpuStateStore(StateStore):
         self._ready[index] = True
 
     def _gather_grads(self, grads: list[torch.Tensor], grad_scale: float) -> list[torch.Tensor]:
-        """Host fp32 gradients, scaled; copies the ones ``grad_ready`` did not see."""
+        """Host fp32 gradients; copies the ones ``grad_ready`` did not see (scaling happens in Adam)."""
         out = []
         for i, g in enumerate(grads):
             if self._ready[i]:
                 out.append(self._host_grads[i])
-            elif grad_scale == 1.0 and g.dtype == torch.float32 and g.device.type == "cpu":
-                out.append(g.detach())  # already what Adam reads: no copy
+            elif g.dtype == torch.float32 and g.device.type == "cpu":
+                out.append(g.detach())  # already what Adam reads: no copy (scaled inside the kernel)
             else:
                 self._host_grads[i].copy_(g.detach())
                 out.append(self._host_grads[i])
         if self._stream is not None:
             self._stream.synchronize()  # grad_ready copies have landed in host memory
-        if grad_scale != 1.0:
-            for g in out:  # every entry is a host buffer here (the no-copy case needs scale 1)
-                g.mul_(grad_scale)
         self._ready = [False] * len(grads)
         return out
 
@@ -91,7 +88,7 @@ class CpuStateStore(StateStore):
             self._upload_done.synchronize()  # last step's H2D reads of the masters are finished
         with torch.no_grad():  # aliased masters are leaf params
             adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
-                         lr=lr, step=step)
+                         lr=lr, step=step, grad_scale=grad_scale)
         self._upload()
 
     def _upload(self) -> None:

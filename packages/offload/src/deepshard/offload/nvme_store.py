@@ -192,11 +192,10 @@ class NvmeStateStore(StateStore):
             gbuf = buf.f32["grad"]
             for pi, po, go, k in segs:
                 gbuf[go:go + k].copy_(flat[pi][po:po + k])
-            if grad_scale != 1.0:
-                gbuf[:self.group_numels[g]].mul_(grad_scale)
             views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in STATES + ("grad",)}
             adamw_update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
-                         [self.weight_decays[s[0]] for s in segs], self.adamw, lr=lr, step=step)
+                         [self.weight_decays[s[0]] for s in segs], self.adamw, lr=lr, step=step,
+                         grad_scale=grad_scale)
             self._to_params(g, buf)
 
         self._stream(update, read=True, write=True)
