@@ -25,7 +25,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from deepshard.core.config import AC_MODES, EngineConfig, ZeroConfig
+from deepshard.core.engine import StoreFactory
 from deepshard.core.precision import DTYPES
+from deepshard.core.state_store import DeviceStateStore
 from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
 from deepshard.core.zero import apply_zero
 from deepshard.core.zero.layout import local_shard
@@ -80,7 +82,7 @@ def _apply_ac(layers: nn.Module, mode: str) -> None:
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
-                      ac: str = "none") -> ShardedPart:
+                      ac: str = "none", offload_params: bool = False) -> ShardedPart:
     """TP on ``mesh["tp"]``, activation checkpointing, then ZeRO on ``mesh["dp"]``, in place.
 
     ``model`` is fp32 with real weights.  Stages 0-2 compute in ``dtype`` (the fp32 local shards
@@ -97,7 +99,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
         fp32_init = [(local_tensor(p.data) if zero.stage == 0 else local_shard(local_tensor(p.data), world, rank))
                      .clone() for p in model.parameters() if p.requires_grad]
         model.to(torch_dtype)
-    stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype)
+    stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype,
+                       offload_params=offload_params)
     return ShardedPart(stage, fp32_init)
 
 
@@ -134,18 +137,22 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
                    microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
-                   init_fn: Callable[[nn.Module], None] | None = None) -> PipelineTrainer:
+                   init_fn: Callable[[nn.Module], None] | None = None, store_factory: StoreFactory = DeviceStateStore,
+                   offload_params: bool = False) -> PipelineTrainer:
     """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
     ZeRO per ``config``), and return the trainer (``train_step(input_ids, labels)``).
 
     Works for pp=1 too (one stage holding everything), so TP / ZeRO runs take the same path.
+    ``model`` on meta needs ``init_fn`` (``llama_stage_init(seed)``, or a checkpoint loader by FQN);
+    ``store_factory``/``offload_params`` as in ``deepshard.core.initialize``.
     """
     check_tp(model.cfg, mesh["tp"].size())
 
     def parallelize(stage: nn.Module) -> ShardedPart:
-        return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac)
+        return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac,
+                                 offload_params=offload_params)
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn)
-    return build_trainer(pipe, config, dp_size=mesh["dp"].size())
+    return build_trainer(pipe, config, dp_size=mesh["dp"].size(), store_factory=store_factory)
