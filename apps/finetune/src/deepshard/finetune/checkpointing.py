@@ -12,7 +12,9 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,26 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def exit_when_done(self, grace_s: float = 3.0) -> None:
+        """A preempted torchelastic worker: exit once its process group is gone, plus a grace period.
+
+        When the launcher itself was signalled it is shutting down and never collects the worker's
+        result, and the worker would sit in torchelastic's wait until SIGKILLed 30 s later.  A
+        healthy launcher (only the workers were signalled) collects the result within the grace.
+        """
+        if not (self.requested and "TORCHELASTIC_RUN_ID" in os.environ):
+            return
+
+        def watch() -> None:
+            while dist.is_initialized():
+                time.sleep(0.2)
+            time.sleep(grace_s)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
 
 
 class RunCheckpoints:
@@ -163,6 +185,7 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self.preemption.restore()
+        self.preemption.exit_when_done()
 
 
 def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, engine: Engine, dataset: Any,
