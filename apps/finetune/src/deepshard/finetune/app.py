@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from deepshard.core.launch import launch_local
 from deepshard.finetune.config import resolve_nproc, validate
@@ -34,6 +36,10 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     run_id = f"run{os.getpid()}"
     try:
         return launch_local(train_worker, nproc, container, run_dir, run_id=run_id)[0]
+    except SignalException as err:  # SIGTERM/SIGINT reached the workers too: they finished the step and saved
+        print(f"preempted ({err}); the workers wrote a checkpoint: rerun with checkpoint.resume=auto",
+              file=sys.stderr)
+        return {"preempted": True}
     finally:  # swap files are scratch: gone after a normal end, Ctrl-C, or a crashed worker
         if settings.offload.device == "nvme":
             remove_scratch(settings.offload.nvme_path, run_id)

@@ -17,6 +17,8 @@ from hydra.core.config_store import ConfigStore
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import AC_MODES, EngineConfig
 from deepshard.core.mesh import ParallelDims
+from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
+from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
 
 
@@ -113,6 +115,7 @@ class AppSchema:
     parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     ac: str = "none"
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
 
 
 def warmup_steps(total: int, fraction: float) -> int:
@@ -142,6 +145,7 @@ class Settings:
     data: DataSchema
     nproc_per_node: str
     profile: ProfileSchema = field(default_factory=ProfileSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
 
 
 def _positive(key: str, value: int) -> None:
@@ -198,7 +202,7 @@ def validate(cfg: dict) -> Settings:
     arch = {k: v for k, v in m.items() if k not in ("name", "path")}
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
         _positive(f"model.{key}", arch[key])
-    model = LlamaConfig(**arch)
+    model = llama_config_from_hf(m["path"]) if m["name"] == "hf" else LlamaConfig(**arch)
     if d["seq_len"] > model.max_seq_len:
         raise ValueError(f"data.seq_len={d['seq_len']}: must be <= model.max_seq_len={model.max_seq_len}")
     if cfg["ac"] not in AC_MODES:
@@ -215,4 +219,5 @@ def validate(cfg: dict) -> Settings:
     resolve_nproc(nproc, 0)
     return Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
                     parallel=parallel, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc,
-                    profile=ProfileSchema(**(cfg.get("profile") or {})))
+                    profile=ProfileSchema(**(cfg.get("profile") or {})),
+                    checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}))

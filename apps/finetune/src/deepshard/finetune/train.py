@@ -13,12 +13,13 @@ import torch.distributed as dist
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.mesh import local_device
+from deepshard.finetune.checkpointing import start_checkpointing
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
-from deepshard.finetune.data.loader import build_loader, forever
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.evaluate import evaluate, model_inputs
 from deepshard.finetune.metrics import RunLogger
+from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
@@ -32,6 +33,8 @@ def build_model(s: Settings, device: torch.device) -> Llama:
         model = Llama(s.model)
     model.to_empty(device=device)
     model.init_weights(seed=s.train.seed)
+    if s.model_name == "hf":
+        load_hf_weights(model, s.model_path)
     return model
 
 
@@ -56,10 +59,11 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     engine = initialize(model, settings.engine, mesh=mesh)
     dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
-    loader = build_loader(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(), micro_batch_size=t.micro_batch_size,
-                          seed=t.seed)
-    batches = forever(loader)
-    logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, tb_dir=t.tensorboard_dir)
+    # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
+    ckpt, batches, start_step = start_checkpointing(settings, cfg, run_dir=run_dir, engine=engine, dataset=dataset,
+                                                    tokenizer=tokenizer)
+    logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, initial_step=start_step,
+                       tb_dir=t.tensorboard_dir)
     prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
                           device=local_device())
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
@@ -73,7 +77,7 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     losses: list[float] = []
     start = time.perf_counter()
     step_start = start
-    for step in range(1, t.max_steps + 1):
+    for step in range(start_step + 1, t.max_steps + 1):
         prof.begin_step(step)
         total = torch.zeros((), device=local_device())
         for _ in range(t.grad_accum):
@@ -111,13 +115,17 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
             evals = evaluate(engine, eval_set, **eval_args)
             logger.scalars(step, evals)
             logger.print(f"eval  {step:>5}  loss {evals['eval/loss']:.4f}  perplexity {evals['eval/perplexity']:.2f}")
+        if ckpt.after_step(step, last=step == t.max_steps):  # SIGTERM/SIGINT: saved, stop cleanly
+            break
         step_start = time.perf_counter()
+    ckpt.close()
     elapsed = time.perf_counter() - start
     logger.close()
-    k = min(10, len(losses))
+    k = max(1, min(10, len(losses)))
     summary = {"steps": t.max_steps, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
                "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * t.max_steps / elapsed,
-               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals}
+               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals,
+               "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved}
     if t.sample_prompt:
         summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
                                           max_seq_len=settings.model.max_seq_len, device=local_device())
