@@ -28,6 +28,7 @@ class Case:
     zero: int = 0
     partition: str = "uniform"
     ac: str = "none"
+    dtype: str = "fp32"
 
     @property
     def rows(self) -> int:
@@ -73,7 +74,7 @@ def reference(rows: int, num_steps: int = STEPS, optim: OptimConfig = OPTIM):
 
 def engine_config(case: Case) -> EngineConfig:
     return EngineConfig(zero=ZeroConfig(stage=case.zero, reduce_bucket_size=3000, allgather_bucket_size=3000),
-                        precision=PrecisionConfig(dtype="fp32"), optim=OPTIM, ac=case.ac)
+                        precision=PrecisionConfig(dtype=case.dtype), optim=OPTIM, ac=case.ac)
 
 
 def run_case(case: Case, num_steps: int = STEPS) -> dict:
@@ -87,15 +88,16 @@ def run_case(case: Case, num_steps: int = STEPS) -> dict:
     local_numel = trainer.local_param_numel()
     dp_rank, per_dp = mesh["dp"].get_local_rank(), case.rows // case.dp
     data = batches(num_steps, case.rows)[:, dp_rank * per_dp:(dp_rank + 1) * per_dp]
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
     for step in range(num_steps):
         result = trainer.train_step(data[step, :, :-1], data[step, :, 1:])
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
+        scales.append((result.stats.loss_scale, result.stats.applied))
     params = {}
     for m in trainer.pipeline.modules:
         for n, p in m.named_parameters():
             t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
             params[n.replace("_checkpoint_wrapped_module.", "")] = t.float().clone()
-    return {"losses": losses, "norms": norms, "params": params, "local_numel": local_numel,
+    return {"losses": losses, "norms": norms, "scales": scales, "params": params, "local_numel": local_numel,
             "ranges": [(r.start, r.stop) for r in trainer.pipeline.ranges]}

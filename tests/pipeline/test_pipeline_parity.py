@@ -24,6 +24,7 @@ WORLD2 = [
     Case(pp=2, schedule="zero_bubble", microbatches=2),
     Case(tp=2, schedule="gpipe", microbatches=2),
 ]
+FP16 = Case(pp=2, schedule="1f1b", microbatches=2, zero=1, dtype="fp16")
 WORLD4 = [
     Case(pp=2, dp=2, schedule="1f1b", microbatches=2, zero=1),
     Case(pp=2, dp=2, schedule="gpipe", microbatches=2, zero=3, ac="full"),
@@ -36,7 +37,9 @@ def _worker(cases: list[Case]) -> dict:
 
     init_distributed()
     out: dict = {case: run_case(case) for case in cases}
-    if len(cases) == len(WORLD2):  # a batch the microbatches cannot split fails before any compute
+    if len(cases) == len(WORLD2):
+        out[FP16] = run_case(FP16)
+        # a batch the microbatches cannot split fails before any compute
         from deepshard.core import ParallelDims, build_mesh
         from deepshard.finetune.models.parallelize import pipeline_llama
 
@@ -100,6 +103,15 @@ def test_zero3_under_pp_shards_the_stage_over_dp(world4):
     total = sum(p.numel() for p in reference(4, num_steps=0)[1].values())
     for run in world4:
         assert abs(run[WORLD4[1]]["local_numel"] - total / 4) <= 0.05 * total
+
+
+def test_fp16_loss_scaling_through_the_schedule(world2):
+    """The schedule's loss_fn scales by 2**16; the optimizer unscales: losses near fp32's, steps applied."""
+    ref_losses, _ = reference(FP16.rows)
+    for run in world2:
+        out = run[FP16]
+        assert out["losses"] == pytest.approx(ref_losses, rel=2e-2)
+        assert out["scales"] == [(2.0 ** 16, True)] * len(ref_losses)  # scaled, no overflow, every step applied
 
 
 def test_bad_microbatch_split_names_the_key(world2):
