@@ -139,7 +139,10 @@ def translate(ds: dict) -> Translation:
 
     if "zero_optimization" in ds:
         handled.add("zero_optimization")
-        _zero(ds["zero_optimization"], tr)
+        z = ds["zero_optimization"]
+        if isinstance(z, bool):  # the legacy switch: true meant stage 1
+            z = {"stage": 1} if z else {}
+        _zero(z, tr)
     if "aio" in ds:
         handled.add("aio")
         tr.copy(ds["aio"], "aio", {k: f"offload.aio.{k}" for k in AIO_KEYS})

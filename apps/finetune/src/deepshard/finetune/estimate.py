@@ -1,0 +1,149 @@
+"""``python -m deepshard.finetune.estimate [overrides]``: per-rank memory for model states, before a run.
+
+Like DeepSpeed's ``estimate_zero2_model_states_mem_needs_all_live`` / ``..._zero3_...``, but for our
+layouts (core's ``memory.expected_bytes``, the table in design.md) and the app's own overrides:
+``model=small``, ``precision=bf16``, ``launcher.nproc_per_node=8``, ``parallel.tp=2``, ``+offload=cpu``.
+Parameters are counted on the meta device (no memory, any size).  Activations and temporary
+buffers (gathered ZeRO-3 blocks, communication buckets) are not model states and not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepshard.core.memory import expected_bytes
+
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank bytes of model states by residence, for one stage and offload choice."""
+
+    stage: int
+    offload: str
+    offload_params: bool
+    device: int
+    host: int
+    nvme: int
+
+    @property
+    def options(self) -> str:
+        out = f"+zero=stage{self.stage}"
+        if self.offload != "none":
+            out += f" +offload={self.offload}"
+        return out + (" offload.params=cpu" if self.offload_params else "")
+
+
+def count_params(model_cfg) -> int:
+    """Trainable parameters of the model config, built on the meta device."""
+    from deepshard.finetune.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
+             offload_params: bool = False, nvme_buffer_bytes: int = 0) -> Estimate:
+    """Where a rank's params, grads and optimizer state live for this choice (``num_params`` per rank
+    before data-parallel sharding, i.e. already divided by tp and pp)."""
+    e = expected_bytes(stage, num_params, dp, dtype)
+    device, host, nvme = e.params + e.grads + e.optimizer, 0, 0
+    # offloaded: an fp32 master + two moments per sharded element (12 bytes; on a CPU-only host an fp32
+    # master may alias the param, so that is an upper bound there)
+    offloaded = 12 * num_params // dp
+    if offload == "cpu":  # the Adam step runs on the host
+        device, host = device - e.optimizer, host + offloaded
+    elif offload == "nvme":  # in swap files, streamed through a few host buffers
+        device, nvme, host = device - e.optimizer, nvme + offloaded, host + min(nvme_buffer_bytes, offloaded)
+    if offload_params:  # FSDP2 CPUOffloadPolicy: sharded params and their grads rest on the host
+        device, host = device - e.params - e.grads, host + e.params + e.grads
+    return Estimate(stage, offload, offload_params, device, host, nvme)
+
+
+def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0) -> list[Estimate]:
+    """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3)."""
+    out = []
+    for stage in range(4):
+        for offload in OFFLOADS:
+            if offload != "none" and stage == 0:
+                continue
+            for params in (False, True) if stage == 3 and offload != "none" else (False,):
+                out.append(estimate(num_params, stage=stage, dp=dp, dtype=dtype, offload=offload,
+                                    offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes))
+    return out
+
+
+def conf_dir() -> Path:
+    """The repository's conf/ (next to apps/), or ./conf."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "conf" / "config.yaml").exists():
+            return parent / "conf"
+    return Path.cwd() / "conf"
+
+
+def compose(overrides: list[str]) -> dict:
+    """The app's config for these overrides, composed exactly as main.py would (with ``+deepspeed=``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from deepshard.finetune.config import register
+    from deepshard.finetune.ds_config import merge_argv
+
+    register()
+    overrides = merge_argv(["estimate", *overrides], conf_dir=conf_dir())[0][1:]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n}B"
+
+
+def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
+    """The printed table, the estimates, the parameter count per rank and the dp size."""
+    from deepshard.core.mesh import ParallelDims
+    from deepshard.finetune.config import validate
+    from deepshard.finetune.runtime import world_size
+
+    settings = validate(cfg)
+    world = world_size(cfg)
+    dims = ParallelDims(**cfg["parallel"]).resolve(world)
+    total = count_params(settings.model)
+    per_rank = total // (dims.tp * dims.pp)
+    dtype = settings.engine.precision.dtype
+    off = cfg.get("offload") or {}
+    buffers = int(off.get("buffer_count", 0)) * int(off.get("buffer_size", 0)) * 16
+    rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers)
+    lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
+             f"{total / 1e6:.2f}M params ({settings.model_name}), world size {world} "
+             f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}), {dtype}",
+             f"{'device':>10} {'host':>10} {'nvme':>10}   options"]
+    lines += [f"{_fmt(r.device):>10} {_fmt(r.host):>10} {_fmt(r.nvme):>10}   {r.options}" for r in rows]
+    lines.append("(activations and temporary buffers are not included)")
+    return "\n".join(lines), rows, per_rank, dims.dp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        text, *_ = report(compose(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
