@@ -130,8 +130,8 @@ class PipelineTrainer:
         self.zero.set_grad_sync(True)
         self.zero.finish_backward()
         stats = self.optimizer.step()
-        loss = p.loss.true_mean(scaled) if p.has_last else torch.zeros(())
-        dist.all_reduce(loss)  # only last-stage ranks contribute
+        loss = p.loss.true_mean(scaled) if p.has_last else torch.zeros((), device=p.stages[0].device)
+        dist.all_reduce(loss)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
         return PipelineStepResult(loss.item() / self.loss_ranks, stats, time.perf_counter() - t0)
 
     def local_param_numel(self) -> int:

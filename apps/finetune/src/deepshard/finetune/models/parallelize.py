@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from deepshard.core.config import AC_MODES, EngineConfig, ZeroConfig
 from deepshard.core.engine import StoreFactory
+from deepshard.core.mesh import local_device
 from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore
 from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
@@ -138,7 +139,7 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
                    microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
                    init_fn: Callable[[nn.Module], None] | None = None, store_factory: StoreFactory = DeviceStateStore,
-                   offload_params: bool = False) -> PipelineTrainer:
+                   offload_params: bool = False, device: torch.device | None = None) -> PipelineTrainer:
     """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
     ZeRO per ``config``), and return the trainer (``train_step(input_ids, labels)``).
 
@@ -154,5 +155,5 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
-                          init_fn=init_fn)
+                          init_fn=init_fn, device=device or local_device())
     return build_trainer(pipe, config, dp_size=mesh["dp"].size(), store_factory=store_factory)
