@@ -1,0 +1,21 @@
+"""One world-2 launch serves every test that needs a real multi-rank checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def world2(tmp_path_factory):
+    """``(results, root)``: resume runs for stages 0-3 at world 2 and the checkpoints they left."""
+    from ckpt_harness import resume_worker
+
+    from deepshard.core.launch import launch_local
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return launch_local(resume_worker, 2, str(root))[0], root
