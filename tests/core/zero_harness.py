@@ -87,11 +87,14 @@ def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaC
     return losses, full, stats, memory
 
 
+# eps=1e-6: Adam divides by sqrt(v) + eps, so an element whose gradient is ~0 turns summation-order
+# noise (1e-7 relative) into a full +-lr step; eps bounds that amplification without hiding a wrong
+# reduction (a missing average or a lost shard shows up as errors of order 1e-2).
 def engine_config(stage: int, grad_accum: int = 1, clip: float = 0.0, dtype: str = "fp32", *,
                   bucket: int = 3000, precision: dict | None = None, **zero) -> EngineConfig:
     return EngineConfig(
         zero=ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket, **zero),
         precision=PrecisionConfig(dtype=dtype, **(precision or {})),
-        optim=OptimConfig(lr=2e-3, weight_decay=0.1, grad_clip=clip),
+        optim=OptimConfig(lr=2e-3, eps=1e-6, weight_decay=0.1, grad_clip=clip),
         grad_accum=grad_accum,
     )

@@ -10,6 +10,7 @@ micro-batch of a meta-device copy of the model (no memory, no time on the real o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -127,7 +128,9 @@ def build_profiler(settings, engine, *, trace_dir: str, rank: int, device: torch
     from deepshard.finetune.models.llama import Llama
 
     d, t, p = settings.data, settings.train, settings.profile
-    flops = model_flops(lambda: Llama(settings.model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
+    # counted on the meta device, where Triton kernels cannot run: the torch paths do the same math
+    torch_model = dataclasses.replace(settings.model, kernels="torch")
+    flops = model_flops(lambda: Llama(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
     flops = flops * t.grad_accum // (settings.parallel.tp * settings.parallel.pp)
     peak = p.peak_tflops or peak_tflops(device, torch.get_num_threads())
     return StepProfiler(enabled=p.enabled, engine=engine, flops_per_step=flops, peak=peak,

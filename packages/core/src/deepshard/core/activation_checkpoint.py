@@ -5,14 +5,20 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from deepshard.core.config import AC_MODES
 
-def apply_ac(blocks: nn.ModuleList, mode: str) -> None:
-    """Wrap blocks in place: ``full`` every block, ``every_2`` every second one, ``none`` nothing."""
+
+def apply_ac(blocks: nn.Module, mode: str) -> None:
+    """Wrap blocks in place: ``full`` every block, ``every_2`` every second one, ``none`` nothing.
+
+    ``blocks`` is a ModuleList, or a pipeline stage's ModuleDict keyed by the original layer index
+    (so ``every_2`` picks the same layers whatever the split).
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"ac={mode!r}: valid values are {list(AC_MODES)}")
     if mode == "none":
         return
-    every = {"full": 1, "every_2": 2}.get(mode)
-    if every is None:
-        raise ValueError(f"ac={mode!r}: valid values are ['none', 'full', 'every_2']")
-    for i, block in enumerate(blocks):
-        if i % every == 0:
-            blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    every = 1 if mode == "full" else 2
+    for key, block in list(blocks.named_children()):
+        if int(key) % every == 0:
+            blocks.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))

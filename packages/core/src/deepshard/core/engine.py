@@ -41,6 +41,22 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     return blocks
 
 
+def cast_to_compute_dtype(model: nn.Module, dp_mesh: DeviceMesh, stage: int,
+                          dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Stages 0-2 compute in ``dtype`` on the params themselves: cast the model, returning this
+    rank's fp32 local shards first (the master weights start from them, not from rounded copies).
+    Stage 3 keeps fp32 shards and casts per all-gather, so nothing happens there."""
+    if stage == 3 or dtype == torch.float32:
+        return None
+    world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    fp32_locals = [
+        (local_tensor(p.data) if stage == 0 else local_shard(local_tensor(p.data), world, rank)).clone()
+        for p in model.parameters() if p.requires_grad
+    ]
+    model.to(dtype)
+    return fp32_locals
+
+
 class Engine:
     """``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
@@ -111,22 +127,15 @@ def initialize(
         mesh = build_mesh(ParallelDims())
     dp_mesh = mesh["dp"]
     blocks = find_blocks(model) if blocks is None else blocks
-    if isinstance(blocks, nn.ModuleList):
+    if isinstance(blocks, nn.Module):
         apply_ac(blocks, config.ac)
     elif config.ac != "none":
-        raise ValueError("ac needs the blocks as an nn.ModuleList")
+        raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
     dtype = config.precision.torch_dtype
     stage_num = config.zero.stage
     num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
 
-    fp32_locals = None
-    if stage_num < 3 and dtype != torch.float32:
-        world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
-        fp32_locals = [
-            (local_tensor(p.data) if stage_num == 0 else local_shard(local_tensor(p.data), world, rank)).clone()
-            for p in model.parameters() if p.requires_grad
-        ]
-        model.to(dtype)
+    fp32_locals = cast_to_compute_dtype(model, dp_mesh, stage_num, dtype)
     stage = apply_zero(model, dp_mesh, config.zero, blocks=list(blocks), param_dtype=dtype,
                        offload_params=offload_params)
     oc = config.optim

@@ -92,7 +92,9 @@ def validate_offload(stage: int, device: str, params: str = "none") -> None:
 
 def validate_config(config: OffloadConfig) -> None:
     """Checks that need no knowledge of the model: value ranges, aio knobs, the nvme_path."""
-    validate_offload(1, config.device, config.params)  # stage is checked by the caller's validate_offload
+    # value checks only: the stage-dependent ones (offload needs ZeRO >= 1, params ZeRO-3) are the
+    # caller's validate_offload(stage, ...), which knows the stage
+    validate_offload(3, config.device, config.params)
     if config.device != "nvme":
         return
     _positive_int("sub_group_size", config.sub_group_size)

@@ -1,5 +1,9 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), nanoGPT-direct.
 
+Its norm, rotary, SwiGLU and loss run through ``deepshard.kernels``: ``kernels="triton"`` swaps
+every one of them to the fused Triton kernels, ``"torch"`` to their exact PyTorch paths (the loss
+is the chunked linear + cross-entropy either way, so the [tokens, vocab] logits never exist).
+
 It knows nothing of distribution: ZeRO, TP and pipelining are applied to it by functions.
 Module names follow HF Llama (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...), so HF
 checkpoints map onto it by adding or removing the ``model.`` prefix.
@@ -14,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -27,27 +33,20 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    kernels: str = "torch"  # resolved backend: torch | triton
+    loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: plain logits
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.loss_chunk_size < 0:
+            raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size}: must be >= 0 (0: plain logits)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +57,11 @@ def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[to
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.kernels = cfg.kernels
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -84,7 +74,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos[:s], sin[:s])
+        q, k = apply_rotary(q, k, cos[:s].to(q.dtype), sin[:s].to(q.dtype), backend=self.kernels)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -101,17 +91,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=self.kernels))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, backend=cfg.kernels)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, backend=cfg.kernels)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -141,7 +132,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend=cfg.kernels)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -172,10 +163,16 @@ class Llama(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin, *extra)
         if self.lm_head is None:
             return h
-        logits = self.lm_head(self.norm(h))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        h = self.norm(h)
+        weight = self.lm_head.weight
+        # logits wanted, a vocab-sharded TP head, or the fused loss switched off
+        if labels is None or hasattr(weight, "placements") or self.cfg.loss_chunk_size == 0:
+            logits = self.lm_head(h)
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), ignore_index=-100,
+                                    chunk_size=self.cfg.loss_chunk_size, backend=self.cfg.kernels)
 
 
 PRESETS = {

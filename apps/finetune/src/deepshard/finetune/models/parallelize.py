@@ -19,20 +19,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from deepshard.core.config import AC_MODES, EngineConfig, ZeroConfig
-from deepshard.core.engine import StoreFactory
+from deepshard.core.activation_checkpoint import apply_ac
+from deepshard.core.config import EngineConfig, ZeroConfig
+from deepshard.core.engine import StoreFactory, cast_to_compute_dtype
 from deepshard.core.mesh import local_device
 from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore
 from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
 from deepshard.core.zero import apply_zero
-from deepshard.core.zero.layout import local_shard
-from deepshard.core.zero.reducer import local_tensor
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.pipeline import PipelineTrainer, ShardedPart, build_pipeline, build_trainer
 
@@ -70,18 +68,6 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _apply_ac(layers: nn.Module, mode: str) -> None:
-    """Checkpoint blocks of a ModuleList or a pipeline stage's ModuleDict (keys are layer indices)."""
-    if mode not in AC_MODES:
-        raise ValueError(f"ac={mode!r}: valid values are {list(AC_MODES)}")
-    if mode == "none":
-        return
-    every = 1 if mode == "full" else 2
-    for key, block in list(layers.named_children()):
-        if int(key) % every == 0:
-            layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-
-
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                       ac: str = "none", offload_params: bool = False) -> ShardedPart:
     """TP on ``mesh["tp"]``, activation checkpointing, then ZeRO on ``mesh["dp"]``, in place.
@@ -91,15 +77,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     """
     check_tp(model.cfg, mesh["tp"].size())
     apply_tp(model, mesh["tp"], llama_tp_plan(model))
-    _apply_ac(model.layers, ac)
+    apply_ac(model.layers, ac)
     dp_mesh = mesh["dp"]
     torch_dtype = DTYPES[dtype]
-    fp32_init = None
-    if zero.stage < 3 and torch_dtype != torch.float32:
-        world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
-        fp32_init = [(local_tensor(p.data) if zero.stage == 0 else local_shard(local_tensor(p.data), world, rank))
-                     .clone() for p in model.parameters() if p.requires_grad]
-        model.to(torch_dtype)
+    fp32_init = cast_to_compute_dtype(model, dp_mesh, zero.stage, torch_dtype)
     stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype,
                        offload_params=offload_params)
     return ShardedPart(stage, fp32_init)

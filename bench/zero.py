@@ -1,0 +1,139 @@
+"""ZeRO stages 0-3 at world sizes 2 and 4: step time relative to stage 0, peak RSS per rank, and
+measured vs expected per-rank model-state bytes.  Where DeepSpeed is installed (bench/requirements.txt,
+never a dependency of our packages) it trains the same model and batches at the same stage in the same
+run, and the JSON adds our/DeepSpeed ratios.
+
+    python bench/zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from deepshard.core.launch import launch_local
+
+SEQ, MBS = 128, 4
+
+
+def _model_cfg(dim: int, layers: int):
+    from deepshard.finetune.models.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=2048, dim=dim, n_layers=layers, n_heads=8, n_kv_heads=4,
+                       ffn_hidden=int(dim * 2.75) // 64 * 64, max_seq_len=SEQ)
+
+
+def _batches(rank: int, n: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, vocab, (MBS, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
+    from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, init_distributed, initialize
+    from deepshard.finetune.models.llama import Llama
+
+    rank, _ = init_distributed()
+    cfg = _model_cfg(dim, layers)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    engine = initialize(model, EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=5_000_000,
+                                                            allgather_bucket_size=5_000_000),
+                                            optim=OptimConfig(lr=1e-4, grad_clip=1.0)))
+    times, memory = [], None
+    for i, tokens in enumerate(_batches(rank, steps + 2, cfg.vocab_size)):
+        t0 = time.perf_counter()
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        if i == 0:
+            memory = {k: v.as_dict() for k, v in engine.memory().items()}
+        engine.step()
+        if i >= 2:  # warm-up excluded
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "peak_rss_mb": _peak_rss_mb(), "memory": memory}
+
+
+def deepspeed_run(stage: int, dim: int, layers: int, steps: int) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from deepshard.finetune.models.llama import Llama
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    cfg = _model_cfg(dim, layers)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    times = []
+    for i, tokens in enumerate(_batches(rank, steps + 2, cfg.vocab_size)):
+        t0 = time.perf_counter()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "peak_rss_mb": _peak_rss_mb()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--no-deepspeed", action="store_true")
+    args = ap.parse_args()
+    try:
+        import deepspeed  # noqa: F401
+
+        have_ds = not args.no_deepspeed
+    except Exception:  # not installed (or broken): our figures alone
+        have_ds = False
+    out = {"model": {"dim": args.dim, "layers": args.layers, "seq": SEQ, "micro_batch": MBS}, "worlds": {}}
+    for world in args.worlds:
+        rows = {}
+        for stage in range(4):
+            res = launch_local(ours, world, stage, args.dim, args.layers, args.steps)
+            mem = res[0]["memory"]
+            rows[stage] = {
+                "step_s": max(r["step_s"] for r in res),
+                "peak_rss_mb_per_rank": [round(r["peak_rss_mb"], 1) for r in res],
+                "model_state_bytes_measured": mem["measured"]["total"],
+                "model_state_bytes_expected": mem["expected"]["total"],
+                "measured_over_expected": round(mem["measured"]["total"] / mem["expected"]["total"], 4),
+            }
+            if have_ds:
+                ds = launch_local(deepspeed_run, world, stage, args.dim, args.layers, args.steps)
+                ds_step = max(r["step_s"] for r in ds)
+                ds_rss = max(r["peak_rss_mb"] for r in ds)
+                rows[stage]["deepspeed_step_s"] = ds_step
+                rows[stage]["deepspeed_peak_rss_mb"] = round(ds_rss, 1)
+                rows[stage]["ours_over_deepspeed_step_time"] = round(rows[stage]["step_s"] / ds_step, 3)
+                rows[stage]["ours_over_deepspeed_peak_rss"] = round(max(rows[stage]["peak_rss_mb_per_rank"]) / ds_rss, 3)
+            print(f"world {world} stage {stage}: {rows[stage]}", file=sys.stderr, flush=True)
+        base = rows[0]["step_s"]
+        for stage in rows:
+            rows[stage]["step_time_vs_stage0"] = round(rows[stage]["step_s"] / base, 3)
+        out["worlds"][world] = rows
+    out["deepspeed"] = "compared" if have_ds else "not installed: pip install -r bench/requirements.txt"
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
