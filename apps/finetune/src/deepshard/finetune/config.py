@@ -20,6 +20,8 @@ from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.kernels import resolve_backend
+from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 
 
 def hydra_twin(cls: type, name: str) -> type:
@@ -29,7 +31,10 @@ def hydra_twin(cls: type, name: str) -> type:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if typing.get_origin(tp) is tuple:
+        if dataclasses.is_dataclass(tp):  # nested config: its own mutable twin
+            twin = hydra_twin(tp, f"{tp.__name__}Schema")
+            fields.append((f.name, twin, field(default_factory=twin)))
+        elif typing.get_origin(tp) is tuple:
             tp = list[typing.get_args(tp)[0]]
             fields.append((f.name, tp, field(default_factory=lambda d=default: list(d))))
         else:
@@ -42,6 +47,7 @@ OptimSchema = hydra_twin(OptimConfig, "OptimSchema")
 SchedulerSchema = hydra_twin(SchedulerConfig, "SchedulerSchema")
 PrecisionSchema = hydra_twin(PrecisionConfig, "PrecisionSchema")
 ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
+OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
 
 
 @dataclass
@@ -57,6 +63,7 @@ class ModelSchema:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: materialize logits
 
 
 @dataclass
@@ -113,8 +120,10 @@ class AppSchema:
     precision: PrecisionSchema = field(default_factory=PrecisionSchema)  # type: ignore[valid-type]
     zero: ZeroSchema = field(default_factory=ZeroSchema)  # type: ignore[valid-type]
     parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
+    offload: OffloadSchema = field(default_factory=OffloadSchema)  # type: ignore[valid-type]
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     ac: str = "none"
+    kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
 
 
@@ -141,6 +150,7 @@ class Settings:
     model_name: str
     model_path: str | None
     parallel: ParallelDims
+    offload: OffloadConfig
     train: TrainSchema
     data: DataSchema
     nproc_per_node: str
@@ -187,6 +197,16 @@ def _validate_extras(d: dict, t: dict, prof: dict) -> None:
         raise ValueError(f"profile.trace_steps={prof['trace_steps']}: steps count from 1")
 
 
+def _kernels_backend(name: str) -> str:
+    """The backend for this host's device, checked now (triton on CPU needs TRITON_INTERPRET=1)."""
+    import torch
+
+    try:
+        return resolve_backend(name, device="cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError as err:
+        raise ValueError(f"kernels={name!r}: {err}; or use kernels=torch") from err
+
+
 def validate(cfg: dict) -> Settings:
     """Typed settings from a composed config (a plain dict); ValueError naming the first bad key."""
     t, d, m = cfg["train"], cfg["data"], cfg["model"]
@@ -203,6 +223,7 @@ def validate(cfg: dict) -> Settings:
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
         _positive(f"model.{key}", arch[key])
     model = llama_config_from_hf(m["path"]) if m["name"] == "hf" else LlamaConfig(**arch)
+    model = dataclasses.replace(model, kernels=_kernels_backend(cfg.get("kernels", "auto")))
     if d["seq_len"] > model.max_seq_len:
         raise ValueError(f"data.seq_len={d['seq_len']}: must be <= model.max_seq_len={model.max_seq_len}")
     if cfg["ac"] not in AC_MODES:
@@ -215,9 +236,13 @@ def validate(cfg: dict) -> Settings:
         grad_accum=t["grad_accum"], ac=cfg["ac"],
     )
     parallel = ParallelDims(**cfg["parallel"])
+    off = dict(cfg["offload"])
+    offload = OffloadConfig(**{**off, "aio": AioConfig(**off["aio"])})
+    validate_offload(engine.zero.stage, offload.device, offload.params)
+    validate_config(offload)
     nproc = str(cfg["launcher"]["nproc_per_node"])
     resolve_nproc(nproc, 0)
     return Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
-                    parallel=parallel, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc,
+                    parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc,
                     profile=ProfileSchema(**(cfg.get("profile") or {})),
                     checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}))

@@ -23,8 +23,14 @@ from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
+from deepshard.offload import make_store_factory
 
 log = logging.getLogger("deepshard.finetune")
+
+
+def run_id() -> str:
+    """Names this run's scratch (NVMe swap dirs): the launcher's run id, shared by all ranks."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "local")
 
 
 def build_model(s: Settings, device: torch.device) -> Llama:
@@ -56,7 +62,9 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
 
     tokenizer = load_tokenizer(settings.model_path)
     model = build_model(settings, local_device())
-    engine = initialize(model, settings.engine, mesh=mesh)
+    store_factory = make_store_factory(settings.offload, rank, run_id())
+    engine = initialize(model, settings.engine, mesh=mesh, store_factory=store_factory,
+                        offload_params=settings.offload.params == "cpu")
     dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
     # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
@@ -69,7 +77,9 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
                  "micro_batch_size": t.micro_batch_size, "device": local_device()}
     evals: dict[str, float] = {}
-    logger.print(f"deepshard: {world} rank(s), zero stage {settings.engine.zero.stage}, "
+    off = settings.offload
+    offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
+    logger.print(f"deepshard: {world} rank(s), zero stage {settings.engine.zero.stage}{offload}, "
                  f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params, "
                  f"{len(dataset)} windows of {settings.data.seq_len} tokens")
 
