@@ -34,12 +34,13 @@ def global_batches(num_steps: int = STEPS) -> torch.Tensor:
     return torch.cat(seq, dim=-1)
 
 
-def make_engine(stage: int, *, ac: str = "none", dtype: str = "fp32"):
+def make_engine(stage: int, *, ac: str = "none", dtype: str = "fp32", store_factory=None):
     """A warm-up schedule and clipping, so the LR step and the update count matter on resume."""
     cfg = engine_config(stage, 1, 0.5, dtype=dtype)
     cfg = dataclasses.replace(cfg, ac=ac, scheduler=SchedulerConfig(name="WarmupLR", warmup_max_lr=2e-3,
                                                                      warmup_num_steps=8))
-    return initialize(build_model(MICRO), cfg)
+    kwargs = {} if store_factory is None else {"store_factory": store_factory}
+    return initialize(build_model(MICRO), cfg, **kwargs)
 
 
 def run_steps(engine, steps: range) -> list[float]:
@@ -102,6 +103,19 @@ def resume_worker(root: str) -> dict:
     params = {"model." + n: p.full_tensor() for n, p in fp32.model.named_parameters()}
     out["bf16_to_fp32_max_diff"] = max((masters[k] - params[k]).abs().max().item() for k in masters)
     out["bf16_keys_match"] = sorted(masters) == sorted(params)
+    # the state store is opaque to checkpoints: NVMe-offloaded at stage 2 -> host-offloaded at stage 3
+    from deepshard.offload import OffloadConfig, make_store_factory
+
+    rank = dist.get_rank()
+    nvme = make_store_factory(OffloadConfig(device="nvme", nvme_path=str(root), sub_group_size=500), rank, "ckpt")
+    cpu = make_store_factory(OffloadConfig(device="cpu"), rank, "ckpt")
+    first = make_engine(2, store_factory=nvme)
+    losses = run_steps(first, range(SPLIT))
+    path = save(first, root / "offload", SPLIT)
+    first.store.close()
+    second = make_engine(3, store_factory=cpu)
+    load(second, path)
+    out["offload"] = losses + run_steps(second, range(SPLIT, STEPS))
     return out
 
 

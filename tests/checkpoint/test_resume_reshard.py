@@ -25,6 +25,12 @@ def test_bf16_checkpoint_holds_fp32_masters_that_an_fp32_run_resumes(world2):
     assert out["bf16_to_fp32_max_diff"] == 0.0
 
 
+def test_offloaded_stores_checkpoint_like_device_ones(world2):
+    out, _ = world2
+    diffs = [abs(a - b) for a, b in zip(out["offload"], out[2]["straight"])]
+    assert len(out["offload"]) == STEPS and max(diffs) < 1e-5, diffs
+
+
 @pytest.mark.parametrize("world,stage", [(1, 3), (4, 1)])
 def test_reshard_to_other_world_size_and_stage(world2, world, stage):
     out, root = world2
