@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepshard.core.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from deepshard.core.checkpoint import find_resume, load_checkpoint, save_checkpoint, unsupported_reason
 from deepshard.core.checkpoint_manifest import CheckpointError, prune, step_dirs
 from deepshard.core.engine import Engine
 from deepshard.finetune.data.resumable import ResumableStream
@@ -119,33 +119,39 @@ class RunCheckpoints:
         self.saved_step = -1
         self.preemption = Preemption()
         self.preempted = False
+        self.unsupported = unsupported_reason(engine.optimizer)
+        if self.unsupported:  # say so now, not after hours of training
+            log.warning("checkpoint: disabled for this run, not supported yet: %s", self.unsupported)
 
-    def _resolve(self) -> Path | None:
+    def _resolve(self) -> tuple[Path | None, bool]:
+        """The checkpoint to resume from, and whether it was verified already (by a search)."""
         resume = self.settings.resume
-        if resume == "none":
-            return None
+        if resume == "none" or (resume == "auto" and self.unsupported):
+            return None, False
+        if self.unsupported:
+            raise CheckpointError(f"checkpoint.resume={resume!r}: not supported yet for {self.unsupported}")
         if resume == "auto":
             path = find_resume(self.root)
             if path is None and not step_dirs(self.root):
                 log.info("checkpoint: none under %s, starting fresh", self.root)
             elif path is None:
                 log.warning("checkpoint: no usable checkpoint under %s, starting fresh", self.root)
-            return path
+            return path, True
         path = Path(resume)
         if not (path / "manifest.json").exists() and step_dirs(path):
             found = find_resume(path)
             if found is None:
                 raise CheckpointError(f"checkpoint.resume={resume!r}: no usable checkpoint in that folder")
-            return found
-        return path
+            return found, True
+        return path, False
 
     def resume(self) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
-        path = self._resolve()
+        path, verified = self._resolve()
         if path is None:
             return 0
         dp = self.engine.mesh["dp"]
-        app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model)
+        app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model, verify=not verified)
         self.data.load_state_dict(app["data"])
         self.tokens_seen = int(app["tokens_seen"])
         self.saved_step = int(app["step"])
@@ -160,10 +166,13 @@ class RunCheckpoints:
         if self.preempted or last or (every and step % every == 0):
             self.save(step)
             if self.preempted:
-                log.warning("checkpoint: preempted after step %d, saved %s; exiting", step, self.last_saved)
+                log.warning("checkpoint: preempted after step %d, saved %s; exiting", step,
+                            self.last_saved if not self.unsupported else "nothing (checkpoints disabled)")
         return self.preempted
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Path | None:
+        if self.unsupported:
+            return None
         if step == self.saved_step:
             return Path(self.last_saved or "")
         tok = self.tokenizer

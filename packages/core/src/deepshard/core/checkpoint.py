@@ -63,12 +63,20 @@ def clean_name(name: str) -> str:
     return name
 
 
+def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
+    """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
+    stages 1-2 would need a strided dp-over-tp placement that is not built here."""
+    stage = optimizer.stage
+    if 0 < stage.stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
+        return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
+    return None
+
+
 def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: DeviceMesh) -> DTensor:
     """``local`` (this rank's state for ``param``) as a DTensor with the layout the stage gives it."""
     if isinstance(param, DTensor):
-        if stage < 3 and stage > 0:
-            raise NotImplementedError("checkpointing tensor-parallel params at zero stages 1-2 is not supported; "
-                                      "use zero.stage=0 or 3 with tensor parallelism")
+        if 0 < stage < 3:
+            raise NotImplementedError("checkpointing tensor-parallel params at zero stages 1-2: see unsupported_reason")
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     placement = Replicate() if stage == 0 or param.dim() == 0 else Shard(0)
