@@ -84,60 +84,131 @@ class _HookedReducer:
 
 
 class AllReduceReducer(_HookedReducer):
-    """DDP semantics: average the full gradient over the group, in buckets."""
+    """DDP semantics: average the full gradient over the group, in buckets.
+
+    Gradients live as views of one flat buffer per bucket (DDP's ``gradient_as_bucket_view``):
+    autograd accumulates into them in place, and each bucket is all-reduced where it lies, with
+    no packing copy and no copy back.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
+                 overlap: bool) -> None:
+        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
+        self.flats: list[torch.Tensor] = []
+        for idx in self.buckets:
+            locals_ = [local_tensor(self.params[i].data) for i in idx]
+            self.flats.append(torch.zeros(sum(t.numel() for t in locals_), dtype=locals_[0].dtype,
+                                          device=locals_[0].device))
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Zero the buckets and (re)attach every grad as a view of its bucket."""
+        for flat, idx in zip(self.flats, self.buckets):
+            flat.zero_()
+            offset = 0
+            for i in idx:
+                p = self.params[i]
+                local = local_tensor(p.data)
+                p.grad = _like_param(p, flat[offset:offset + local.numel()].view(local.shape))
+                offset += local.numel()
 
     def _launch(self, b: int) -> None:
         self._launched[b] = True
-        grads = [self._grad_or_zeros(i) for i in self.buckets[b]]
-        buf = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(buf, group=self.group, async_op=self.overlap)
-        self._pending.append((b, buf, work if self.overlap else None))
+        for i in self.buckets[b]:  # someone replaced a grad (or set it None): bring it home
+            p = self.params[i]
+            if p.grad is None or local_tensor(p.grad).data_ptr() != self._view_ptr(b, i):
+                self._rebind(b, i)
+        work = dist.all_reduce(self.flats[b], group=self.group, async_op=self.overlap)
+        self._pending.append((b, self.flats[b], work if self.overlap else None))
+
+    def _view_ptr(self, b: int, i: int) -> int:
+        offset = 0
+        for j in self.buckets[b]:
+            if j == i:
+                return self.flats[b][offset:].data_ptr()
+            offset += local_tensor(self.params[j].data).numel()
+        raise AssertionError(i)
+
+    def _rebind(self, b: int, i: int) -> None:
+        p = self.params[i]
+        offset = 0
+        for j in self.buckets[b]:
+            n = local_tensor(self.params[j].data).numel()
+            if j == i:
+                view = self.flats[b][offset:offset + n].view(local_tensor(p.data).shape)
+                view.copy_(local_tensor(p.grad)) if p.grad is not None else view.zero_()
+                p.grad = _like_param(p, view)
+                return
+            offset += n
 
     def _complete(self, b: int, buf: torch.Tensor) -> None:
         buf.div_(self.world)
-        offset = 0
-        for i in self.buckets[b]:
-            p = self.params[i]
-            local = local_tensor(p.data)
-            g = buf[offset:offset + local.numel()].view(local.shape)
-            offset += local.numel()
-            if p.grad is None:
-                p.grad = _like_param(p, g.clone())
-            else:
-                local_tensor(p.grad).copy_(g)
 
 
 class ReduceScatterReducer(_HookedReducer):
-    """ZeRO-2: each rank keeps the averaged Shard(0) chunk of every gradient, nothing more."""
+    """ZeRO-2: each rank keeps the averaged Shard(0) chunk of every gradient, nothing more.
+
+    Packing goes through a small pool of reusable buffers (DeepSpeed's double ``ipg`` buffers):
+    when the pool runs dry the oldest reduction is completed during backward, so transient memory
+    stays at ``num_buffers`` buckets however large the model.
+    """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
-                 overlap: bool, on_shard_ready=None) -> None:
+                 overlap: bool, num_buffers: int = 2) -> None:
         super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
         self.shard_grads: list[torch.Tensor | None] = [None] * len(params)
-        self.on_shard_ready = on_shard_ready
+        self.num_buffers = num_buffers
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._in_use: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _buffers(self, b: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (packed input, reduced output) pair big enough for bucket ``b``."""
+        while not self._free and len(self._in_use) >= self.num_buffers and self._pending:
+            self._complete_oldest()
+        seg = self.layouts[b].segment
+        for k, (flat, out) in enumerate(self._free):
+            if flat.dtype == dtype and flat.numel() >= self.world * seg:
+                del self._free[k]
+                return flat, out
+        size = max(layout.segment for layout in self.layouts)
+        return (torch.empty(self.world * size, dtype=dtype, device=device),
+                torch.empty(size, dtype=dtype, device=device))
+
+    def _complete_oldest(self) -> None:
+        b, buf, work = self._pending.pop(0)
+        if work is not None:
+            work.wait()
+        self._complete(b, buf)
+
+    def finish(self) -> None:
+        super().finish()
+        self._free.extend(self._in_use.values())
+        self._in_use.clear()
 
     def _launch(self, b: int) -> None:
         self._launched[b] = True
         idx = self.buckets[b]
         layout = self.layouts[b]
         grads = [self._grad_or_zeros(i) for i in idx]
-        flat = torch.empty(self.world * layout.segment, dtype=grads[0].dtype, device=grads[0].device)
+        flat_all, out_all = self._buffers(b, grads[0].dtype, grads[0].device)
+        flat = flat_all[:self.world * layout.segment]
+        out = out_all[:layout.segment]
         layout.pack_full(grads, flat)
         for i in idx:  # the full gradient is gone as soon as it is packed
             self.params[i].grad = None
-        out = torch.empty(layout.segment, dtype=flat.dtype, device=flat.device)
+        self._in_use[b] = (flat_all, out_all)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=self.overlap)
         self._pending.append((b, out, work if self.overlap else None))
 
     def _complete(self, b: int, buf: torch.Tensor) -> None:
-        buf.div_(self.world)
         idx = self.buckets[b]
         chunks = [local_shard(local_tensor(self.params[i].data), self.world, self.rank) for i in idx]
         for i, view in zip(idx, self.layouts[b].local_views(buf, chunks)):
             if self.shard_grads[i] is None:
-                self.shard_grads[i] = view.clone()
+                self.shard_grads[i] = view / self.world
             else:
-                self.shard_grads[i].add_(view)
+                self.shard_grads[i].add_(view, alpha=1.0 / self.world)
+        self._free.append(self._in_use.pop(b))
 
     def zero_grad(self) -> None:
         self.shard_grads = [None] * len(self.params)

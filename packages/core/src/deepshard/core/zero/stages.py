@@ -104,8 +104,7 @@ class ReplicatedStage(ZeroStage):
         return [self.world * dtensor_replication(p) for p in self.params]
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self.reducer.zero_grad()
 
     def grad_bytes(self) -> int:
         return sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
@@ -122,15 +121,34 @@ class _GatherAfterStep:
         groups = group_into_buckets([p.numel() for p in params], [p.dtype for p in params], bucket_numel)
         self.buckets = [(idx, BucketLayout(idx, [params[i].shape for i in idx], self.world)) for idx in groups]
 
+        self._buffers: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _pair(self, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two reusable (send, recv) pairs, alternating: bucket k+1 gathers while k unpacks."""
+        if dtype not in self._buffers:
+            seg = max(layout.segment for _, layout in self.buckets)
+            self._buffers[dtype] = [(torch.empty(seg, dtype=dtype, device=device),
+                                     torch.empty(self.world * seg, dtype=dtype, device=device)) for _ in range(2)]
+        return self._buffers[dtype][k % 2]
+
     def gather(self) -> None:
-        for idx, layout in self.buckets:
+        pending = None
+        for k, (idx, layout) in enumerate(self.buckets):
             full = [self.params[i] for i in idx]
-            chunks = [local_shard(t, self.world, self.rank) for t in full]
-            send = torch.empty(layout.segment, dtype=full[0].dtype, device=full[0].device)
-            layout.pack_local(chunks, send)
-            recv = torch.empty(self.world * layout.segment, dtype=send.dtype, device=send.device)
-            dist.all_gather_single(recv, send, group=self.group)
-            layout.unpack_full(recv, full)
+            send, recv = self._pair(k, full[0].dtype, full[0].device)
+            send, recv = send[:layout.segment], recv[:self.world * layout.segment]
+            layout.pack_local([local_shard(t, self.world, self.rank) for t in full], send)
+            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+            if pending is not None:
+                self._unpack(*pending)
+            pending = (work, layout, recv, full)
+        if pending is not None:
+            self._unpack(*pending)
+
+    @staticmethod
+    def _unpack(work: dist.Work, layout: BucketLayout, recv: torch.Tensor, full: list[torch.Tensor]) -> None:
+        work.wait()
+        layout.unpack_full(recv, full)
 
 
 class ShardedOptimizerStage(ReplicatedStage):
