@@ -39,10 +39,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _quiet_stdout() -> None:
+    """Workers print (DeepSpeed's banners, launcher notices) to stderr: stdout carries the JSON alone."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+
 def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
     from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, init_distributed, initialize
     from deepshard.finetune.models.llama import Llama
 
+    _quiet_stdout()
     rank, _ = init_distributed()
     cfg = _model_cfg(dim, layers)
     torch.manual_seed(0)
@@ -63,6 +70,7 @@ def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
 
 
 def deepspeed_run(stage: int, dim: int, layers: int, steps: int) -> dict:
+    _quiet_stdout()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 

@@ -30,7 +30,7 @@ def test_jsonl_prompt_response_zero3_eval_profile_sample(tmp_path):
                    "train.sample_prompt=alice has two red apples.", "train.sample_tokens=4", *TINY)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "2 rank(s), zero stage 3" in out and "offload optimizer=cpu params=cpu" in out and "sample: 'alice has two red apples.' -> " in out
+    assert "2 rank(s), zero stage 3" in out and "sample: 'alice has two red apples.' -> " in out
     logged = scalars(tmp_path / "run/tensorboard")
     for tag in LOGGED:
         assert tag in logged, (tag, sorted(logged))
@@ -74,7 +74,7 @@ def test_deepspeed_zero3_cpu_offload_config_trains(tmp_path):
     proc = run_app(tmp_path, f"+deepspeed={FIXTURES / 'ds_zero3_offload.json'}", "train.max_steps=6", *TINY)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "2 rank(s), zero stage 3" in out
+    assert "2 rank(s), zero stage 3, offload optimizer=cpu params=cpu" in out
     warnings = [line for line in out.splitlines() if line.startswith("warning: deepspeed=")]
     assert len(warnings) == 1 and warnings[0].endswith(
         "not supported, ignored: zero_optimization.stage3_gather_16bit_weights_on_model_save, comms_logger")

@@ -203,7 +203,7 @@ def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, eng
     dp, t = engine.mesh["dp"], settings.train
     data = ResumableStream(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
                            micro_batch_size=t.micro_batch_size, seed=t.seed)
-    tokens_per_step = t.micro_batch_size * t.grad_accum * settings.data.seq_len * dp.size()
+    tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
     meta = {"model": dataclasses.asdict(settings.model), "config": cfg}
     ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,
                           tokens_per_step=tokens_per_step, meta=meta, tokenizer=tokenizer)

@@ -98,6 +98,16 @@ class TrainSchema:
 
 
 @dataclass
+class PipelineSchema:
+    """Used when parallel.pp > 1 (or tp > 1): torch.distributed.pipelining stages and schedule."""
+
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    microbatches: int = 4  # micro-batches per step and dp replica (the pipeline's gradient accumulation)
+    partition: str = "uniform"  # uniform | parameters | type:REGEX (DeepSpeed's partition_method)
+    virtual_stages: int = 0  # stages per rank for the interleaved schedules; 0: the schedule's default
+
+
+@dataclass
 class ProfileSchema:
     enabled: bool = False  # per-step wall-clock split, FLOP/s and MFU
     trace_steps: list[int] = field(default_factory=list)  # steps to record a torch.profiler trace of
@@ -122,6 +132,7 @@ class AppSchema:
     parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
     offload: OffloadSchema = field(default_factory=OffloadSchema)  # type: ignore[valid-type]
     profile: ProfileSchema = field(default_factory=ProfileSchema)
+    pipeline: PipelineSchema = field(default_factory=PipelineSchema)
     ac: str = "none"
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
@@ -156,6 +167,38 @@ class Settings:
     nproc_per_node: str
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    pipeline: PipelineSchema = field(default_factory=PipelineSchema)
+
+    @property
+    def uses_pipeline(self) -> bool:
+        """Pipeline or tensor parallel: the model goes through deepshard.pipeline, not the plain engine."""
+        return self.parallel.pp > 1 or self.parallel.tp > 1
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.pipeline.microbatches if self.uses_pipeline else self.train.grad_accum
+
+
+def _validate_pipeline(settings: Settings) -> None:
+    """pp/tp runs: the schedule, the split, the TP divisibility, and what they do not support yet."""
+    from deepshard.finetune.models.parallelize import check_tp
+    from deepshard.pipeline import validate_pipeline
+
+    p, par, d, t = settings.pipeline, settings.parallel, settings.data, settings.train
+    virtual = p.virtual_stages or (2 if p.schedule in ("interleaved_1f1b", "zero_bubble") else 1)
+    validate_pipeline(schedule=p.schedule, pp=par.pp, microbatches=p.microbatches, virtual_stages=virtual,
+                      num_layers=settings.model.n_layers, partition=p.partition)
+    check_tp(settings.model, par.tp)
+    unsupported = [("train.grad_accum", t.grad_accum, t.grad_accum != 1, "use pipeline.microbatches"),
+                   ("data.eval_fraction", d.eval_fraction, d.eval_fraction > 0, "set it to 0"),
+                   ("train.sample_prompt", t.sample_prompt, bool(t.sample_prompt), "leave it unset"),
+                   ("data.doc_mask", d.doc_mask, d.doc_mask and d.pack,
+                    "set data.doc_mask=false"),
+                   ("model.name", settings.model_name, settings.model_name == "hf", "use model=tiny|small")]
+    for key, value, bad, fix in unsupported:
+        if bad:
+            raise ValueError(f"{key}={value!r} with parallel.pp={par.pp} parallel.tp={par.tp}: not supported with "
+                             f"pipeline/tensor parallelism yet; {fix}")
 
 
 def _positive(key: str, value: int) -> None:
@@ -242,7 +285,11 @@ def validate(cfg: dict) -> Settings:
     validate_config(offload)
     nproc = str(cfg["launcher"]["nproc_per_node"])
     resolve_nproc(nproc, 0)
-    return Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
-                    parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d), nproc_per_node=nproc,
-                    profile=ProfileSchema(**(cfg.get("profile") or {})),
-                    checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}))
+    settings = Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
+                        parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d),
+                        nproc_per_node=nproc, profile=ProfileSchema(**(cfg.get("profile") or {})),
+                        checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}),
+                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})))
+    if settings.uses_pipeline:
+        _validate_pipeline(settings)
+    return settings

@@ -17,12 +17,13 @@ from deepshard.finetune.checkpointing import start_checkpointing
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.tokenizer import load_tokenizer
-from deepshard.finetune.evaluate import evaluate, model_inputs
+from deepshard.finetune.evaluate import evaluate
 from deepshard.finetune.metrics import RunLogger
 from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
+from deepshard.finetune.steppers import EngineStepper, PipelineStepper
 from deepshard.offload import make_store_factory
 
 log = logging.getLogger("deepshard.finetune")
@@ -44,6 +45,29 @@ def build_model(s: Settings, device: torch.device) -> Llama:
     return model
 
 
+def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineStepper:
+    """The engine (data parallel) or the pipeline trainer (pp/tp > 1), wrapped as a stepper."""
+    device = local_device()
+    store_factory = make_store_factory(s.offload, rank, run_id())
+    offload_params = s.offload.params == "cpu"
+    if s.uses_pipeline:
+        from deepshard.finetune.models.parallelize import llama_stage_init, pipeline_llama
+
+        with torch.device("meta"):
+            model = Llama(s.model)
+        if s.model_name == "hf":
+            raise ValueError("model=hf with parallel.pp/tp > 1: not supported yet (use parallel.pp=1 parallel.tp=1)")
+        p = s.pipeline
+        trainer = pipeline_llama(model, mesh, s.engine, schedule=p.schedule, microbatches=p.microbatches,
+                                 partition=p.partition, virtual_stages=p.virtual_stages or None,
+                                 init_fn=llama_stage_init(s.train.seed), store_factory=store_factory,
+                                 offload_params=offload_params, device=device)
+        return PipelineStepper(trainer, mesh, microbatches=p.microbatches, device=device)
+    engine = initialize(build_model(s, device), s.engine, mesh=mesh, store_factory=store_factory,
+                        offload_params=offload_params)
+    return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
+
+
 def build_dataset(s: Settings, tokenizer):
     """The training dataset alone (see data.build.build_datasets for the held-out split)."""
     return build_datasets(s.data, tokenizer, s.model.vocab_size)[0]
@@ -61,10 +85,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     torch.manual_seed(settings.train.seed)
 
     tokenizer = load_tokenizer(settings.model_path)
-    model = build_model(settings, local_device())
-    store_factory = make_store_factory(settings.offload, rank, run_id())
-    engine = initialize(model, settings.engine, mesh=mesh, store_factory=store_factory,
-                        offload_params=settings.offload.params == "cpu")
+    stepper = build_stepper(settings, mesh, rank=rank)
+    engine = stepper.engine
     dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
     # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
@@ -72,36 +94,27 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
                                                     tokenizer=tokenizer)
     logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, initial_step=start_step,
                        tb_dir=t.tensorboard_dir)
-    prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
-                          device=local_device())
+    prof = stepper.prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
+                                        device=local_device())
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
                  "micro_batch_size": t.micro_batch_size, "device": local_device()}
     evals: dict[str, float] = {}
     off = settings.offload
     offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
-    logger.print(f"deepshard: {world} rank(s), zero stage {settings.engine.zero.stage}{offload}, "
-                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params, "
+    par = settings.parallel.resolve(world)
+    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if settings.uses_pipeline else ""
+    logger.print(f"deepshard: {world} rank(s){layout}, zero stage {settings.engine.zero.stage}{offload}, "
+                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params per rank, "
                  f"{len(dataset)} windows of {settings.data.seq_len} tokens")
 
-    tokens_per_step = t.micro_batch_size * t.grad_accum * settings.data.seq_len * dp.size()
+    tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
     losses: list[float] = []
     start = time.perf_counter()
     step_start = start
     for step in range(start_step + 1, t.max_steps + 1):
         prof.begin_step(step)
-        total = torch.zeros((), device=local_device())
-        for _ in range(t.grad_accum):
-            args, kwargs = model_inputs(next(batches), local_device())
-            with prof.phase("forward"):
-                loss = engine(*args, **kwargs)
-            total += loss.detach().float()
-            with prof.phase("backward"):
-                engine.backward(loss)
-        memory = engine.memory()["measured"] if step == 1 else None
-        with prof.phase("optimizer"):
-            stats = engine.step()
-        dist.all_reduce(total, group=dp.get_group())
-        loss_value = total.item() / (t.grad_accum * dp.size())
+        out = stepper(batches, measure_memory=step == start_step + 1)
+        loss_value, stats, memory = out.loss, out.stats, out.memory
         losses.append(loss_value)
         now = time.perf_counter()
         tok_s = tokens_per_step / (now - step_start)
@@ -131,16 +144,18 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     ckpt.close()
     elapsed = time.perf_counter() - start
     logger.close()
-    k = max(1, min(10, len(losses)))
-    summary = {"steps": t.max_steps, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
-               "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * t.max_steps / elapsed,
+    ran = len(losses)
+    k = max(1, min(10, ran // 2))
+    summary = {"steps": start_step + ran, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
+               "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * ran / max(elapsed, 1e-9),
                "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals,
                "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved}
     if t.sample_prompt:
         summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
                                           max_seq_len=settings.model.max_seq_len, device=local_device())
         logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
-    logger.print(f"done: {t.max_steps} steps in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
+    what = "preempted" if ckpt.preempted else "done"
+    logger.print(f"{what}: steps {start_step + 1}-{start_step + ran} in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
                  f"{summary['final_loss']:.3f} (mean of first/last {k}), {summary['tokens_per_s']:,.0f} tok/s, "
                  f"logs in {run_dir}")
     dist.destroy_process_group()

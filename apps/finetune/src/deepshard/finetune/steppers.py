@@ -1,0 +1,91 @@
+"""One optimizer step of the run, over the two ways a model is parallelized.
+
+``EngineStepper``: data parallel only (ZeRO 0-3 through ``deepshard.core.initialize``), gradient
+accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipeline and/or tensor
+parallel (``parallel.pp`` / ``parallel.tp`` > 1) through ``deepshard.pipeline``; its micro-batches
+are the pipeline's (``pipeline.microbatches``).  The loop in train.py sees one interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.core.memory import ModelStateBytes
+from deepshard.core.optim import StepStats
+from deepshard.finetune.evaluate import model_inputs
+
+
+@dataclass
+class StepOutput:
+    loss: float  # the global mean loss of the step, identical on every rank
+    stats: StepStats
+    memory: ModelStateBytes | None  # measured model-state bytes after backward, when asked
+
+
+class EngineStepper:
+    """``engine(batch)``, ``engine.backward(loss)`` per micro-batch, then ``engine.step()``."""
+
+    def __init__(self, engine, *, grad_accum: int, device: torch.device) -> None:
+        self.engine = engine
+        self.grad_accum = grad_accum
+        self.device = device
+        self.prof = None  # the run's StepProfiler, set once the engine exists
+        self.dp_group = engine.mesh["dp"].get_group()
+        self.dp_size = engine.mesh["dp"].size()
+
+    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.grad_accum):
+            args, kwargs = model_inputs(next(batches), self.device)
+            with self.prof.phase("forward"):
+                loss = self.engine(*args, **kwargs)
+            total += loss.detach().float()
+            with self.prof.phase("backward"):
+                self.engine.backward(loss)
+        memory = self.engine.memory()["measured"] if measure_memory else None
+        with self.prof.phase("optimizer"):
+            stats = self.engine.step()
+        dist.all_reduce(total, group=self.dp_group)
+        return StepOutput(total.item() / (self.grad_accum * self.dp_size), stats, memory)
+
+
+class PipelineEngine:
+    """What checkpointing and logging need from a pipeline trainer, named as on ``Engine``."""
+
+    def __init__(self, trainer, mesh: DeviceMesh) -> None:
+        self.trainer = trainer
+        self.mesh = mesh
+        self.optimizer = trainer.optimizer
+        self.stage = trainer.zero
+        self.model = None  # stage modules keep the full model's FQNs; the optimizer holds every param
+        self.num_params = trainer.num_params
+
+    def memory(self) -> dict[str, ModelStateBytes]:
+        return self.trainer.memory()
+
+
+class PipelineStepper:
+    """``pipeline.microbatches`` micro-batches stacked into one batch for the schedule."""
+
+    def __init__(self, trainer, mesh: DeviceMesh, *, microbatches: int, device: torch.device) -> None:
+        self.engine = PipelineEngine(trainer, mesh)
+        self.trainer = trainer
+        self.microbatches = microbatches
+        self.device = device
+        self.prof = None
+
+    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+        parts = [next(batches) for _ in range(self.microbatches)]
+        ids = torch.cat([p["input_ids"] for p in parts]).to(self.device)
+        labels = torch.cat([p["labels"] for p in parts]).to(self.device)
+        with self.prof.phase("forward"):  # forward, backward and the step run inside the schedule
+            result = self.trainer.train_step(ids, labels)
+        memory = None
+        if measure_memory:  # after the step the grads are gone: count them as the stage holds them
+            memory = self.trainer.memory()["measured"]
+        return StepOutput(result.loss, result.stats, memory)

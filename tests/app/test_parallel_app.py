@@ -1,0 +1,57 @@
+"""The app's pipeline / tensor-parallel path: it trains, it logs the global loss, and bad layouts
+fail before any work with the key named (parity itself is proven in tests/pipeline)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from deepshard.finetune.config import register, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+register()
+
+
+def _validate(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return validate(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["parallel.pp=8", "pipeline.microbatches=8"], "model.n_layers"),  # 8 stages > 6 layers
+    (["parallel.tp=3"], "parallel.tp"),
+    (["parallel.pp=2", "pipeline.microbatches=1"], "pipeline.microbatches"),
+    (["parallel.pp=2", "pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=3"], "pipeline.microbatches"),
+    (["parallel.pp=2", "pipeline.schedule=dualpipe"], "pipeline.schedule"),
+    (["parallel.pp=2", "train.grad_accum=2"], "train.grad_accum"),
+    (["parallel.tp=2", "data.eval_fraction=0.1"], "data.eval_fraction"),
+])
+def test_bad_parallel_layouts_name_the_key(overrides, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        _validate(overrides)
+
+
+def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "apps/finetune/main.py"), "parallel.pp=3",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "parallel.pp=3" in proc.stderr and "world size 2" in proc.stderr
+
+
+def test_pipeline_run_trains(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "apps/finetune/main.py"), "parallel.pp=2", "train.max_steps=8",
+         "train.log_every=4", "pipeline.schedule=gpipe", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "2 rank(s) (pp 2 x dp 1 x tp 1)" in out
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.5
