@@ -95,51 +95,42 @@ class AllReduceReducer(_HookedReducer):
                  overlap: bool) -> None:
         super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
         self.flats: list[torch.Tensor] = []
+        self.offsets: dict[int, int] = {}  # param index -> element offset in its bucket's flat buffer
         for idx in self.buckets:
-            locals_ = [local_tensor(self.params[i].data) for i in idx]
-            self.flats.append(torch.zeros(sum(t.numel() for t in locals_), dtype=locals_[0].dtype,
-                                          device=locals_[0].device))
+            offset = 0
+            for i in idx:
+                self.offsets[i] = offset
+                offset += local_tensor(self.params[i].data).numel()
+            first = local_tensor(self.params[idx[0]].data)
+            self.flats.append(torch.zeros(offset, dtype=first.dtype, device=first.device))
         self.zero_grad()
+
+    def _view(self, i: int) -> torch.Tensor:
+        local = local_tensor(self.params[i].data)
+        flat = self.flats[self.bucket_of[i]]
+        return flat[self.offsets[i]:self.offsets[i] + local.numel()].view(local.shape)
 
     def zero_grad(self) -> None:
         """Zero the buckets and (re)attach every grad as a view of its bucket."""
-        for flat, idx in zip(self.flats, self.buckets):
+        for flat in self.flats:
             flat.zero_()
-            offset = 0
-            for i in idx:
-                p = self.params[i]
-                local = local_tensor(p.data)
-                p.grad = _like_param(p, flat[offset:offset + local.numel()].view(local.shape))
-                offset += local.numel()
+        for i, p in enumerate(self.params):
+            p.grad = _like_param(p, self._view(i))
 
     def _launch(self, b: int) -> None:
         self._launched[b] = True
         for i in self.buckets[b]:  # someone replaced a grad (or set it None): bring it home
             p = self.params[i]
-            if p.grad is None or local_tensor(p.grad).data_ptr() != self._view_ptr(b, i):
-                self._rebind(b, i)
+            view = self._view(i)
+            if p.grad is None:
+                view.zero_()
+            elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                view.copy_(local_tensor(p.grad))
+            else:
+                continue
+            p.grad = _like_param(p, view)
         work = dist.all_reduce(self.flats[b], group=self.group, async_op=self.overlap)
         self._pending.append((b, self.flats[b], work if self.overlap else None))
-
-    def _view_ptr(self, b: int, i: int) -> int:
-        offset = 0
-        for j in self.buckets[b]:
-            if j == i:
-                return self.flats[b][offset:].data_ptr()
-            offset += local_tensor(self.params[j].data).numel()
-        raise AssertionError(i)
-
-    def _rebind(self, b: int, i: int) -> None:
-        p = self.params[i]
-        offset = 0
-        for j in self.buckets[b]:
-            n = local_tensor(self.params[j].data).numel()
-            if j == i:
-                view = self.flats[b][offset:offset + n].view(local_tensor(p.data).shape)
-                view.copy_(local_tensor(p.grad)) if p.grad is not None else view.zero_()
-                p.grad = _like_param(p, view)
-                return
-            offset += n
 
     def _complete(self, b: int, buf: torch.Tensor) -> None:
         buf.div_(self.world)
