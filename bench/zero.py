@@ -9,6 +9,7 @@ run, and the JSON adds our/DeepSpeed ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -107,12 +108,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-deepspeed", action="store_true")
     args = ap.parse_args()
-    try:
-        import deepspeed  # noqa: F401
-
-        have_ds = not args.no_deepspeed
-    except Exception:  # not installed (or broken): our figures alone
-        have_ds = False
+    # find, not import: importing DeepSpeed prints its accelerator banner to stdout
+    have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
     out = {"model": {"dim": args.dim, "layers": args.layers, "seq": SEQ, "micro_batch": MBS}, "worlds": {}}
     for world in args.worlds:
         rows = {}
