@@ -26,6 +26,8 @@ def _worker(cases):
         losses, params, stats, memory = distributed_run(engine_config(stage, accum, clip), STEPS)
         out[(stage, accum, clip)] = (losses, params, [s.grad_norm for s in stats],
                                      {k: v.as_dict() for k, v in memory.items()})
+    # stage 3 built on the meta device: each rank materializes only its shards, same weights
+    out["meta3"] = distributed_run(engine_config(3, 1, 0.0), STEPS, meta=True)[:2]
     # bf16 with fp32 master weights, stage 2: close to the fp32 reference, looser tolerance
     out["bf16"] = distributed_run(engine_config(2, 1, 0.0, dtype="bf16"), STEPS)[0]
     return out
@@ -61,6 +63,13 @@ def test_memory_matches_zero_formula_world2(runs, stage):
         mem = runs[rank][(stage, 1, 0.0)][3]
         measured, expected = mem["measured"]["total"], mem["expected"]["total"]
         assert abs(measured - expected) <= 0.1 * expected, (stage, mem)
+
+
+def test_stage3_sharded_init_on_meta_matches_reference(runs):
+    ref_losses, ref_params = reference(STEPS, 2, 1, engine_config(3).optim)
+    losses, params = runs[0]["meta3"]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max(_rel(params[n], ref_params[n]) for n in ref_params) < 1e-5
 
 
 def test_bf16_close_to_fp32_reference(runs):

@@ -55,13 +55,18 @@ def reference(num_steps: int, world: int, grad_accum: int, optim: OptimConfig, c
 
 
 def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaConfig = MICRO,
-                    store_factory=None, inject_overflow_at: int = -1):
+                    store_factory=None, inject_overflow_at: int = -1, meta: bool = False):
     """Run the engine on this rank; returns (global losses, full params, stats, memory)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(cfg)
     kwargs = {} if store_factory is None else {"store_factory": store_factory}
+    if meta:  # ZeRO-3 sharded init: built on meta, each rank materializes only its shards
+        with torch.device("meta"):
+            model = Llama(cfg)
+        kwargs["materialize"] = lambda m: m.init_weights(0)
+    else:
+        model = build_model(cfg)
     engine = initialize(model, config, mesh=mesh, **kwargs)
     data = batches(num_steps, world, config.grad_accum, cfg)
     losses, stats, memory = [], [], None

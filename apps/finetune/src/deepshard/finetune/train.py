@@ -34,14 +34,20 @@ def run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "local")
 
 
-def build_model(s: Settings, device: torch.device) -> Llama:
-    """On the meta device first (no memory), then materialized and initialized with the run's seed."""
-    with torch.device("meta"):
-        model = Llama(s.model)
-    model.to_empty(device=device)
+def init_model(model: Llama, s: Settings) -> None:
+    """The run's seeded init, then the HF weights for model=hf (works on ZeRO-3 shards too)."""
     model.init_weights(seed=s.train.seed)
     if s.model_name == "hf":
         load_hf_weights(model, s.model_path)
+
+
+def build_model(s: Settings, device: torch.device, *, materialize: bool = True) -> Llama:
+    """On the meta device first (no memory); then, unless ZeRO-3 will shard it first, materialized."""
+    with torch.device("meta"):
+        model = Llama(s.model)
+    if materialize:
+        model.to_empty(device=device)
+        init_model(model, s)
     return model
 
 
@@ -63,8 +69,10 @@ def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineSt
                                  init_fn=llama_stage_init(s.train.seed), store_factory=store_factory,
                                  offload_params=offload_params, device=device)
         return PipelineStepper(trainer, mesh, microbatches=p.microbatches, device=device)
-    engine = initialize(build_model(s, device), s.engine, mesh=mesh, store_factory=store_factory,
-                        offload_params=offload_params)
+    sharded_init = s.engine.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
+    engine = initialize(build_model(s, device, materialize=not sharded_init), s.engine, mesh=mesh,
+                        store_factory=store_factory, offload_params=offload_params,
+                        materialize=(lambda m: init_model(m, s)) if sharded_init else None)
     return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
 
 

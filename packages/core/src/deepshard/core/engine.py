@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig
 from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_bytes
-from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed
+from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device
 from deepshard.core.optim import StepStats, ZeroOptimizer
 from deepshard.core.precision import LossScaler
 from deepshard.core.schedules import LRSchedule
@@ -116,11 +116,14 @@ def initialize(
     blocks: Sequence[nn.Module] | None = None,
     store_factory: StoreFactory = DeviceStateStore,
     offload_params: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> Engine:
     """Apply activation checkpointing, precision and ZeRO to ``model`` (fp32, on its device).
 
     ``mesh`` defaults to a pure data-parallel mesh over all ranks (a 1-rank group is started
-    when none exists).  ``store_factory`` decides where optimizer state lives.
+    when none exists).  ``store_factory`` decides where optimizer state lives.  A ``model`` built
+    on the meta device (stage 3: no rank ever holds the whole model, DeepSpeed's zero.Init) is
+    moved to the device after sharding and initialized by ``materialize(model)``.
     """
     if mesh is None:
         init_distributed()
@@ -136,8 +139,16 @@ def initialize(
     num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
 
     fp32_locals = cast_to_compute_dtype(model, dp_mesh, stage_num, dtype)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and (stage_num != 3 or materialize is None):
+        raise ValueError(f"zero.stage={stage_num}: a model on the meta device needs zero.stage=3 and a "
+                         f"materialize function (stages 0-2 keep full replicated params)")
     stage = apply_zero(model, dp_mesh, config.zero, blocks=list(blocks), param_dtype=dtype,
                        offload_params=offload_params)
+    if on_meta:
+        model.to_empty(device="cpu" if offload_params else local_device())
+        with torch.no_grad():
+            materialize(model)
     oc = config.optim
     adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
     store = store_factory(stage.local_params(), decays(stage.names, stage.params, oc.weight_decay), adamw)

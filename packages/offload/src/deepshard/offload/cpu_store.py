@@ -56,6 +56,8 @@ class CpuStateStore(StateStore):
 
     def grad_ready(self, index: int, grad: torch.Tensor) -> None:
         """Start the device->host copy (cast to fp32) of one final gradient, overlapping backward."""
+        if not grad.is_cuda and grad.dtype == torch.float32:
+            return  # already what the host Adam reads: step() takes it as it is, no copy, no buffer touched
         dst = self._host_grads[index]
         if self._stream is not None and grad.is_cuda:
             self._stream.wait_stream(torch.cuda.current_stream(grad.device))  # grad is computed

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.finetune.models.llama import Llama, LlamaConfig, copy_global
 
 HF_ARCH = "LlamaForCausalLM"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -95,7 +95,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
-    """Copy a HF checkpoint's weights into ``model`` (plain, before any sharding), one tensor at a time."""
+    """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -112,7 +112,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
                 if t.shape != params[name].shape:
                     raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(t.shape)}, "
                                      f"our model expects {list(params[name].shape)}")
-                params[name].copy_(t)
+                copy_global(params[name], t)
                 missing.discard(name)
     if missing:
         raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
@@ -47,6 +49,16 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+
+def copy_global(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a full value into ``dst``; a sharded DTensor (ZeRO-3 built on meta) takes its piece only,
+    so a sharded model gets exactly the weights the single-process model gets."""
+    if isinstance(dst, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(value.shape, dst.device_mesh, dst.placements)
+        dst.to_local().copy_(value[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    else:
+        dst.copy_(value)
 
 
 def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +162,7 @@ class Llama(nn.Module):
                 p.fill_(1.0)
                 continue
             s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-            p.copy_(torch.randn(p.shape, generator=g) * s)
+            copy_global(p, torch.randn(p.shape, generator=g) * s)
         cos, sin = rope_cache(self.cfg, self.cfg.max_seq_len, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
