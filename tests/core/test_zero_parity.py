@@ -26,11 +26,38 @@ def _worker(cases):
         losses, params, stats, memory = distributed_run(engine_config(stage, accum, clip), STEPS)
         out[(stage, accum, clip)] = (losses, params, [s.grad_norm for s in stats],
                                      {k: v.as_dict() for k, v in memory.items()})
+    out["grad_ready"] = _grad_ready_timing()
     # stage 3 built on the meta device: each rank materializes only its shards, same weights
     out["meta3"] = distributed_run(engine_config(3, 1, 0.0), STEPS, meta=True)[:2]
     # bf16 with fp32 master weights, stage 2: close to the fp32 reference, looser tolerance
     out["bf16"] = distributed_run(engine_config(2, 1, 0.0, dtype="bf16"), STEPS)[0]
     return out
+
+
+def _grad_ready_timing():
+    """Stage 2 hands each final gradient shard to the store while backward runs (offload copies it
+    early), only on the accumulation boundary; returns the store's calls seen after each backward."""
+    from zero_harness import build_model
+
+    from deepshard.core import DeviceStateStore, initialize
+
+    class Recording(DeviceStateStore):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = []
+
+        def grad_ready(self, index, grad):
+            self.calls.append(index)
+
+    engine = initialize(build_model(), engine_config(2, 2, 0.0), store_factory=Recording)
+    tokens = torch.randint(0, 96, (2, 17))
+    seen = []
+    for _ in range(2):  # micro-step 1: not final; micro-step 2: the boundary
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        seen.append(list(engine.store.calls))
+    engine.step()
+    seen.append(list(engine.store.calls))
+    return seen, len(engine.stage.params)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +90,13 @@ def test_memory_matches_zero_formula_world2(runs, stage):
         mem = runs[rank][(stage, 1, 0.0)][3]
         measured, expected = mem["measured"]["total"], mem["expected"]["total"]
         assert abs(measured - expected) <= 0.1 * expected, (stage, mem)
+
+
+def test_stage2_reports_final_shards_during_backward(runs):
+    (after_first, after_boundary, after_step), num_params = runs[0]["grad_ready"]
+    assert after_first == []
+    assert sorted(after_boundary) == list(range(num_params))  # every shard, before the step began
+    assert after_step == after_boundary  # the optimizer did not report any twice
 
 
 def test_stage3_sharded_init_on_meta_matches_reference(runs):

@@ -47,11 +47,13 @@ class ZeroOptimizer:
         self.scaler = scaler
         self.grad_clip = grad_clip
         self.num_updates = 0
+        stage.on_grad_ready = store.grad_ready
 
     def step(self) -> StepStats:
         grads = self.stage.local_grads()
         for i, g in enumerate(grads):
-            self.store.grad_ready(i, g)
+            if i not in self.stage.reported:  # the rest were handed over while backward ran
+                self.store.grad_ready(i, g)
         sq = global_grad_sq_norm(grads, self.stage.replication())
         scale = self.scaler.scale
         lr = self.lr_at(self.num_updates)

@@ -8,6 +8,8 @@ packed: the whole gradient is never held at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -145,9 +147,11 @@ class ReduceScatterReducer(_HookedReducer):
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
-                 overlap: bool, num_buffers: int = 2) -> None:
+                 overlap: bool, num_buffers: int = 2,
+                 on_shard: Callable[[int, torch.Tensor], None] | None = None) -> None:
         super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
         self.shard_grads: list[torch.Tensor | None] = [None] * len(params)
+        self.on_shard = on_shard  # called with each averaged shard as it lands
         self.num_buffers = num_buffers
         self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._in_use: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -199,6 +203,8 @@ class ReduceScatterReducer(_HookedReducer):
                 self.shard_grads[i] = view / self.world
             else:
                 self.shard_grads[i].add_(view, alpha=1.0 / self.world)
+            if self.on_shard is not None:
+                self.on_shard(i, self.shard_grads[i])
         self._free.append(self._in_use.pop(b))
 
     def zero_grad(self) -> None:

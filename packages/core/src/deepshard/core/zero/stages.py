@@ -8,6 +8,7 @@ the optimizer state lives: that is the StateStore's business.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,11 @@ class ZeroStage(ABC):
     stage: int
     params: list[nn.Parameter]
     names: list[str]
+    # set by the optimizer to the store's grad_ready: a stage that knows a gradient shard is final
+    # while backward still runs calls it then (offload starts the device->host copy early) and
+    # records the index in ``reported``; the optimizer reports the rest at step time
+    on_grad_ready: Callable[[int, torch.Tensor], None] | None = None
+    reported: set[int] = frozenset()  # type: ignore[assignment]
 
     @abstractmethod
     def local_params(self) -> list[torch.Tensor]:
@@ -187,12 +193,20 @@ class ShardedGradStage(ShardedOptimizerStage):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.reducer = ReduceScatterReducer(self.params, group, bucket_numel=reduce_bucket_numel,
-                                            overlap=overlap_comm)
+                                            overlap=overlap_comm, on_shard=self._shard_final)
         self.gatherer = _GatherAfterStep([local_tensor(p.data) for p in self.params], group,
                                          allgather_bucket_numel)
+        self.reported = set()
 
     def set_grad_sync(self, enabled: bool) -> None:
-        """Stage 2 reduces every micro-step: holding unreduced full grads would defeat it."""
+        """Stage 2 reduces every micro-step (holding unreduced full grads would defeat it); ``enabled``
+        marks the accumulation boundary, where each reduced shard is final as soon as it lands."""
+        self.boundary = enabled
+
+    def _shard_final(self, index: int, grad: torch.Tensor) -> None:
+        if getattr(self, "boundary", True) and self.on_grad_ready is not None:
+            self.on_grad_ready(index, grad)
+            self.reported.add(index)
 
     def local_grads(self) -> list[torch.Tensor]:
         out = []
@@ -203,6 +217,7 @@ class ShardedGradStage(ShardedOptimizerStage):
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+        self.reported = set()
         for p in self.params:
             p.grad = None
 
