@@ -54,10 +54,13 @@ def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
     rank, _ = init_distributed()
     cfg = _model_cfg(dim, layers)
     torch.manual_seed(0)
-    model = Llama(cfg)
+    sharded_init = stage == 3  # as the app does: no rank ever holds the whole model
+    with torch.device("meta" if sharded_init else "cpu"):
+        model = Llama(cfg)
     engine = initialize(model, EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=5_000_000,
                                                             allgather_bucket_size=5_000_000),
-                                            optim=OptimConfig(lr=1e-4, grad_clip=1.0)))
+                                            optim=OptimConfig(lr=1e-4, grad_clip=1.0)),
+                        materialize=(lambda m: m.init_weights(0)) if sharded_init else None)
     times, memory = [], None
     for i, tokens in enumerate(_batches(rank, steps + 2, cfg.vocab_size)):
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from deepshard.core.zero.reducer import dtensor_replication, local_tensor
-from deepshard.core.zero.stages import ZeroStage, trainable
+from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, trainable
 
 
 def apply_fsdp(
@@ -58,8 +58,7 @@ class FullyShardedStage(ZeroStage):
         return [local_tensor(p.data) for p in self.params]
 
     def local_grads(self) -> list[torch.Tensor]:
-        return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
-                for p in self.params]
+        return param_grads(self.params)
 
     def replication(self) -> list[int]:
         return [dtensor_replication(p) for p in self.params]
@@ -69,7 +68,7 @@ class FullyShardedStage(ZeroStage):
             p.grad = None
 
     def grad_bytes(self) -> int:
-        return sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
+        return held_grad_bytes(self.params)
 
     def param_bytes(self) -> int:
         return sum(local_tensor(p.data).nbytes for p in self.params)

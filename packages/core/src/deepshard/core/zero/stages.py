@@ -74,6 +74,15 @@ class ZeroStage(ABC):
         return total
 
 
+def param_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Each param's local gradient, zeros where backward left none (stages whose grads live in ``.grad``)."""
+    return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data)) for p in params]
+
+
+def held_grad_bytes(params: list[nn.Parameter]) -> int:
+    return sum(local_tensor(p.grad).nbytes for p in params if p.grad is not None)
+
+
 def trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [n for n, _ in named], [p for _, p in named]
@@ -103,8 +112,7 @@ class ReplicatedStage(ZeroStage):
         return [local_tensor(p.data) for p in self.params]
 
     def local_grads(self) -> list[torch.Tensor]:
-        return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
-                for p in self.params]
+        return param_grads(self.params)
 
     def replication(self) -> list[int]:
         return [self.world * dtensor_replication(p) for p in self.params]
@@ -113,7 +121,7 @@ class ReplicatedStage(ZeroStage):
         self.reducer.zero_grad()
 
     def grad_bytes(self) -> int:
-        return sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
+        return held_grad_bytes(self.params)
 
 
 class _GatherAfterStep:
