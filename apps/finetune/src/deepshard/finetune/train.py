@@ -111,9 +111,9 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
     par = settings.parallel.resolve(world)
     layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if settings.uses_pipeline else ""
-    per_rank = " per pp/tp rank" if settings.uses_pipeline else ""  # each pp/tp rank holds a part
+    params_scope = " per pp/tp rank" if settings.uses_pipeline else ""  # each pp/tp rank holds a part
     logger.print(f"deepshard: {world} rank(s){layout}, zero stage {settings.engine.zero.stage}{offload}, "
-                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params{per_rank}, "
+                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params{params_scope}, "
                  f"{len(dataset)} windows of {settings.data.seq_len} tokens")
 
     tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
