@@ -34,8 +34,6 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     if nproc == 1:
         return train_worker(container, run_dir)
     threshold = int(container["launcher"].get("malloc_mmap_threshold", 0))
-    if threshold < 0:
-        raise ValueError(f"launcher.malloc_mmap_threshold={threshold}: must be >= 0 bytes (0: glibc's default)")
     if threshold:  # read by glibc at the workers' start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     run_id = f"run{os.getpid()}"

@@ -288,6 +288,9 @@ def validate(cfg: dict) -> Settings:
     validate_config(offload)
     nproc = str(cfg["launcher"]["nproc_per_node"])
     resolve_nproc(nproc, 0)
+    threshold = cfg["launcher"].get("malloc_mmap_threshold", 0)
+    if threshold < 0:
+        raise ValueError(f"launcher.malloc_mmap_threshold={threshold}: must be >= 0 bytes (0: glibc's default)")
     settings = Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
                         parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d),
                         nproc_per_node=nproc, profile=ProfileSchema(**(cfg.get("profile") or {})),

@@ -76,11 +76,6 @@ def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineSt
     return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
 
 
-def build_dataset(s: Settings, tokenizer):
-    """The training dataset alone (see data.build.build_datasets for the held-out split)."""
-    return build_datasets(s.data, tokenizer, s.model.vocab_size)[0]
-
-
 def train_worker(cfg: dict, run_dir: str) -> dict:
     """Train on this rank; returns the run's summary (identical on every rank)."""
     settings = validate(cfg)

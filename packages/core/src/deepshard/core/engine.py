@@ -19,13 +19,11 @@ from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, loca
 from deepshard.core.optim import StepStats, ZeroOptimizer
 from deepshard.core.precision import LossScaler
 from deepshard.core.schedules import LRSchedule
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
 from deepshard.core.zero import apply_zero
 from deepshard.core.zero.layout import local_shard
 from deepshard.core.zero.reducer import local_tensor
 from deepshard.core.zero.stages import ZeroStage
-
-StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
 
 
 def decays(names: Sequence[str], params: Sequence[torch.Tensor], weight_decay: float) -> list[float]:

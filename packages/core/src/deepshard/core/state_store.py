@@ -9,6 +9,7 @@ on where the state lives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,10 @@ class StateStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and buffers (stores with scratch files remove them here)."""
+
+
+StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
+"""What decides where optimizer state lives: built with (params, weight_decays, adamw)."""
 
 
 def adamw_update(

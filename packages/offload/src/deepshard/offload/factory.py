@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
 
 from .config import OffloadConfig, validate_config
 from .cpu_store import CpuStateStore
 from .nvme_store import NvmeStateStore
-
-StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
 
 
 def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFactory:

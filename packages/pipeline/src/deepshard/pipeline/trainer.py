@@ -10,7 +10,6 @@ every pp stage and tp shard counts).  The loss is reported as the true global me
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +21,13 @@ from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_byte
 from deepshard.core.optim import StepStats, ZeroOptimizer
 from deepshard.core.precision import LossScaler
 from deepshard.core.schedules import LRSchedule
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
 from deepshard.core.zero.reducer import local_tensor
 from deepshard.core.zero.stages import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
 __all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPart", "build_trainer"]
 
-StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
 
 
 @dataclass

@@ -25,10 +25,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig, ZeroConfig
-from deepshard.core.engine import StoreFactory, cast_to_compute_dtype
+from deepshard.core.engine import cast_to_compute_dtype
 from deepshard.core.mesh import local_device
 from deepshard.core.precision import DTYPES
-from deepshard.core.state_store import DeviceStateStore
+from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
 from deepshard.core.zero import apply_zero
 from deepshard.finetune.models.llama import Llama, LlamaConfig

@@ -53,17 +53,22 @@ class BucketLayout:
             offset += padded
         self.segment = offset  # elements per rank
 
+    def _chunks(self, t: torch.Tensor):
+        """``(rank, element offset in flat t, element count)`` of every rank's Shard(0) chunk of ``t``."""
+        rows = t.shape[0] if t.dim() else 1
+        row = t.numel() // max(rows, 1)
+        for r in range(self.world):
+            start, end = shard_rows(rows, self.world, r)
+            yield r, start * row, (end - start) * row
+
     def pack_full(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``world * segment`` elements) with every rank's chunk of each full tensor."""
         out.zero_()
         seg = out.view(self.world, self.segment)
         for slot, t in zip(self.slots, tensors):
             flat = t.reshape(-1)
-            row = flat.numel() // max(t.shape[0], 1) if t.dim() else 1
-            for r in range(self.world):
-                start, end = shard_rows(t.shape[0] if t.dim() else 1, self.world, r)
-                n = (end - start) * row
-                seg[r, slot.offset:slot.offset + n].copy_(flat[start * row:start * row + n])
+            for r, lo, n in self._chunks(t):
+                seg[r, slot.offset:slot.offset + n].copy_(flat[lo:lo + n])
 
     def pack_local(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``segment`` elements) with this rank's chunks."""
@@ -80,11 +85,8 @@ class BucketLayout:
         seg = buf.view(self.world, self.segment)
         for slot, t in zip(self.slots, tensors):
             flat = t.view(-1)
-            row = flat.numel() // max(t.shape[0], 1) if t.dim() else 1
-            for r in range(self.world):
-                start, end = shard_rows(t.shape[0] if t.dim() else 1, self.world, r)
-                n = (end - start) * row
-                flat[start * row:start * row + n].copy_(seg[r, slot.offset:slot.offset + n])
+            for r, lo, n in self._chunks(t):
+                flat[lo:lo + n].copy_(seg[r, slot.offset:slot.offset + n])
 
 
 def group_into_buckets(numels: list[int], dtypes: list[torch.dtype], max_numel: int) -> list[list[int]]:
