@@ -124,8 +124,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
         tok_s = tokens_per_step / (now - step_start)
         logger.scalars(step, prof.end_step(step, now - step_start))
         if memory is not None:
-            per_rank = torch.tensor([float(memory.total)])
-            gathered = [torch.zeros(1) for _ in range(world)]
+            per_rank = torch.tensor([float(memory.total)], device=local_device())  # nccl needs device tensors
+            gathered = [torch.zeros(1, device=local_device()) for _ in range(world)]
             dist.all_gather(gathered, per_rank)
             logger.scalars(step, {f"memory/model_state_bytes_rank{r}": g.item() for r, g in enumerate(gathered)})
             logger.scalars(step, {"memory/params_bytes": memory.params, "memory/grads_bytes": memory.grads,
