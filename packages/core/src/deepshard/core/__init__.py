@@ -3,12 +3,12 @@
 from deepshard.core.config import EngineConfig, OptimConfig, ZeroConfig
 from deepshard.core.engine import Engine, initialize
 from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed
-from deepshard.core.precision import LossScaler, PrecisionConfig
+from deepshard.core.precision import LossScaleAtMinimum, LossScaler, PrecisionConfig
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
 from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
 
 __all__ = [
-    "AdamWConfig", "DeviceStateStore", "Engine", "EngineConfig", "LRSchedule", "LossScaler", "OptimConfig",
-    "ParallelDims", "PrecisionConfig", "SchedulerConfig", "StateStore", "ZeroConfig", "build_mesh",
+    "AdamWConfig", "DeviceStateStore", "Engine", "EngineConfig", "LRSchedule", "LossScaleAtMinimum", "LossScaler",
+    "OptimConfig", "ParallelDims", "PrecisionConfig", "SchedulerConfig", "StateStore", "ZeroConfig", "build_mesh",
     "init_distributed", "initialize",
 ]
