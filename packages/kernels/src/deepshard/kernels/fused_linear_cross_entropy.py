@@ -3,7 +3,8 @@
 The lm-head logits are the largest activation of a Llama step (8192 tokens x 128256 vocab in fp32 is
 4 GiB), so, like Liger's FusedLinearCrossEntropy, tokens are processed in chunks and the gradients
 w.r.t. ``hidden`` and ``weight`` are computed during the forward pass, chunk by chunk; backward only
-scales them by the incoming gradient. Peak extra memory is one [chunk, vocab] fp32 block plus an
+scales them by the incoming gradient (fp16 recomputes the chunks in backward instead, with the loss
+scale applied before anything is rounded to fp16). Peak extra memory is one [chunk, vocab] fp32 block plus an
 fp32 accumulator for the weight gradient.
 
 Both backends share the chunk loop; they differ in the per-chunk softmax/loss/grad step: a Triton
@@ -113,8 +114,70 @@ def _ce_chunk_torch(
     return loss, logits
 
 
+def _chunk_loop(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
+                scale: torch.Tensor, chunk_size: int, use_triton: bool, need_h: bool, need_w: bool,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the token chunks: the summed loss and, where asked, the gradients of
+    ``scale * loss_sum`` w.r.t. ``hidden`` (in its dtype) and ``weight`` (fp32)."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    ce_chunk = _ce_chunk_triton if use_triton else _ce_chunk_torch
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        logits = (h @ weight.t()).float().contiguous()
+        loss, grad_logits = ce_chunk(logits, targets[start:end], ignore_index, scale, need_h or need_w)
+        loss_sum += loss
+        if need_h or need_w:
+            low = grad_logits.to(hidden.dtype)
+            if need_h:
+                torch.matmul(low, weight, out=grad_h[start:end])
+            if need_w:
+                _add_weight_grad(grad_w, grad_logits, low, h)
+            del low
+        del logits, grad_logits
+    return loss_sum, grad_h, grad_w
+
+
+_MM_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` with fp32 accumulation *and output* from 16-bit inputs where the backend offers it
+    (CUDA's ``mm(..., out_dtype=)``), else None.  Probed once per device type and dtype."""
+    key = (a.device.type, a.dtype)
+    if key not in _MM_OUT_DTYPE:
+        try:
+            torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
+            _MM_OUT_DTYPE[key] = a.device.type == "cuda"
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE[key] else None
+
+
+def _add_weight_grad(grad_w: torch.Tensor, grad_logits: torch.Tensor, low: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (fp32) += grad_logits.T @ h without rounding each chunk's sum to 16 bits (a bf16/fp16
+    partial sum per chunk loses the small entries and turns cancellations into exact zeros)."""
+    if h.dtype == torch.float32:
+        grad_w.addmm_(grad_logits.t(), h)
+        return
+    part = _mm_out_fp32(low.t(), h)
+    if part is None:  # no fp32-output 16-bit matmul here (CPU): the chunk's product in fp32
+        grad_w.addmm_(grad_logits.t(), h.float())
+    else:
+        grad_w.add_(part)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Chunked linear + CE; gradients are produced in forward and scaled in backward."""
+    """Chunked linear + CE.
+
+    fp32/bf16: the gradients are produced in forward and multiplied by the incoming gradient (in
+    fp32) in backward.  fp16: its range cannot hold unscaled per-token gradients (1/n_valid of a
+    softmax underflows) nor every scale (>= 65536 overflows), so forward computes only the loss and
+    backward recomputes the chunks with the incoming gradient (the fp16 loss scale) already
+    applied, in fp32, before anything is rounded to fp16: the values plain autograd would produce.
+    """
 
     @staticmethod
     def forward(
@@ -130,42 +193,39 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         # needs_input_grad is True under no_grad too; grad_enabled (read before apply) skips the grad work
         need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        n_tokens = hidden.shape[0]
         n_valid = (targets != ignore_index).sum()
-        # scale stays on device (no host sync); clamp so all-ignored batches give zero grads, not nan
-        scale = (1.0 / n_valid.clamp(min=1).float()) if reduction == "mean" else torch.ones((), device=hidden.device)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        ce_chunk = _ce_chunk_triton if use_triton else _ce_chunk_torch
-        for start in range(0, n_tokens, chunk_size):
-            end = min(start + chunk_size, n_tokens)
-            h = hidden[start:end]
-            logits = (h @ weight.t()).float().contiguous()
-            loss, grad_logits = ce_chunk(logits, targets[start:end], ignore_index, scale, need_h or need_w)
-            loss_sum += loss
-            if need_h or need_w:
-                grad_logits = grad_logits.to(hidden.dtype)
-                if need_h:
-                    torch.matmul(grad_logits, weight, out=grad_h[start:end])
-                if need_w:
-                    if grad_logits.dtype == torch.float32:
-                        grad_w.addmm_(grad_logits.t(), h)
-                    else:
-                        grad_w += (grad_logits.t() @ h).float()
-            del logits, grad_logits
-        ctx.save_for_backward(grad_h, grad_w)
+        # on device (no host sync); clamped so all-ignored batches give zero grads, not nan
+        per_token = (1.0 / n_valid.clamp(min=1).float()) if reduction == "mean" else torch.ones(
+            (), dtype=torch.float32, device=hidden.device)
+        ctx.defer = hidden.dtype == torch.float16 and (need_h or need_w)
+        ctx.options = dict(ignore_index=ignore_index, chunk_size=chunk_size, use_triton=use_triton,
+                           need_h=need_h, need_w=need_w)
         ctx.weight_dtype = weight.dtype
-        # mean over zero valid tokens is nan, as in F.cross_entropy
+        if ctx.defer:
+            loss_sum, _, _ = _chunk_loop(hidden, weight, targets, scale=per_token,
+                                         **{**ctx.options, "need_h": False, "need_w": False})
+            ctx.save_for_backward(hidden, weight, targets, per_token)
+        else:
+            loss_sum, grad_h, grad_w = _chunk_loop(hidden, weight, targets, scale=per_token, **ctx.options)
+            ctx.save_for_backward(grad_h, grad_w)
+        # mean over zero valid tokens is nan, as in F.cross_entropy; the sum is 0
         return loss_sum / n_valid if reduction == "mean" else loss_sum
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h * grad_out.to(grad_h.dtype)
+        if ctx.defer:
+            hidden, weight, targets, per_token = ctx.saved_tensors
+            scale = (grad_out.float() * per_token).contiguous()
+            _, grad_h, grad_w = _chunk_loop(hidden, weight, targets, scale=scale, **ctx.options)
+        else:
+            grad_h, grad_w = ctx.saved_tensors
+            if grad_h is not None:  # the multiply in fp32: a bf16-rounded grad_out would bias every gradient
+                grad_h = grad_h * grad_out if grad_h.dtype == torch.float32 else (
+                    grad_h.float().mul_(grad_out.float()).to(grad_h.dtype))
+            if grad_w is not None:
+                grad_w = grad_w * grad_out.float()
         if grad_w is not None:
-            grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
+            grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
 
