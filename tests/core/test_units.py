@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from deepshard.core import LossScaler, LRSchedule, PrecisionConfig, SchedulerConfig, ZeroConfig
+from deepshard.core import (
+    LossScaleAtMinimum,
+    LossScaler,
+    LRSchedule,
+    PrecisionConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
 from deepshard.core.config import EngineConfig, OptimConfig
 from deepshard.core.mesh import ParallelDims
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, shard_rows
@@ -20,10 +27,10 @@ def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
     assert s.scale == 16
     s.update(True)
     assert s.scale == 8
-    for _ in range(2):
+    for _ in range(3):  # DeepSpeed does not count the first clean step after an overflow
         s.update(False)
     assert s.scale == 8
-    s.update(False)  # third clean step since the overflow: grow
+    s.update(False)  # a window of 3 stable steps after that first one: grow
     assert s.scale == 16
 
 
@@ -31,10 +38,15 @@ def test_loss_scaler_static_and_floor():
     static = LossScaler(PrecisionConfig(dtype="fp16", loss_scale=128))
     static.update(True)
     assert static.scale == 128
-    floor = LossScaler(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1))
+    floor = LossScaler(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1,
+                                       raise_error_at_min_scale=False))
     for _ in range(3):
         floor.update(True)
     assert floor.scale == 1
+    at_min = LossScaler(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1))
+    at_min.update(True)  # 2 -> 1
+    with pytest.raises(LossScaleAtMinimum, match="precision.min_loss_scale=1"):
+        at_min.update(True)  # DeepSpeed's default raise_error_at_min_scale
     assert LossScaler(PrecisionConfig(dtype="bf16")).scale == 1.0
 
 

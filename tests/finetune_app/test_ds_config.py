@@ -24,7 +24,7 @@ def test_zero2_fp16_fixture_maps_every_key():
         "scheduler=warmup", "scheduler.warmup_min_lr=0", "scheduler.warmup_max_lr=0.001",
         "scheduler.warmup_num_steps=2", "precision=fp16", "precision.loss_scale=0",
         "precision.initial_scale_power=16", "precision.loss_scale_window=1000", "precision.hysteresis=2",
-        "precision.min_loss_scale=1", "+zero=stage2", "zero.allgather_bucket_size=500000000",
+        "precision.consecutive_hysteresis=false", "precision.min_loss_scale=1", "+zero=stage2", "zero.allgather_bucket_size=500000000",
         "zero.overlap_comm=true", "zero.reduce_bucket_size=500000000", "optim.grad_clip=1", "train.log_every=2",
     ]
     assert t.unsupported == []
@@ -106,3 +106,15 @@ def test_fp16_falls_back_to_fp32_on_a_cpu_host(capsys):
     assert "notice: precision=fp16 needs a CUDA device" in capsys.readouterr().err
     cfg = {"precision": {"dtype": "fp16"}}
     assert not fp16_fallback(cfg, cuda=True) and cfg["precision"]["dtype"] == "fp16"
+
+
+def test_consecutive_hysteresis_and_communication_dtype_map():
+    t = translate({"fp16": {"enabled": True, "consecutive_hysteresis": True}, "communication_data_type": "bf16",
+                   "data_types": {"grad_accum_dtype": "fp32"}})
+    assert "precision.consecutive_hysteresis=true" in t.overrides
+    assert "zero.reduce_dtype=bf16" in t.overrides
+    assert t.unsupported == []
+    t = translate({"data_types": {"grad_accum_dtype": "bf16"}})
+    assert t.unsupported == ["data_types.grad_accum_dtype=bf16"]  # we always accumulate in fp32
+    with pytest.raises(ValueError, match="communication_data_type='int8'"):
+        translate({"communication_data_type": "int8"})

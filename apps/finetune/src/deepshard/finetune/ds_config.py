@@ -25,7 +25,9 @@ SCHEDULER_PARAMS = {
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
     "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
 }
-FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+             "consecutive_hysteresis")
+COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 AIO_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events")
 # keys whose DeepSpeed meaning our implementation already has, so they need no override (why, for the notes)
 BUILT_IN = {
@@ -134,7 +136,7 @@ def translate(ds: dict) -> Translation:
                 t.overrides.append("precision=fp16" if name == "fp16" else "precision=bf16")
             # false-valued switches ask for nothing we lack
             extra = {k: v for k, v in section.items() if k != "enabled" and not (
-                k in ("consecutive_hysteresis", "auto_cast", "immediate_grad_update") and not v)}
+                k in ("auto_cast", "immediate_grad_update") and not v)}
             tr.copy(extra, name, {k: f"precision.{k}" for k in FP16_KEYS} if name == "fp16" else {})
 
     if "zero_optimization" in ds:
@@ -147,6 +149,20 @@ def translate(ds: dict) -> Translation:
         handled.add("aio")
         tr.copy(ds["aio"], "aio", {k: f"offload.aio.{k}" for k in AIO_KEYS})
 
+    if "communication_data_type" in ds:  # the dtype gradients are reduced in: one key for every stage
+        handled.add("communication_data_type")
+        comm = ds["communication_data_type"]
+        if comm is None or comm == AUTO:
+            pass
+        elif str(comm).lower() in COMM_DTYPES:
+            t.overrides.append(f"zero.reduce_dtype={COMM_DTYPES[str(comm).lower()]}")
+        else:
+            raise ValueError(f"communication_data_type={comm!r}: valid values are {sorted(COMM_DTYPES)}")
+    if "data_types" in ds:  # gradients always accumulate in fp32 here
+        handled.add("data_types")
+        for key, v in dict(ds["data_types"]).items():
+            if not (key == "grad_accum_dtype" and str(v).lower() in ("fp32", "float32", "auto")):
+                t.unsupported.append(f"data_types.{key}={v}")
     simple = {"gradient_clipping": "optim.grad_clip", "steps_per_print": "train.log_every"}
     for key, target in simple.items():
         if key in ds:

@@ -8,6 +8,7 @@ from deepshard.core.precision import PrecisionConfig
 from deepshard.core.schedules import SchedulerConfig
 
 AC_MODES = ("none", "full", "every_2")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,13 @@ class ZeroConfig:
     overlap_comm: bool = True
     reshard_after_forward: bool = True
     prefetch: int = 1
+    # the dtype gradients are reduced in at every stage (DeepSpeed's communication_data_type); they are
+    # accumulated across micro-steps in fp32 whatever this says
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"zero.reduce_dtype={self.reduce_dtype!r}: valid values are {list(REDUCE_DTYPES)}")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage={self.stage}: valid stages are 0, 1, 2, 3")
         for key in ("reduce_bucket_size", "allgather_bucket_size"):

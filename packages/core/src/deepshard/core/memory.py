@@ -2,14 +2,17 @@
 
 Bytes per parameter (Ψ = this rank's parameter count before data-parallel sharding, N = dp size):
 
-| stage | fp32 training           | bf16/fp16 (fp32 master)        |
-|-------|-------------------------|--------------------------------|
-| 0     | 4 + 4 + 8               | 2 + 2 + 12            = 16Ψ    |
-| 1     | 4 + 4 + 8/N             | 2 + 2 + 12/N                   |
-| 2     | 4 + 4/N + 8/N           | 2 + 2/N + 12/N                 |
+| stage | fp32 training           | bf16/fp16 (fp32 master, fp32 gradient accumulation) |
+|-------|-------------------------|-----------------------------------------------------|
+| 0     | 4 + 4 + 8               | 2 + 4 + 12            = 18Ψ                         |
+| 1     | 4 + 4 + 8/N             | 2 + 4 + 12/N                                        |
+| 2     | 4 + 4/N + 8/N           | 2 + 4/N + 12/N                                      |
 | 3     | (4 + 4 + 8)/N           | (4 + 4 + 8)/N: FSDP2 keeps fp32 shards as the master and
-|       |                         | reduces grads in fp32, the same 16Ψ/N as the paper's 2+2+12 |
+|       |                         | accumulates fp32 gradient shards, the paper's 16Ψ/N |
 
+The paper counts 2-byte gradients; we accumulate them in fp32 at every stage (a bf16 sum of many
+micro-batches loses the small ones: DeepSpeed's ``data_types.grad_accum_dtype=fp32``), which costs
+2Ψ more at stages 0-1 and 2Ψ/N more at stage 2.
 With fp32 params the master weight *is* the param shard, so it is not counted twice.
 Offloaded optimizer state is reported under ``host``/``nvme`` instead of ``optimizer``.
 """
@@ -48,7 +51,7 @@ def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelSta
     opt = 12 if mixed else 8
     return ModelStateBytes(
         params=p * n,
-        grads=p * n // dp if stage >= 2 else p * n,
+        grads=4 * n // dp if stage >= 2 else 4 * n,
         optimizer=opt * n // dp if stage >= 1 else opt * n,
     )
 

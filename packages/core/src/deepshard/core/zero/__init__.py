@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.config import ZeroConfig
+from deepshard.core.precision import DTYPES
 from deepshard.core.zero.fsdp import FullyShardedStage, apply_fsdp
 from deepshard.core.zero.stages import ReplicatedStage, ShardedGradStage, ShardedOptimizerStage, ZeroStage
 
@@ -30,8 +31,9 @@ def apply_zero(
     casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).
     """
     group = dp_mesh.get_group()
+    reduce_dtype = DTYPES[config.reduce_dtype]
     if config.stage == 3:
-        apply_fsdp(model, blocks, dp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32,
+        apply_fsdp(model, blocks, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
                    prefetch=config.prefetch)
         return FullyShardedStage(model)
@@ -39,7 +41,8 @@ def apply_zero(
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
     if config.stage == 0:
         return ReplicatedStage(model, group, reduce_bucket_numel=config.reduce_bucket_size,
-                               overlap_comm=config.overlap_comm)
+                               overlap_comm=config.overlap_comm, reduce_dtype=reduce_dtype)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
     return cls(model, group, reduce_bucket_numel=config.reduce_bucket_size,
-               allgather_bucket_numel=config.allgather_bucket_size, overlap_comm=config.overlap_comm)
+               allgather_bucket_numel=config.allgather_bucket_size, overlap_comm=config.overlap_comm,
+               reduce_dtype=reduce_dtype)

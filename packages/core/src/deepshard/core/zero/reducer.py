@@ -1,9 +1,12 @@
 """Gradient reduction launched from post-accumulate-grad hooks, so it overlaps backward.
 
-``AllReduceReducer`` (stages 0 and 1) leaves every rank the averaged full gradient in ``p.grad``.
-``ReduceScatterReducer`` (stage 2) leaves every rank only the averaged Shard(0) chunk of each
-gradient, accumulated across micro-steps, and frees the full gradient as soon as its bucket is
-packed: the whole gradient is never held at once.
+``AllReduceReducer`` (stages 0 and 1) leaves every rank the averaged full gradient in fp32 flat
+bucket buffers.  ``ReduceScatterReducer`` (stage 2) leaves every rank only the averaged Shard(0)
+chunk of each gradient, accumulated across micro-steps in fp32, and frees the full gradient as soon
+as its bucket is packed: the whole gradient is never held at once.
+
+Gradients accumulate in fp32 whatever the compute dtype (a bf16 sum of many micro-batches loses
+the small ones); the wire dtype is ``reduce_dtype`` (DeepSpeed's ``communication_data_type``).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ class _HookedReducer:
     """Buckets of parameters in backward order; a bucket launches when all its grads are ready."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
-                 overlap: bool) -> None:
+                 overlap: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.params = params
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.overlap = overlap
@@ -47,6 +51,7 @@ class _HookedReducer:
         self._index = {id(p): i for i, p in enumerate(params)}
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._accumulate(self._index[id(p)])
         if not self.sync:
             return
         b = self.bucket_of[self._index[id(p)]]
@@ -78,6 +83,9 @@ class _HookedReducer:
         for h in self._handles:
             h.remove()
 
+    def _accumulate(self, i: int) -> None:  # noqa: B027 - the reduce-scatter accumulates after reducing
+        """Fold a freshly accumulated ``params[i].grad`` into the fp32 accumulator, where there is one."""
+
     def _launch(self, b: int) -> None:
         raise NotImplementedError
 
@@ -86,16 +94,17 @@ class _HookedReducer:
 
 
 class AllReduceReducer(_HookedReducer):
-    """DDP semantics: average the full gradient over the group, in buckets.
+    """DDP semantics: average the full gradient over the group, in buckets of fp32 flat buffers.
 
-    Gradients live as views of one flat buffer per bucket (DDP's ``gradient_as_bucket_view``):
-    autograd accumulates into them in place, and each bucket is all-reduced where it lies, with
-    no packing copy and no copy back.
+    fp32 params keep their gradients as views of the buffers (DDP's ``gradient_as_bucket_view``):
+    autograd accumulates into them in place, with no packing copy and no copy back.  bf16/fp16
+    params cannot hold an fp32 ``.grad``: each micro-step's gradient is folded into its fp32 view
+    by the post-accumulate hook and dropped, so the accumulation is fp32 too.
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
-                 overlap: bool) -> None:
-        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
+                 overlap: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap, reduce_dtype=reduce_dtype)
         self.flats: list[torch.Tensor] = []
         self.offsets: dict[int, int] = {}  # param index -> element offset in its bucket's flat buffer
         for idx in self.buckets:
@@ -104,38 +113,57 @@ class AllReduceReducer(_HookedReducer):
                 self.offsets[i] = offset
                 offset += local_tensor(self.params[i].data).numel()
             first = local_tensor(self.params[idx[0]].data)
-            self.flats.append(torch.zeros(offset, dtype=first.dtype, device=first.device))
+            self.flats.append(torch.zeros(offset, dtype=torch.float32, device=first.device))
+        self.as_views = [local_tensor(p.data).dtype == torch.float32 for p in params]
         self.zero_grad()
 
-    def _view(self, i: int) -> torch.Tensor:
+    def grad(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s fp32 gradient: a view of its bucket."""
         local = local_tensor(self.params[i].data)
         flat = self.flats[self.bucket_of[i]]
         return flat[self.offsets[i]:self.offsets[i] + local.numel()].view(local.shape)
 
+    def grad_bytes(self) -> int:
+        return sum(flat.nbytes for flat in self.flats)
+
     def zero_grad(self) -> None:
-        """Zero the buckets and (re)attach every grad as a view of its bucket."""
+        """Zero the buckets; fp32 grads are (re)attached as views of their bucket."""
         for flat in self.flats:
             flat.zero_()
         for i, p in enumerate(self.params):
-            p.grad = _like_param(p, self._view(i))
+            p.grad = _like_param(p, self.grad(i)) if self.as_views[i] else None
+
+    def _accumulate(self, i: int) -> None:
+        p = self.params[i]
+        if not self.as_views[i] and p.grad is not None:
+            self.grad(i).add_(local_tensor(p.grad))
+            p.grad = None
 
     def _launch(self, b: int) -> None:
         self._launched[b] = True
-        for i in self.buckets[b]:  # someone replaced a grad (or set it None): bring it home
-            p = self.params[i]
-            view = self._view(i)
-            if p.grad is None:
-                view.zero_()
-            elif local_tensor(p.grad).data_ptr() != view.data_ptr():
-                view.copy_(local_tensor(p.grad))
+        for i in self.buckets[b]:
+            if self.as_views[i]:  # someone replaced a grad (or set it None): bring it home
+                p = self.params[i]
+                view = self.grad(i)
+                if p.grad is None:
+                    view.zero_()
+                elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                    view.copy_(local_tensor(p.grad))
+                else:
+                    continue
+                p.grad = _like_param(p, view)
             else:
-                continue
-            p.grad = _like_param(p, view)
-        work = dist.all_reduce(self.flats[b], group=self.group, async_op=self.overlap)
-        self._pending.append((b, self.flats[b], work if self.overlap else None))
+                self._accumulate(i)
+        flat = self.flats[b]
+        wire = flat if self.reduce_dtype == flat.dtype else flat.to(self.reduce_dtype)
+        work = dist.all_reduce(wire, group=self.group, async_op=self.overlap)
+        self._pending.append((b, wire, work if self.overlap else None))
 
     def _complete(self, b: int, buf: torch.Tensor) -> None:
-        buf.div_(self.world)
+        flat = self.flats[b]
+        if buf is not flat:
+            flat.copy_(buf)
+        flat.div_(self.world)
 
 
 class ReduceScatterReducer(_HookedReducer):
@@ -147,9 +175,9 @@ class ReduceScatterReducer(_HookedReducer):
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
-                 overlap: bool, num_buffers: int = 2,
+                 overlap: bool, reduce_dtype: torch.dtype = torch.float32, num_buffers: int = 2,
                  on_shard: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap)
+        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap, reduce_dtype=reduce_dtype)
         self.shard_grads: list[torch.Tensor | None] = [None] * len(params)
         self.on_shard = on_shard  # called with each averaged shard as it lands
         self.num_buffers = num_buffers
@@ -185,7 +213,7 @@ class ReduceScatterReducer(_HookedReducer):
         idx = self.buckets[b]
         layout = self.layouts[b]
         grads = [self._grad_or_zeros(i) for i in idx]
-        flat_all, out_all = self._buffers(b, grads[0].dtype, grads[0].device)
+        flat_all, out_all = self._buffers(b, self.reduce_dtype, grads[0].device)
         flat = flat_all[:self.world * layout.segment]
         out = out_all[:layout.segment]
         layout.pack_full(grads, flat)
@@ -199,8 +227,8 @@ class ReduceScatterReducer(_HookedReducer):
         idx = self.buckets[b]
         chunks = [local_shard(local_tensor(self.params[i].data), self.world, self.rank) for i in idx]
         for i, view in zip(idx, self.layouts[b].local_views(buf, chunks)):
-            if self.shard_grads[i] is None:
-                self.shard_grads[i] = view / self.world
+            if self.shard_grads[i] is None:  # the fp32 accumulator of this shard
+                self.shard_grads[i] = view.to(torch.float32, copy=True).div_(self.world)
             else:
                 self.shard_grads[i].add_(view, alpha=1.0 / self.world)
             if self.on_shard is not None:

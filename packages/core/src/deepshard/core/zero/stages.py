@@ -94,13 +94,13 @@ class ReplicatedStage(ZeroStage):
     stage = 0
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
-                 overlap_comm: bool) -> None:
+                 overlap_comm: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.names, self.params = trainable(model)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.reducer = AllReduceReducer(self.params, group, bucket_numel=reduce_bucket_numel,
-                                        overlap=overlap_comm)
+                                        overlap=overlap_comm, reduce_dtype=reduce_dtype)
 
     def set_grad_sync(self, enabled: bool) -> None:
         self.reducer.sync = enabled
@@ -112,7 +112,7 @@ class ReplicatedStage(ZeroStage):
         return [local_tensor(p.data) for p in self.params]
 
     def local_grads(self) -> list[torch.Tensor]:
-        return param_grads(self.params)
+        return [self.reducer.grad(i) for i in range(len(self.params))]
 
     def replication(self) -> list[int]:
         return [self.world * dtensor_replication(p) for p in self.params]
@@ -121,7 +121,7 @@ class ReplicatedStage(ZeroStage):
         self.reducer.zero_grad()
 
     def grad_bytes(self) -> int:
-        return held_grad_bytes(self.params)
+        return self.reducer.grad_bytes()
 
 
 class _GatherAfterStep:
@@ -171,8 +171,9 @@ class ShardedOptimizerStage(ReplicatedStage):
     stage = 1
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
-                 allgather_bucket_numel: int, overlap_comm: bool) -> None:
-        super().__init__(model, group, reduce_bucket_numel=reduce_bucket_numel, overlap_comm=overlap_comm)
+                 allgather_bucket_numel: int, overlap_comm: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model, group, reduce_bucket_numel=reduce_bucket_numel, overlap_comm=overlap_comm,
+                         reduce_dtype=reduce_dtype)
         self.gatherer = _GatherAfterStep([local_tensor(p.data) for p in self.params], group,
                                          allgather_bucket_numel)
 
@@ -195,13 +196,14 @@ class ShardedGradStage(ShardedOptimizerStage):
     stage = 2
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, reduce_bucket_numel: int,
-                 allgather_bucket_numel: int, overlap_comm: bool) -> None:
+                 allgather_bucket_numel: int, overlap_comm: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.names, self.params = trainable(model)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.reducer = ReduceScatterReducer(self.params, group, bucket_numel=reduce_bucket_numel,
-                                            overlap=overlap_comm, on_shard=self._shard_final)
+                                            overlap=overlap_comm, reduce_dtype=reduce_dtype,
+                                            on_shard=self._shard_final)
         self.gatherer = _GatherAfterStep([local_tensor(p.data) for p in self.params], group,
                                          allgather_bucket_numel)
         self.reported = set()
