@@ -17,18 +17,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.memory import ModelStateBytes
 from deepshard.core.optim import StepStats
-from deepshard.finetune.evaluate import model_inputs
+from deepshard.finetune.evaluate import IGNORE, model_inputs
 
 
 @dataclass
 class StepOutput:
-    loss: float  # the global mean loss of the step, identical on every rank
+    loss: float  # the step's summed token loss / its global valid-token count, identical on every rank
     stats: StepStats
     memory: ModelStateBytes | None  # measured model-state bytes after backward, when asked
 
 
 class EngineStepper:
-    """``engine(batch)``, ``engine.backward(loss)`` per micro-batch, then ``engine.step()``."""
+    """Per step: count the valid label tokens of all its micro-batches (one all-reduce over dp), then
+    ``engine(batch, reduction="sum")`` and ``engine.backward(loss_sum, num_items=count)`` per micro-batch,
+    then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
+    the global valid-token count, whatever the micro-batch and rank layout (design.md, "The loss of a step")."""
 
     def __init__(self, engine, *, grad_accum: int, device: torch.device) -> None:
         self.engine = engine
@@ -36,22 +39,28 @@ class EngineStepper:
         self.device = device
         self.prof = None  # the run's StepProfiler, set once the engine exists
         self.dp_group = engine.mesh["dp"].get_group()
-        self.dp_size = engine.mesh["dp"].size()
 
     def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+        micro_batches = [next(batches) for _ in range(self.grad_accum)]
+        num_items = self.engine.global_num_items(sum(valid_tokens(b["labels"]) for b in micro_batches))
         total = torch.zeros((), device=self.device)
-        for _ in range(self.grad_accum):
-            args, kwargs = model_inputs(next(batches), self.device)
+        for batch in micro_batches:
+            args, kwargs = model_inputs(batch, self.device)
             with self.prof.phase("forward"):
-                loss = self.engine(*args, **kwargs)
-            total += loss.detach().float()
+                loss_sum = self.engine(*args, **kwargs, reduction="sum")
+            total += loss_sum.detach().float()
             with self.prof.phase("backward"):
-                self.engine.backward(loss)
+                self.engine.backward(loss_sum, num_items=num_items)
         memory = self.engine.memory()["measured"] if measure_memory else None
         with self.prof.phase("optimizer"):
             stats = self.engine.step()
         dist.all_reduce(total, group=self.dp_group)
-        return StepOutput(total.item() / (self.grad_accum * self.dp_size), stats, memory)
+        return StepOutput((total / num_items.clamp(min=1.0)).item(), stats, memory)
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    """Label positions that count in the loss (labels != -100)."""
+    return int((labels != IGNORE).sum())
 
 
 class PipelineEngine:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -83,10 +84,37 @@ class Engine:
     def _is_boundary(self) -> bool:
         return (self.micro_step + 1) % self.config.grad_accum == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scale for fp16 and accumulation; reduce only on the accumulation boundary where allowed."""
+    def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
+        """This step's valid-label count (labels != -100 over all its micro-batches on this rank),
+        summed over the data-parallel ranks in one all-reduce: the ``num_items`` of :meth:`backward`.
+
+        Call it once per step, before the first backward.  The count stays on the compute device
+        (no host sync).
+        """
+        count = torch.as_tensor(local_count, dtype=torch.float32).to(local_device()).reshape(())
+        dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        return count
+
+    def backward(self, loss: torch.Tensor, *, num_items: torch.Tensor | float | None = None) -> None:
+        """Backpropagate one micro-batch; reduce only on the accumulation boundary where allowed.
+
+        Two contracts:
+
+        - ``num_items`` given (recommended): ``loss`` is the micro-batch's *summed* token loss
+          (``reduction="sum"``) and ``num_items`` the step's global valid-token count from
+          :meth:`global_num_items`.  The step's gradient is then that of the sum over the global
+          batch divided by the global count, whatever the layout of micro-batches and ranks.
+        - ``num_items=None`` (DeepSpeed's contract): ``loss`` is the micro-batch's mean; it is
+          divided by ``grad_accum`` and ranks are averaged: a mean of means, exact only when every
+          micro-batch holds the same number of valid tokens.
+        """
         self.stage.set_grad_sync(self._is_boundary())
-        (loss * (self.scaler.scale / self.config.grad_accum)).backward()
+        if num_items is None:
+            factor = self.scaler.scale / self.config.grad_accum
+        else:  # the reducers average over dp ranks: multiply back, so the result is sum / global count
+            count = torch.as_tensor(num_items, dtype=torch.float32, device=loss.device).clamp(min=1.0)
+            factor = (self.scaler.scale * self.mesh["dp"].size()) / count
+        (loss * factor).backward()
         self.stage.finish_backward()
         self.micro_step += 1
 

@@ -76,8 +76,8 @@ def build_pipeline(
     """Build this rank's stages of ``model`` over ``pp_mesh`` (a 1-D mesh, possibly of size 1).
 
     ``model``: the full decoder, materialized (weights copied) or on meta (``init_fn`` fills each
-    stage after ``to_empty``; see :func:`split_model`).  ``loss_fn(logits, labels)`` runs on the
-    last stage; ``train_step`` feeds ``labels`` as the schedule's target.  ``parallelize_fn`` is
+    stage after ``to_empty``; see :func:`split_model`).  ``loss_fn(logits, labels)``, the summed
+    token loss, runs on the last stage; ``train_step`` feeds ``labels`` as the schedule's target.  ``parallelize_fn`` is
     called once per stage module, after its weights are real and before it is wrapped, and may
     change the module in place (TP, FSDP).  Raises ValueError for an unknown schedule or
     partition, too many stages for the layers, or a microbatch count the schedule cannot run.

@@ -72,24 +72,27 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 
 class MicrobatchLoss:
-    """The schedule's ``loss_fn``: returns the loss to backprop, ``loss * scale / microbatches``.
+    """The schedule's ``loss_fn``: ``loss_fn(output, target) * multiplier``.
 
-    The fp16 loss scale lives here (the schedule calls backward itself), and dividing by the
-    count here, not through the schedule's ``scale_grads``, means gradients already reduced during
-    backward (ZeRO-2's reduce-scatter) come out averaged too.
+    ``loss_fn`` returns a microbatch's *summed* token loss; the trainer sets ``multiplier`` each step
+    to ``loss_scale * dp / global_num_items`` (the fp16 loss scale, times dp because the ZeRO
+    reducers average over data-parallel ranks, over the step's valid-token count across every
+    microbatch and dp rank).  So the gradient is that of the global batch's token-weighted mean,
+    whatever the microbatch layout, and gradients already reduced during backward (ZeRO-2's
+    reduce-scatter) come out right too (the schedule's own ``scale_grads`` stays off).
     """
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int) -> None:
         self.loss_fn = loss_fn
         self.microbatches = microbatches
-        self.scale = 1.0
+        self.multiplier: torch.Tensor | float = 1.0
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target) * (self.scale / self.microbatches)
+        return self.loss_fn(output, target) * self.multiplier
 
-    def true_mean(self, scaled: list[torch.Tensor]) -> torch.Tensor:
-        """Mean true loss from the schedule's per-microbatch (scaled) losses."""
-        return torch.stack([t.detach().float() for t in scaled]).sum() / self.scale
+    def true_sum(self, scaled: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's summed token loss from the schedule's per-microbatch (multiplied) losses."""
+        return torch.stack([t.detach().float() for t in scaled]).sum() / self.multiplier
 
 
 def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss: MicrobatchLoss):

@@ -26,6 +26,8 @@ from deepshard.core.zero.reducer import local_tensor
 from deepshard.core.zero.stages import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
+IGNORE_INDEX = -100  # labels that do not count in the loss
+
 __all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPart", "build_trainer"]
 
 
@@ -84,7 +86,7 @@ class CompositeStage(ZeroStage):
 
 @dataclass
 class PipelineStepResult:
-    loss: float  # global mean loss of the step (all microbatches, all dp replicas), same on every rank
+    loss: float  # summed token loss over all microbatches and dp replicas / their valid-token count
     stats: StepStats
     time_s: float  # wall time of the step on this rank
 
@@ -92,15 +94,21 @@ class PipelineStepResult:
 class PipelineTrainer:
     """``trainer.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
 
+    ``loss_fn`` (given to ``build_pipeline``) must return a microbatch's summed token loss over
+    labels != -100; the trainer divides by the step's global valid-token count.
+
     Every rank of a data-parallel replica passes the same batch (this replica's share of the
     global batch, ``microbatches`` x micro-batch size rows); only the first stage reads the inputs
     and only the last stage the labels.
     """
 
-    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, dp_size: int, dtype: str = "fp32") -> None:
+    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, dp_size: int, dtype: str = "fp32",
+                 dp_group: dist.ProcessGroup | None = None) -> None:
         self.pipeline = pipeline
         self.optimizer = optimizer
         self.dp_size = dp_size
+        assert dp_group is not None or dp_size == 1, "dp_size > 1 needs the dp group (the token count is global)"
+        self.dp_group = dp_group
         self.dtype = dtype
         self.world = dist.get_world_size()
         self.loss_ranks = self.world // pipeline.pp_mesh.size()  # ranks holding the last stage
@@ -120,17 +128,24 @@ class PipelineTrainer:
             raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into "
                              f"pipeline.microbatches={p.microbatches}: make it a multiple")
         t0 = time.perf_counter()
+        device = p.stages[0].device
+        # the step's valid-token count over every microbatch and dp replica, before any backward
+        num_items = (labels != IGNORE_INDEX).sum().to(device=device, dtype=torch.float32)
+        if self.dp_group is not None:
+            dist.all_reduce(num_items, group=self.dp_group)
+        num_items = num_items.clamp(min=1.0)
         self.zero.set_grad_sync(False)  # reduce once per step, not once per microbatch
-        p.loss.scale = self.optimizer.scaler.scale
+        p.loss.multiplier = self.optimizer.scaler.scale * self.dp_size / num_items
         args = (input_ids,) if p.has_first else ()
         scaled: list[torch.Tensor] = []
         p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False)
         self.zero.set_grad_sync(True)
         self.zero.finish_backward()
         stats = self.optimizer.step()
-        loss = p.loss.true_mean(scaled) if p.has_last else torch.zeros((), device=p.stages[0].device)
-        dist.all_reduce(loss)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
-        return PipelineStepResult(loss.item() / self.loss_ranks, stats, time.perf_counter() - t0)
+        loss_sum = p.loss.true_sum(scaled) if p.has_last else torch.zeros((), device=device)
+        dist.all_reduce(loss_sum)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
+        tp = self.loss_ranks // self.dp_size  # the tp ranks of a replica each hold the same loss
+        return PipelineStepResult((loss_sum / (tp * num_items)).item(), stats, time.perf_counter() - t0)
 
     def local_param_numel(self) -> int:
         """Elements of the parameters this rank holds right now (local shards)."""
@@ -148,7 +163,8 @@ class PipelineTrainer:
 
 
 def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
-                  store_factory: StoreFactory = DeviceStateStore) -> PipelineTrainer:
+                  store_factory: StoreFactory = DeviceStateStore,
+                  dp_group: dist.ProcessGroup | None = None) -> PipelineTrainer:
     """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
 
     ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` must be
@@ -170,4 +186,4 @@ def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
                                "exp_avg_sq": [torch.zeros_like(t) for t in masters]})
     lr = LRSchedule(config.scheduler, oc.lr)
     optimizer = ZeroOptimizer(zero, store, lr.lr_at, LossScaler(config.precision), oc.grad_clip)
-    return PipelineTrainer(pipeline, optimizer, dp_size=dp_size, dtype=config.precision.dtype)
+    return PipelineTrainer(pipeline, optimizer, dp_size=dp_size, dtype=config.precision.dtype, dp_group=dp_group)

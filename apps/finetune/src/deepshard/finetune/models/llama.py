@@ -131,7 +131,9 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Llama(nn.Module):
-    """``forward(input_ids, labels=None, doc_ids=None)``: the mean loss over labels != -100, else the logits.
+    """``forward(input_ids, labels=None, doc_ids=None, reduction="mean")``: the loss over labels != -100
+    (``reduction="sum"``: the summed token loss, which the engine divides by the step's global
+    valid-token count), else the logits.
 
     ``labels`` are already aligned with the positions (``labels[t]`` is the token after ``t``).
     ``doc_ids`` ([batch, seq], the document of each position) keeps attention inside documents of
@@ -168,7 +170,7 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         extra = () if doc_ids is None else (doc_causal_mask(doc_ids),)
         for layer in self.layers:
@@ -182,9 +184,11 @@ class Llama(nn.Module):
             logits = self.lm_head(h)
             if labels is None:
                 return logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction=reduction)
         return linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), ignore_index=-100,
-                                    chunk_size=self.cfg.loss_chunk_size, backend=self.cfg.kernels)
+                                    reduction=reduction, chunk_size=self.cfg.loss_chunk_size,
+                                    backend=self.cfg.kernels)
 
 
 PRESETS = {

@@ -113,8 +113,9 @@ def llama_stage_init(seed: int = 0) -> Callable[[nn.Module], None]:
 
 
 def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The model's own loss (mean over labels != -100), for the pipeline's last stage."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    """The pipeline's last-stage loss: the summed token loss over labels != -100 (the trainer divides
+    by the step's global valid-token count)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
@@ -137,4 +138,5 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, device=device or local_device())
-    return build_trainer(pipe, config, dp_size=mesh["dp"].size(), store_factory=store_factory)
+    return build_trainer(pipe, config, dp_size=mesh["dp"].size(), store_factory=store_factory,
+                         dp_group=mesh["dp"].get_group())
