@@ -5,6 +5,7 @@ from .config import AioConfig, OffloadConfig, validate_aio, validate_config, val
 from .cpu_store import CpuStateStore
 from .factory import StoreFactory, make_store_factory
 from .nvme_store import NvmeStateStore
+from .pinned import host_buffer_stats, pinned_empty
 from .scratch import remove_scratch, remove_stale_scratch
 
 __all__ = [
@@ -16,7 +17,9 @@ __all__ = [
     "StoreFactory",
     "SwapFile",
     "aligned_empty",
+    "host_buffer_stats",
     "make_store_factory",
+    "pinned_empty",
     "remove_scratch",
     "remove_stale_scratch",
     "validate_aio",

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import ALIGN, AioConfig
+from .pinned import pinned_empty
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,13 @@ def align_up(nbytes: int) -> int:
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` whose data pointer is 4096-aligned (torch.empty's is not)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % ALIGN
-    out = raw[skip:skip + nbytes]
-    assert out.data_ptr() % ALIGN == 0
+    """A uint8 tensor of ``nbytes`` whose data pointer is 4096-aligned (torch.empty's is not).
+
+    Page-aligned memory of exactly ``nbytes`` (page-rounded) from :func:`pinned_empty`; pinned
+    with ``pin`` without the caching host allocator's power-of-two rounding.
+    """
+    out = pinned_empty(nbytes, pin=pin)
+    assert nbytes == 0 or out.data_ptr() % ALIGN == 0
     return out
 
 

@@ -10,16 +10,25 @@ exp_avg, exp_avg_sq) has its own preallocated swap file holding group ``g`` at `
 
 The step streams groups through ``buffer_count`` page-aligned buffers: while group g is stepped
 on the CPU, group g+1 (and more, with more buffers) is being read and group g-1 written back by
-the aio threads.  Gradients are copied (cast to fp32) into the group's buffer right before its
-update and the new masters are cast back into the params right after, so no full-size host copy
-of either ever exists.
+the aio threads.  Gradients are copied (cast to fp32) into a group's buffer when the buffer is
+assigned to it and the new masters are cast back into the params right after its update, so no
+full-size host copy of either ever exists.
+
+With CUDA params both copies are asynchronous on a side stream into/out of pinned buffers: the
+device->host gradient copies of the groups read ahead run while the CPU steps the current group
+(an event per buffer says when they landed), and the host->device copy of the new weights (cast to
+the compute dtype on the host into the buffer's dead gradient region, so it is a same-dtype DMA)
+runs while the next group is stepped; a buffer is reused only after its copies are done, and the
+compute stream waits for the side stream before the step returns.  Without CUDA the same code
+runs with plain synchronous copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -44,6 +53,25 @@ class _Buffer:
         self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}
         self.mv = {k: as_buffer(parts[k]) for k in STATES}
         self.state_bytes = 3 * region
+        self._grad_raw = parts["grad"]
+        self.grads_landed: torch.cuda.Event | None = None  # device->host grad copies into this buffer
+        self.uploaded: torch.cuda.Event | None = None  # host->device weight copies out of this buffer
+
+    def staging(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient region viewed as ``dtype`` (free once the group's update has run)."""
+        return self._grad_raw.view(dtype)
+
+    def wait_grads(self) -> None:
+        if self.grads_landed is not None:
+            self.grads_landed.synchronize()
+            self.grads_landed = None
+
+    def wait_copies(self) -> None:
+        """Before the host overwrites this buffer: every device copy into or out of it is done."""
+        self.wait_grads()
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+            self.uploaded = None
 
 
 def _segments(numels: list[int], group_size: int) -> list[list[Segment]]:
@@ -93,6 +121,10 @@ class NvmeStateStore(StateStore):
         self.dir = scratch.make_store_dir(config.nvme_path, run_id or f"pid{os.getpid()}", rank)
         self.files: dict[str, SwapFile] = {}
         self.engine: AioEngine | None = None
+        cuda = [p for p in params if p.is_cuda]
+        self._copy_stream = torch.cuda.Stream(cuda[0].device) if cuda else None
+        low = {p.dtype for p in params} - {torch.float32}
+        assert len(low) <= 1, f"one compute dtype per store, got {low}"
         try:
             for k in STATES:
                 self.files[k] = SwapFile(str(self.dir / f"{k}.swp"), file_bytes)
@@ -114,12 +146,14 @@ class NvmeStateStore(StateStore):
         op = self.engine.write if write else self.engine.read
         return [op(self.files[k].fd, buf.mv[k][:nbytes], g * self.stride) for k in STATES]
 
-    def _stream(self, fn: Callable[[int, _Buffer], None], *, read: bool, write: bool) -> None:
+    def _stream(self, fn: Callable[[int, _Buffer], None], *, read: bool, write: bool,
+                assign: Callable[[int, _Buffer], None] | None = None) -> None:
         """Run ``fn(g, buffer)`` for every group in order, with reads ahead and writes behind.
 
         With ``overlap_events`` the read of group g+1 (up to ``buffer_count - 2`` groups ahead
         when buffers are free) and the write of group g-1 are in flight while ``fn`` runs on g;
-        without it every request is waited for right away.
+        without it every request is waited for right away.  ``assign(g, buffer)`` runs when a
+        buffer is handed to group g (with the read ahead): where the step starts its gradient copies.
         """
         overlap = self.config.aio.overlap_events
         ahead = max(1, len(self._buffers) - 2) if (overlap and read) else 0
@@ -137,7 +171,10 @@ class NvmeStateStore(StateStore):
             if not free:
                 retire_write()
             buf = free.pop()
+            buf.wait_copies()  # the device copies of its previous group no longer touch it
             reads[g] = (buf, self._io(g, buf, write=False) if read else [])
+            if assign is not None:
+                assign(g, buf)
 
         try:
             num_groups = len(self.groups)
@@ -179,26 +216,69 @@ class NvmeStateStore(StateStore):
         buf.f32["exp_avg"][:n].zero_()
         buf.f32["exp_avg_sq"][:n].zero_()
 
+    def _on_side(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
+
+    @contextlib.contextmanager
+    def _device_copies(self) -> Iterator[None]:
+        """Side stream after the compute stream on entry; compute stream after it on exit."""
+        side = self._copy_stream
+        if side is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(side.device)
+        side.wait_stream(compute)  # grads are computed, params no longer read
+        try:
+            yield
+        except BaseException:
+            side.synchronize()  # nothing in flight may read grads or buffers being freed
+            raise
+        compute.wait_stream(side)  # the next forward sees the new weights (no host wait)
+
     def _to_params(self, g: int, buf: _Buffer) -> None:
+        """New masters -> params: cast on the host into the buffer's dead grad region, then copy
+        (asynchronously on CUDA: a same-dtype copy from pinned memory is a plain DMA)."""
         with torch.no_grad():
             for pi, po, go, k in self.groups[g]:
-                self.params[pi].view(-1)[po:po + k].copy_(buf.f32["master"][go:go + k])
+                p = self.params[pi]
+                src = buf.f32["master"][go:go + k]
+                if p.dtype != torch.float32:
+                    stage = buf.staging(p.dtype)[go:go + k]
+                    stage.copy_(src)
+                    src = stage
+                with self._on_side():
+                    p.view(-1)[po:po + k].copy_(src, non_blocking=p.is_cuda)
+        buf.uploaded = self._record()
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
         flat = [g.detach().reshape(-1) for g in grads]
 
+        def fetch_grads(g: int, buf: _Buffer) -> None:
+            """Device->host (cast to fp32) of group g's grads, in flight while earlier groups step."""
+            gbuf = buf.f32["grad"]
+            with self._on_side():
+                for pi, po, go, k in self.groups[g]:
+                    gbuf[go:go + k].copy_(flat[pi][po:po + k], non_blocking=flat[pi].is_cuda)
+            buf.grads_landed = self._record()
+
         def update(g: int, buf: _Buffer) -> None:
             segs = self.groups[g]
-            gbuf = buf.f32["grad"]
-            for pi, po, go, k in segs:
-                gbuf[go:go + k].copy_(flat[pi][po:po + k])
+            buf.wait_grads()
             views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in STATES + ("grad",)}
             adamw_update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
                          [self.weight_decays[s[0]] for s in segs], self.adamw, lr=lr, step=step,
                          grad_scale=grad_scale)
             self._to_params(g, buf)
 
-        self._stream(update, read=True, write=True)
+        with self._device_copies():
+            self._stream(update, read=True, write=True, assign=fetch_grads)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -225,7 +305,8 @@ class NvmeStateStore(StateStore):
                     buf.f32[key][go:go + k].copy_(flat[key][pi][po:po + k])
             self._to_params(g, buf)
 
-        self._stream(scatter, read=False, write=True)
+        with self._device_copies():
+            self._stream(scatter, read=False, write=True)
 
     def state_bytes(self) -> dict[str, int]:
         """NVMe holds the state; host counts the staging buffers' state regions."""
@@ -251,6 +332,8 @@ class NvmeStateStore(StateStore):
         for f in self.files.values():
             f.close()
         self.files = {}
+        for buf in getattr(self, "_buffers", []):
+            buf.wait_copies()  # unpinning memory a copy still reads is undefined
         self._buffers = []
         if getattr(self, "dir", None) is not None:
             scratch.unregister(self.dir)
