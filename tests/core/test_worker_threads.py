@@ -1,0 +1,27 @@
+"""OpenMP threads per local worker: the host's cores shared out per rank on GPU hosts, 1 on CPU-only hosts."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+
+from deepshard.core.launch import launch_local, worker_threads
+
+
+@pytest.mark.parametrize(("nproc", "cpus", "want"), [(8, 96, 12), (8, 100, 12), (1, 16, 16), (4, 2, 1), (3, 3, 1)])
+def test_gpu_host_gives_each_rank_its_share_of_the_cores(nproc, cpus, want):
+    assert worker_threads(nproc, cuda=True, cpus=cpus) == want
+
+
+@pytest.mark.parametrize(("nproc", "cpus"), [(2, 2), (2, 64), (4, 2)])
+def test_cpu_only_host_keeps_one_thread(nproc, cpus):
+    assert worker_threads(nproc, cuda=False, cpus=cpus) == 1
+
+
+def test_default_counts_the_cores_this_process_may_use():
+    usable = len(os.sched_getaffinity(0))
+    assert worker_threads(1, cuda=True) == usable
+    assert worker_threads(usable * 2, cuda=True) == 1  # more ranks than cores: never 0
+    assert inspect.signature(launch_local).parameters["threads_per_worker"].default is None  # auto
