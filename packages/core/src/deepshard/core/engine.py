@@ -172,7 +172,11 @@ def initialize(
     stage = apply_zero(model, dp_mesh, config.zero, blocks=list(blocks), param_dtype=dtype,
                        offload_params=offload_params)
     if on_meta:
-        model.to_empty(device="cpu" if offload_params else local_device())
+        device = local_device()
+        model.to_empty(device="cpu" if offload_params else device)
+        if offload_params:  # FSDP2 brings offloaded params to the device per all-gather, never buffers (RoPE)
+            for module in model.modules():
+                module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
         with torch.no_grad():
             materialize(model)
     oc = config.optim

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +70,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         backend = "nccl" if device_type() == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(cuda_index(os.environ, torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
@@ -80,8 +82,41 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh:
     return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
 
 
+def cuda_index(env: Mapping[str, str], device_count: int) -> int:
+    """The GPU this process takes, among the ``device_count`` it can see.
+
+    torchrun sets ``LOCAL_RANK`` (SLURM's srun sets ``SLURM_LOCALID``) counting every process on the
+    node, but a scheduler may show each process only its own GPU(s) (``--gpus-per-task``, a
+    ``CUDA_VISIBLE_DEVICES`` per task): local rank 3 then sees one GPU, index 0.  The local rank
+    modulo the visible count is right in both layouts.
+    """
+    if device_count < 1:
+        raise ValueError(f"no CUDA device visible (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r})")
+    local_rank = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    if not local_rank.isdigit():
+        raise ValueError(f"LOCAL_RANK={local_rank!r}: must be a non-negative integer")
+    return int(local_rank) % device_count
+
+
+_override: torch.device | None = None
+
+
+@contextlib.contextmanager
+def use_local_device(device: torch.device | str) -> Iterator[torch.device]:
+    """Within the block, ``local_device()`` is ``device``: tests run the collective paths with a
+    compute device that is not the host (``meta``) to show no tensor there assumes the CPU."""
+    global _override
+    previous, _override = _override, torch.device(device)
+    try:
+        yield _override
+    finally:
+        _override = previous
+
+
 def local_device() -> torch.device:
-    """The device this rank computes on."""
+    """The device this rank computes on: every tensor handed to a collective lives here."""
+    if _override is not None:
+        return _override
     if device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deepshard.core.mesh import local_device
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import StateStore
 from deepshard.core.zero.stages import ZeroStage
@@ -21,17 +22,26 @@ class StepStats:
     loss_scale: float
 
 
-def global_grad_sq_norm(grads: list[torch.Tensor], replication: list[int]) -> torch.Tensor:
+def global_grad_sq_norm(grads: list[torch.Tensor], replication: list[int], *,
+                        device: torch.device | None = None) -> torch.Tensor:
     """Sum of squares over every rank's gradient shards, each distinct element counted once.
 
     One all-reduce over the world: shards add up; a tensor held identically by ``r`` ranks
-    contributes ``1/r`` from each.  An inf/nan anywhere makes the result non-finite.
+    contributes ``1/r`` from each.  An inf/nan anywhere makes the result non-finite.  The total
+    lives on the compute device (``device``, default ``local_device()``) wherever the grads are:
+    with ``offload.params=cpu`` FSDP2 keeps gradient shards on the host, and nccl takes no host
+    tensor.  Norms are taken with one ``_foreach_norm`` per (device, dtype, replication) group, in
+    fp32 (an fp16 sum of squares would overflow long before the gradients do).
     """
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    device = local_device() if device is None else device
+    groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
     for g, r in zip(grads, replication):
         if g.numel():
-            total += g.float().pow(2).sum() / r
+            groups.setdefault((g.device, g.dtype, r), []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, _, r), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        total += (torch.stack(norms).square().sum() / r).to(device)
     dist.all_reduce(total)
     return total
 
