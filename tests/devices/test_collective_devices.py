@@ -37,12 +37,13 @@ def _check(rec: CollectiveRecorder, expect: int | None = None) -> None:
 def test_preemption_flag_is_reduced_on_the_compute_device() -> None:
     from deepshard.finetune.checkpointing import Preemption
 
-    pre = Preemption()
-    try:
-        with fake_world(), use_local_device(META), CollectiveRecorder() as rec:
-            pre.agreed()
-    finally:
-        pre.restore()
+    with fake_world(), use_local_device(META):  # built as the app builds it: once the device is set
+        pre = Preemption()
+        try:
+            with CollectiveRecorder() as rec:
+                pre.agreed()
+        finally:
+            pre.restore()
     _check(rec, expect=1)
 
 
