@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from deepshard.finetune.config import register, validate
+from deepshard.finetune.config import register, resolve_dtype, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -47,7 +48,7 @@ def test_every_group_option_composes_and_validates(overrides):
     if group == "offload":
         assert settings.offload.device == option
     if group == "precision":
-        assert settings.engine.precision.dtype == option
+        assert settings.engine.precision.dtype == resolve_dtype(option, cuda_available=torch.cuda.is_available())
 
 
 def test_no_zero_group_means_stage0():

@@ -243,6 +243,21 @@ def _validate_extras(d: dict, t: dict, prof: dict) -> None:
         raise ValueError(f"profile.trace_steps={prof['trace_steps']}: steps count from 1")
 
 
+def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
+    """``precision=auto`` (the default): bf16 where CUDA is present (tensor-core speed, fp32 masters,
+    no loss scale to tune), fp32 on a CPU-only host (bf16 is emulated there, 4-5x slower).  Any other
+    value is kept; ``precision=fp32`` on a GPU is strict fp32 (TF32 off, torch's default)."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if cuda_available else "fp32"
+
+
+def _resolve_precision(p: dict) -> dict:
+    import torch
+
+    return {**p, "dtype": resolve_dtype(p.get("dtype", "fp32"), cuda_available=torch.cuda.is_available())}
+
+
 def _kernels_backend(name: str) -> str:
     """The backend for this host's device, checked now (triton on CPU needs TRITON_INTERPRET=1)."""
     import torch
@@ -277,7 +292,7 @@ def validate(cfg: dict) -> Settings:
     o = dict(cfg["optim"])
     o["betas"] = tuple(o["betas"])
     engine = EngineConfig(
-        zero=ZeroConfig(**cfg["zero"]), precision=PrecisionConfig(**cfg["precision"]),
+        zero=ZeroConfig(**cfg["zero"]), precision=PrecisionConfig(**_resolve_precision(cfg["precision"])),
         optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
         grad_accum=t["grad_accum"], ac=cfg["ac"],
     )
