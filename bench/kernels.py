@@ -7,7 +7,11 @@ at Llama-8B-like sizes (hidden 4096, intermediate 14336, vocab 128256). On CPU o
 paths run (Triton has no CPU backend; its interpreter is far too slow to time) and the JSON says so.
 Every row carries ratios against ``eager`` from the same run.
 
-    python bench/kernels.py [--quick] [--repeat N] [--compile] [--only rms_norm,linear_ce,...]
+    python bench/kernels.py [--quick | --llama8b] [--repeat N] [--compile] [--only rms_norm,...] [--out F.json]
+
+``--llama8b``: one case per family at Llama-3-8B shapes (4096 tokens, hidden 4096, ffn 14336,
+32/8 heads of 128, vocab 128256; AdamW over one block's 218M parameters), the bounded set
+that bench/gpu_check.sh runs.
 
 Peak memory: CUDA allocator peak above the pre-call baseline on GPU; on CPU the process's peak RSS
 above baseline (VmHWM, reset through /proc/self/clear_refs), since torch's CPU allocations are
@@ -134,9 +138,17 @@ def _providers(torch_path: Callable[..., Any] | None, triton_path: Callable[...,
     return out
 
 
-def cases(quick: bool) -> dict[str, list[dict[str, Any]]]:
+def cases(quick: bool, llama8b: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Sizes per kernel family; Llama-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads, vocab 128256."""
     dtype = torch.bfloat16 if CUDA else torch.float32
+    if llama8b:
+        return {
+            "rms_norm": [dict(tokens=4096, hidden=4096, dtype=dtype)],
+            "swiglu": [dict(tokens=4096, inter=14336, dtype=dtype)],
+            "rope": [dict(batch=1, hq=32, hk=8, seq=4096, head_dim=128, dtype=dtype)],
+            "linear_ce": [dict(tokens=4096, hidden=4096, vocab=128256, chunk=1024, dtype=dtype)],
+            "adamw": [dict(num_tensors=9, numel=218_112_000)],  # one Llama-3-8B block
+        }
     if CUDA:
         return {
             "rms_norm": [dict(tokens=t, hidden=h, dtype=dtype) for t, h in [(4096, 4096), (16384, 4096), (4096, 8192)]],
@@ -262,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the selected benches and print one JSON document."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small CPU sizes (a smoke run)")
+    ap.add_argument("--llama8b", action="store_true", help="one case per family at Llama-3-8B shapes")
+    ap.add_argument("--out", default="", help="also write the JSON to this file")
     ap.add_argument("--repeat", type=int, default=None, help="timed calls per measurement (median)")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None, help="add torch.compile")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
@@ -283,16 +297,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "not measured: Triton figures need a CUDA GPU (Triton has no CPU backend)",
         "results": {},
     }
-    for name, sizes in cases(args.quick).items():
+    if args.quick and args.llama8b:
+        raise SystemExit("--quick and --llama8b: choose one size set")
+    for name, sizes in cases(args.quick, args.llama8b).items():
         if name not in only:
             continue
         doc["results"][name] = []
         for size in sizes:
-            rows = BENCHES[name](size, repeat, use_compile)
             shown = {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in size.items()}
+            try:
+                rows = BENCHES[name](size, repeat, use_compile)
+            except Exception as e:  # one family failing (OOM, a kernel error) must not lose the others
+                rows = [{"error": f"{type(e).__name__}: {e}"[:300]}]
             doc["results"][name].append({"size": shown, "rows": rows})
             print(f"{name} {shown} done", file=sys.stderr, flush=True)
     print(json.dumps(doc, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
     return doc
 
 

@@ -1,5 +1,7 @@
-"""ZeRO stages 0-3 at world sizes 2 and 4: step time relative to stage 0, peak RSS per rank, and
-measured vs expected per-rank model-state bytes.  Where DeepSpeed is installed (bench/requirements.txt,
+"""ZeRO stages 0-3 at world sizes 2 and 4: step time relative to stage 0, peak memory per rank, and
+measured vs expected per-rank model-state bytes.  Every stage builds its model on the compute device
+(``local_device()``: the rank's GPU where CUDA exists); peak memory is the device's
+``max_memory_allocated``/``max_memory_reserved`` on CUDA and the process's ``ru_maxrss`` otherwise.  Where DeepSpeed is installed (bench/requirements.txt,
 never a dependency of our packages) it trains the same model and batches at the same stage in the same
 run, and the JSON adds our/DeepSpeed ratios.
 
@@ -40,6 +42,15 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _peaks() -> dict[str, float]:
+    """This rank's peak memory: the GPU's on CUDA (host RSS beside it), else the host's."""
+    out = {"peak_rss_mb": _peak_rss_mb()}
+    if torch.cuda.is_available():
+        out["device_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["device_max_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+    return out
+
+
 def _quiet_stdout() -> None:
     """Workers print (DeepSpeed's banners, launcher notices) to stderr: stdout carries the JSON alone."""
     sys.stdout.flush()
@@ -48,6 +59,7 @@ def _quiet_stdout() -> None:
 
 def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
     from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, init_distributed, initialize
+    from deepshard.core.mesh import local_device
     from deepshard.finetune.models.llama import Llama
 
     _quiet_stdout()
@@ -55,32 +67,39 @@ def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
     cfg = _model_cfg(dim, layers)
     torch.manual_seed(0)
     sharded_init = stage == 3  # as the app does: no rank ever holds the whole model
-    with torch.device("meta" if sharded_init else "cpu"):
+    device = local_device()
+    with torch.device("meta" if sharded_init else device):
         model = Llama(cfg)
+    if not sharded_init:
+        model.init_weights(0)
     engine = initialize(model, EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=5_000_000,
                                                             allgather_bucket_size=5_000_000),
                                             optim=OptimConfig(lr=1e-4, grad_clip=1.0)),
                         materialize=(lambda m: m.init_weights(0)) if sharded_init else None)
     times, memory = [], None
     for i, tokens in enumerate(_batches(rank, steps + 2, cfg.vocab_size)):
+        tokens = tokens.to(device)
         t0 = time.perf_counter()
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         if i == 0:
             memory = {k: v.as_dict() for k, v in engine.memory().items()}
         engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         if i >= 2:  # warm-up excluded
             times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "peak_rss_mb": _peak_rss_mb(), "memory": memory}
+    return {"step_s": statistics.median(times), **_peaks(), "memory": memory}
 
 
 def deepspeed_run(stage: int, dim: int, layers: int, steps: int) -> dict:
     _quiet_stdout()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
     import deepspeed
 
     from deepshard.finetune.models.llama import Llama
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = torch.distributed.get_rank()
     cfg = _model_cfg(dim, layers)
     torch.manual_seed(0)
@@ -100,7 +119,7 @@ def deepspeed_run(stage: int, dim: int, layers: int, steps: int) -> dict:
         engine.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "peak_rss_mb": _peak_rss_mb()}
+    return {"step_s": statistics.median(times), **_peaks()}
 
 
 def main() -> None:
@@ -122,6 +141,9 @@ def main() -> None:
             rows[stage] = {
                 "step_s": max(r["step_s"] for r in res),
                 "peak_rss_mb_per_rank": [round(r["peak_rss_mb"], 1) for r in res],
+                **({"device_max_allocated_mb_per_rank": [round(r["device_max_allocated_mb"], 1) for r in res],
+                    "device_max_reserved_mb_per_rank": [round(r["device_max_reserved_mb"], 1) for r in res]}
+                   if "device_max_allocated_mb" in res[0] else {}),
                 "model_state_bytes_measured": mem["measured"]["total"],
                 "model_state_bytes_expected": mem["expected"]["total"],
                 "measured_over_expected": round(mem["measured"]["total"] / mem["expected"]["total"], 4),

@@ -15,13 +15,14 @@ def _worker():
     import torch
 
     from deepshard.core import init_distributed, initialize
+    from deepshard.core.mesh import local_device
 
     init_distributed()
     out = {}
     for dtype in ("fp32", "bf16"):
         for stage in (0, 1, 2, 3):
-            engine = initialize(build_model(CFG), engine_config(stage, dtype=dtype, bucket=20_000))
-            tokens = torch.randint(0, CFG.vocab_size, (2, 17))
+            engine = initialize(build_model(CFG).to(local_device()), engine_config(stage, dtype=dtype, bucket=20_000))
+            tokens = torch.randint(0, CFG.vocab_size, (2, 17), device=local_device())
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             mem = engine.memory()
             out[(dtype, stage)] = (mem["measured"].as_dict(), mem["expected"].as_dict())

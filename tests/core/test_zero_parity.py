@@ -49,8 +49,10 @@ def _grad_ready_timing():
         def grad_ready(self, index, grad):
             self.calls.append(index)
 
-    engine = initialize(build_model(), engine_config(2, 2, 0.0), store_factory=Recording)
-    tokens = torch.randint(0, 96, (2, 17))
+    from deepshard.core.mesh import local_device
+
+    engine = initialize(build_model().to(local_device()), engine_config(2, 2, 0.0), store_factory=Recording)
+    tokens = torch.randint(0, 96, (2, 17), device=local_device())
     seen = []
     for _ in range(2):  # micro-step 1: not final; micro-step 2: the boundary
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))

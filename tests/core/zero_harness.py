@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, ZeroConfig, initialize
-from deepshard.core.engine import decays
+from deepshard.core.mesh import local_device
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
@@ -36,9 +36,9 @@ def reference(num_steps: int, world: int, grad_accum: int, optim: OptimConfig, c
     """Plain single-process torch: the whole global batch at once, torch.optim.AdamW."""
     model = build_model(cfg)
     params = list(model.parameters())
-    wds = decays([], params, optim.weight_decay)
-    groups = [{"params": [p for p, w in zip(params, wds) if w > 0], "weight_decay": optim.weight_decay},
-              {"params": [p for p, w in zip(params, wds) if w == 0], "weight_decay": 0.0}]
+    # decay on matrices only, written here (the reference shares no code with the engine)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
     data = batches(num_steps, world, grad_accum, cfg)
     losses = []
@@ -65,13 +65,13 @@ def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaC
         with torch.device("meta"):
             model = Llama(cfg)
         kwargs["materialize"] = lambda m: m.init_weights(0)
-    else:
-        model = build_model(cfg)
+    else:  # the seeded host init, then to the compute device (nccl reduces device tensors only)
+        model = build_model(cfg).to(local_device())
     engine = initialize(model, config, mesh=mesh, **kwargs)
-    data = batches(num_steps, world, config.grad_accum, cfg)
+    data = batches(num_steps, world, config.grad_accum, cfg).to(local_device())
     losses, stats, memory = [], [], None
     for step in range(num_steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=local_device())
         for micro in range(config.grad_accum):
             tokens = data[step, micro, rank]
             loss = engine(tokens[:, :-1], tokens[:, 1:])
@@ -88,7 +88,7 @@ def distributed_run(config: EngineConfig, num_steps: int, mesh=None, cfg: LlamaC
     full = {}
     for n, p in engine.model.named_parameters():
         t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-        full[n.replace("_checkpoint_wrapped_module.", "")] = t.float().clone()
+        full[n.replace("_checkpoint_wrapped_module.", "")] = t.float().cpu().clone()  # beside the host reference
     return losses, full, stats, memory
 
 

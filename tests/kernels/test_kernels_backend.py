@@ -31,6 +31,7 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error() -> None:
 
 
 @pytest.mark.triton
+@pytest.mark.skipif(not triton_interpreting(), reason="CPU tensors take Triton only under the interpreter")
 def test_triton_on_cpu_under_interpreter_resolves() -> None:
     assert resolve_backend("triton", "cpu") == "triton"
 

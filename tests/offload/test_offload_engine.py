@@ -13,16 +13,17 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.nn as nn
     from deepshard.core import DeviceStateStore, EngineConfig, PrecisionConfig, ZeroConfig, initialize
+    from deepshard.core.mesh import local_device
     from deepshard.offload import OffloadConfig, make_store_factory
 
     def train(factory, stage, dtype):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(33, 65), nn.ReLU(), nn.Linear(65, 7))
+        model = nn.Sequential(nn.Linear(33, 65), nn.ReLU(), nn.Linear(65, 7)).to(local_device())
         cfg = EngineConfig(zero=ZeroConfig(stage=stage), precision=PrecisionConfig(dtype=dtype))
         engine = initialize(model, cfg, store_factory=factory, blocks=nn.ModuleList())
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
-            x = torch.randn(8, 33, generator=gen).to(next(model.parameters()).dtype)
+            x = torch.randn(8, 33, generator=gen).to(local_device(), next(model.parameters()).dtype)
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
         engine.store.close()

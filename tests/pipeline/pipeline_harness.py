@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from deepshard.core import EngineConfig, OptimConfig, ParallelDims, PrecisionConfig, ZeroConfig
-from deepshard.core.engine import decays
+from deepshard.core.mesh import local_device
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
@@ -56,9 +56,9 @@ def reference(rows: int, num_steps: int = STEPS, optim: OptimConfig = OPTIM):
     """Single-process torch: the whole global batch at once, torch.optim.AdamW, global-norm clip."""
     model = build_model()
     params = list(model.parameters())
-    wds = decays([], params, optim.weight_decay)
-    groups = [{"params": [p for p, w in zip(params, wds) if w > 0], "weight_decay": optim.weight_decay},
-              {"params": [p for p, w in zip(params, wds) if w == 0], "weight_decay": 0.0}]
+    # decay on matrices only, written here (the reference shares no code with the engine)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
     data = batches(num_steps, rows)
     losses = []
@@ -87,7 +87,7 @@ def run_case(case: Case, num_steps: int = STEPS) -> dict:
                              microbatches=case.microbatches, partition=case.partition)
     local_numel = trainer.local_param_numel()
     dp_rank, per_dp = mesh["dp"].get_local_rank(), case.rows // case.dp
-    data = batches(num_steps, case.rows)[:, dp_rank * per_dp:(dp_rank + 1) * per_dp]
+    data = batches(num_steps, case.rows)[:, dp_rank * per_dp:(dp_rank + 1) * per_dp].to(local_device())
     losses, norms, scales = [], [], []
     for step in range(num_steps):
         result = trainer.train_step(data[step, :, :-1], data[step, :, 1:])
@@ -98,6 +98,6 @@ def run_case(case: Case, num_steps: int = STEPS) -> dict:
     for m in trainer.pipeline.modules:
         for n, p in m.named_parameters():
             t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-            params[n.replace("_checkpoint_wrapped_module.", "")] = t.float().clone()
+            params[n.replace("_checkpoint_wrapped_module.", "")] = t.float().cpu().clone()  # beside the host reference
     return {"losses": losses, "norms": norms, "scales": scales, "params": params, "local_numel": local_numel,
             "ranges": [(r.start, r.stop) for r in trainer.pipeline.ranges]}
