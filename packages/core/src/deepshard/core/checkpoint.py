@@ -44,7 +44,7 @@ from deepshard.core.checkpoint_manifest import (
     write_manifest,
 )
 from deepshard.core.optim import ZeroOptimizer
-from deepshard.core.zero.reducer import local_tensor
+from deepshard.core.dtensor_utils import local_tensor
 
 __all__ = ["CheckpointError", "clean_name", "latest_good", "load_checkpoint", "prune", "save_checkpoint",
            "step_dir_name", "training_state"]

@@ -15,21 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig
-from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_bytes
+from deepshard.core.dtensor_utils import local_tensor
+from deepshard.core.memory import ModelStateBytes, model_state_memory
 from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device
-from deepshard.core.optim import StepStats, ZeroOptimizer
+from deepshard.core.mixed_precision import apply_mixed_precision
+from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.precision import LossScaler
-from deepshard.core.schedules import LRSchedule
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
-from deepshard.core.zero import apply_zero
-from deepshard.core.zero.layout import local_shard
-from deepshard.core.zero.reducer import local_tensor
-from deepshard.core.zero.stages import ZeroStage
-
-
-def decays(names: Sequence[str], params: Sequence[torch.Tensor], weight_decay: float) -> list[float]:
-    """Weight decay on matrices only: norms and biases are not decayed (the common LLM recipe)."""
-    return [weight_decay if p.dim() >= 2 else 0.0 for p in params]
+from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.zero import ZeroStage, apply_zero
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -38,22 +31,6 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError("initialize(): pass blocks= explicitly, the model has no `layers` ModuleList")
     return blocks
-
-
-def cast_to_compute_dtype(model: nn.Module, dp_mesh: DeviceMesh, stage: int,
-                          dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Stages 0-2 compute in ``dtype`` on the params themselves: cast the model, returning this
-    rank's fp32 local shards first (the master weights start from them, not from rounded copies).
-    Stage 3 keeps fp32 shards and casts per all-gather, so nothing happens there."""
-    if stage == 3 or dtype == torch.float32:
-        return None
-    world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    fp32_locals = [
-        (local_tensor(p.data) if stage == 0 else local_shard(local_tensor(p.data), world, rank)).clone()
-        for p in model.parameters() if p.requires_grad
-    ]
-    model.to(dtype)
-    return fp32_locals
 
 
 class Engine:
@@ -127,11 +104,8 @@ class Engine:
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes."""
-        dp = self.mesh["dp"].size()
-        return {
-            "measured": measured_bytes(self.stage, self.store),
-            "expected": expected_bytes(self.stage.stage, self.num_params, dp, self.config.precision.dtype),
-        }
+        return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=self.mesh["dp"].size(),
+                                  dtype=self.config.precision.dtype)
 
 
 def initialize(
@@ -164,7 +138,7 @@ def initialize(
     stage_num = config.zero.stage
     num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
 
-    fp32_locals = cast_to_compute_dtype(model, dp_mesh, stage_num, dtype)
+    fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=stage_num, dtype=dtype)  # before ZeRO
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and (stage_num != 3 or materialize is None):
         raise ValueError(f"zero.stage={stage_num}: a model on the meta device needs zero.stage=3 and a "
@@ -179,12 +153,5 @@ def initialize(
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
         with torch.no_grad():
             materialize(model)
-    oc = config.optim
-    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
-    store = store_factory(stage.local_params(), decays(stage.names, stage.params, oc.weight_decay), adamw)
-    if fp32_locals is not None:  # the master starts from the fp32 init, not its rounded copy
-        store.load_state_dict({"master": fp32_locals, "exp_avg": [torch.zeros_like(t) for t in fp32_locals],
-                               "exp_avg_sq": [torch.zeros_like(t) for t in fp32_locals]})
-    schedule = LRSchedule(config.scheduler, oc.lr)
-    optimizer = ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)
+    optimizer = build_optimizer(stage, config, store_factory=store_factory, fp32_masters=fp32_masters)
     return Engine(model, stage, optimizer, config, mesh, num_params)

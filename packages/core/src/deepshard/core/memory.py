@@ -61,3 +61,9 @@ def measured_bytes(stage: ZeroStage, store: StateStore) -> ModelStateBytes:
     state = store.state_bytes()
     return ModelStateBytes(params=stage.param_bytes(), grads=stage.grad_bytes(), optimizer=state["device"],
                            host=state["host"], nvme=state["nvme"])
+
+
+def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, dp: int,
+                       dtype: str) -> dict[str, ModelStateBytes]:
+    """``{"measured": ..., "expected": ...}`` per-rank model-state bytes (what ``memory()`` returns)."""
+    return {"measured": measured_bytes(stage, store), "expected": expected_bytes(stage.stage, num_params, dp, dtype)}

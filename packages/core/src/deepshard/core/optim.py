@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import local_device
 from deepshard.core.precision import LossScaler
-from deepshard.core.state_store import StateStore
+from deepshard.core.schedules import LRSchedule
+from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
 from deepshard.core.zero.stages import ZeroStage
 
 
@@ -81,3 +83,26 @@ class ZeroOptimizer:
         self.scaler.update(overflow=False)
         self.num_updates += 1
         return StepStats(True, norm, lr, scale)
+
+
+def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:
+    """Weight decay on matrices only: norms and biases are not decayed (the common LLM recipe)."""
+    return [weight_decay if p.dim() >= 2 else 0.0 for p in params]
+
+
+def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: StoreFactory = DeviceStateStore,
+                    fp32_masters: list[torch.Tensor] | None = None) -> ZeroOptimizer:
+    """The optimizer over a ZeRO stage (one model, or a pipeline rank's stage modules seen as one):
+    its state store, fp32 masters, LR schedule and loss scaler, from ``config``.
+
+    ``fp32_masters``: this rank's fp32 local shards taken before the params were cast to a 16-bit
+    compute dtype (stages 0-2), so the masters start from the exact init, not its rounded copy.
+    """
+    oc = config.optim
+    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+    store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), adamw)
+    if fp32_masters is not None:
+        store.load_state_dict({"master": fp32_masters, "exp_avg": [torch.zeros_like(t) for t in fp32_masters],
+                               "exp_avg_sq": [torch.zeros_like(t) for t in fp32_masters]})
+    schedule = LRSchedule(config.scheduler, oc.lr)
+    return ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)

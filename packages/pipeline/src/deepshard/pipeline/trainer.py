@@ -15,15 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deepshard.core.config import EngineConfig
-from deepshard.core.engine import decays
-from deepshard.core.memory import ModelStateBytes, expected_bytes, measured_bytes
-from deepshard.core.optim import StepStats, ZeroOptimizer
-from deepshard.core.precision import LossScaler
-from deepshard.core.schedules import LRSchedule
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
-from deepshard.core.zero.reducer import local_tensor
-from deepshard.core.zero.stages import ZeroStage
+from deepshard.core import DeviceStateStore, EngineConfig, StateStore
+from deepshard.core.dtensor_utils import local_tensor
+from deepshard.core.memory import ModelStateBytes, model_state_memory
+from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
+from deepshard.core.state_store import StoreFactory
+from deepshard.core.zero import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
 IGNORE_INDEX = -100  # labels that do not count in the loss
@@ -35,11 +32,11 @@ __all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPa
 @dataclass
 class ShardedPart:
     """What a ``parallelize_fn`` returns per stage module: its ZeRO stage, and for bf16/fp16 at
-    stages 0-2 the fp32 values of its local shards taken before the cast (so the master weights
-    start from the exact init, as ``deepshard.core.initialize`` does)."""
+    stages 0-2 the fp32 master shards ``deepshard.core.mixed_precision.apply_mixed_precision``
+    returned (so the masters start from the exact init, as ``deepshard.core.initialize`` does)."""
 
     zero: ZeroStage
-    fp32_init: list[torch.Tensor] | None = None
+    fp32_masters: list[torch.Tensor] | None = None
 
 
 class CompositeStage(ZeroStage):
@@ -158,8 +155,8 @@ class PipelineTrainer:
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes (as ``Engine.memory``)."""
-        return {"measured": measured_bytes(self.zero, self.store),
-                "expected": expected_bytes(self.zero.stage, self.num_params, self.dp_size, self.dtype)}
+        return model_state_memory(self.zero, self.store, num_params=self.num_params, dp=self.dp_size,
+                                  dtype=self.dtype)
 
 
 def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
@@ -177,13 +174,6 @@ def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
     if not all(isinstance(p.zero, ZeroStage) for p in parts):
         raise ValueError("build_trainer(): parallelize_fn must return a ZeroStage or ShardedPart per stage module")
     zero = parts[0].zero if len(parts) == 1 else CompositeStage([p.zero for p in parts])
-    oc = config.optim
-    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
-    store = store_factory(zero.local_params(), decays(zero.names, zero.params, oc.weight_decay), adamw)
-    if all(p.fp32_init is not None for p in parts):
-        masters = [t for p in parts for t in p.fp32_init]
-        store.load_state_dict({"master": masters, "exp_avg": [torch.zeros_like(t) for t in masters],
-                               "exp_avg_sq": [torch.zeros_like(t) for t in masters]})
-    lr = LRSchedule(config.scheduler, oc.lr)
-    optimizer = ZeroOptimizer(zero, store, lr.lr_at, LossScaler(config.precision), oc.grad_clip)
+    masters = [t for p in parts for t in p.fp32_masters] if all(p.fp32_masters is not None for p in parts) else None
+    optimizer = build_optimizer(zero, config, store_factory=store_factory, fp32_masters=masters)
     return PipelineTrainer(pipeline, optimizer, dp_size=dp_size, dtype=config.precision.dtype, dp_group=dp_group)

@@ -25,8 +25,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig, ZeroConfig
-from deepshard.core.engine import cast_to_compute_dtype
 from deepshard.core.mesh import local_device
+from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
@@ -80,10 +80,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     apply_ac(model.layers, ac)
     dp_mesh = mesh["dp"]
     torch_dtype = DTYPES[dtype]
-    fp32_init = cast_to_compute_dtype(model, dp_mesh, zero.stage, torch_dtype)
+    fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
     stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype,
                        offload_params=offload_params)
-    return ShardedPart(stage, fp32_init)
+    return ShardedPart(stage, fp32_masters)
 
 
 def llama_stage_init(seed: int = 0) -> Callable[[nn.Module], None]:

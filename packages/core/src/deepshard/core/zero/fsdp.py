@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from deepshard.core.zero.reducer import dtensor_replication, local_tensor
+from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
 from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, trainable
 
 

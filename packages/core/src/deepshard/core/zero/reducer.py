@@ -17,12 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepshard.core.dtensor_utils import like_param, local_tensor
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind a DTensor (tensor parallel), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _HookedReducer:
@@ -131,7 +127,7 @@ class AllReduceReducer(_HookedReducer):
         for flat in self.flats:
             flat.zero_()
         for i, p in enumerate(self.params):
-            p.grad = _like_param(p, self.grad(i)) if self.as_views[i] else None
+            p.grad = like_param(p, self.grad(i)) if self.as_views[i] else None
 
     def _accumulate(self, i: int) -> None:
         p = self.params[i]
@@ -151,7 +147,7 @@ class AllReduceReducer(_HookedReducer):
                     view.copy_(local_tensor(p.grad))
                 else:
                     continue
-                p.grad = _like_param(p, view)
+                p.grad = like_param(p, view)
             else:
                 self._accumulate(i)
         flat = self.flats[b]
@@ -237,23 +233,3 @@ class ReduceScatterReducer(_HookedReducer):
 
     def zero_grad(self) -> None:
         self.shard_grads = [None] * len(self.params)
-
-
-def dtensor_replication(p: torch.Tensor) -> int:
-    """Ranks holding an identical copy of ``p``'s local tensor on the mesh ``p`` lives on (1 if plain)."""
-    if not hasattr(p, "placements"):
-        return 1
-    n = 1
-    for size, placement in zip(p.device_mesh.shape, p.placements):
-        if placement.is_replicate():
-            n *= size
-    return n
-
-
-def _like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Wrap a local gradient as a DTensor when the param is one (tensor parallel)."""
-    if hasattr(p, "to_local"):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    return g

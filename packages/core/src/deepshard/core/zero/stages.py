@@ -14,13 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
-from deepshard.core.zero.reducer import (
-    AllReduceReducer,
-    ReduceScatterReducer,
-    dtensor_replication,
-    local_tensor,
-)
+from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
 
 
 class ZeroStage(ABC):

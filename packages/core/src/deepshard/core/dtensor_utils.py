@@ -1,0 +1,34 @@
+"""Small helpers over DTensor parameters (tensor parallel) that every package may use.
+
+Public: the pipeline and the app call these rather than reaching into ZeRO's internals.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["dtensor_replication", "like_param", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a DTensor (tensor parallel), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dtensor_replication(p: torch.Tensor) -> int:
+    """Ranks holding an identical copy of ``p``'s local tensor on the mesh ``p`` lives on (1 if plain)."""
+    if not isinstance(p, DTensor):
+        return 1
+    n = 1
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        if placement.is_replicate():
+            n *= size
+    return n
+
+
+def like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Wrap a local gradient as a DTensor when the param is one (tensor parallel), else ``g`` itself."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return g
