@@ -2,8 +2,11 @@
 
 Core does the mechanism (sharded, atomic, verified DCP saves that load at any world size and
 stage); this file decides the schedule (``checkpoint.every_steps``, ``keep_last``), the resume
-choice (``auto`` = newest good checkpoint, a path, or ``none``), and what app state rides along:
-step, tokens seen and the world-size-independent data position.
+choice (``auto`` = newest good checkpoint, a path, or ``none``), what a failed save does
+(``on_error``), and what app state rides along: step, tokens seen and the world-size-independent
+data position.  Retention never removes the checkpoint just written nor the newest good one;
+checkpoints newer than the step resumed belong to an abandoned branch and are renamed aside.
+All ranks use rank 0's run dir, and a checkpoint dir some rank cannot see stops the run early.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 import threading
 import time
 import typing
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepshard.core.checkpoint import find_resume, load_checkpoint, save_checkpoint, unsupported_reason
-from deepshard.core.checkpoint_manifest import CheckpointError, prune, step_dirs
+from deepshard.core.checkpoint import (
+    CheckpointSaveError,
+    find_resume,
+    load_checkpoint,
+    save_checkpoint,
+    unsupported_reason,
+)
+from deepshard.core.checkpoint_manifest import CheckpointError, prune, set_aside, step_dirs, verify_checkpoint
 from deepshard.core.engine import Engine
+from deepshard.core.mesh import local_device
 from deepshard.finetune.data.resumable import ResumableStream
 
 log = logging.getLogger("deepshard.finetune")
@@ -37,6 +48,7 @@ class CheckpointSchema:
     keep_last: int = 3  # 0 keeps every checkpoint
     resume: str = "auto"  # auto | none | PATH (a step-* directory, or a folder of them)
     dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
+    on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
 
 
 def validate_checkpoint(c: dict[str, Any]) -> CheckpointSchema:
@@ -46,6 +58,8 @@ def validate_checkpoint(c: dict[str, Any]) -> CheckpointSchema:
         value = getattr(s, key)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
+    if s.on_error not in ("stop", "continue"):
+        raise ValueError(f"checkpoint.on_error={s.on_error!r}: valid values are 'stop' and 'continue'")
     if s.resume not in ("auto", "none") and not Path(s.resume).is_dir():
         raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'none' or an existing "
                          f"checkpoint directory")
@@ -57,7 +71,8 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None else local_device()  # nccl reduces device tensors only
         self.requested = False
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -71,7 +86,7 @@ class Preemption:
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (one tiny all-reduce per step)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -102,6 +117,50 @@ class Preemption:
         threading.Thread(target=watch, daemon=True).start()
 
 
+def agree_run_dir(run_dir: str) -> str:
+    """Rank 0's run dir on every rank: under torchrun each process's Hydra stamps its own time."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return run_dir
+    box = [run_dir]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != run_dir:
+        log.info("run dir: using rank 0's %s (this rank's Hydra chose %s)", box[0], run_dir)
+    return box[0]
+
+
+def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
+    """Rank 0 writes a probe file under ``root``; every rank must see it (else ValueError on all ranks).
+
+    Every rank writes shards of each checkpoint and reads others' at resume, so a directory on a
+    node-local disk would split the checkpoint; this says so before training instead of mid-save.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [f".probe-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(box, src=0)
+    probe = root / box[0]
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_text("deepshard: every rank must see this file\n")
+        except OSError as err:
+            error = f"{key}={root}: cannot write there ({err})"
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error)  # also the barrier: the probe exists before anyone looks
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, probe.is_file())
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    if errors[0]:
+        raise ValueError(errors[0])
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ValueError(f"{key}={root} is not visible from rank {blind[0]} (node-local disk?): use a shared "
+                         f"filesystem that every node mounts at the same path")
+
+
 class RunCheckpoints:
     """Resume before the loop, ``after_step`` inside it; a few lines in train.py."""
 
@@ -117,11 +176,14 @@ class RunCheckpoints:
         self.tokens_seen = 0
         self.last_saved: str | None = None
         self.saved_step = -1
-        self.preemption = Preemption()
+        self.good: set[Path] = set()  # checkpoints known to verify (written or loaded by this run)
+        self.preemption = Preemption(local_device())
         self.preempted = False
         self.unsupported = unsupported_reason(engine.optimizer)
         if self.unsupported:  # say so now, not after hours of training
             log.warning("checkpoint: disabled for this run, not supported yet: %s", self.unsupported)
+        else:
+            check_shared_dir(self.root)
 
     def _resolve(self) -> tuple[Path | None, bool]:
         """The checkpoint to resume from, and whether it was verified already (by a search)."""
@@ -148,15 +210,27 @@ class RunCheckpoints:
     def resume(self) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
         path, verified = self._resolve()
-        if path is None:
-            return 0
-        dp = self.engine.mesh["dp"]
-        app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model, verify=not verified)
-        self.data.load_state_dict(app["data"])
-        self.tokens_seen = int(app["tokens_seen"])
-        self.saved_step = int(app["step"])
-        log.info("checkpoint: resumed from %s at step %d (%d tokens seen)", path, app["step"], self.tokens_seen)
-        return int(app["step"])
+        step = 0
+        if path is not None:
+            dp = self.engine.mesh["dp"]
+            app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model, verify=not verified)
+            self.data.load_state_dict(app["data"])
+            self.tokens_seen = int(app["tokens_seen"])
+            step = self.saved_step = int(app["step"])
+            self.good.add(path.resolve())
+            log.info("checkpoint: resumed from %s at step %d (%d tokens seen)", path, step, self.tokens_seen)
+        if not self.unsupported:
+            self._set_aside_newer(step)
+        return step
+
+    def _set_aside_newer(self, step: int) -> None:
+        """Checkpoints newer than the resumed ``step`` are a branch this run abandons: renamed aside, so
+        neither ``resume=auto`` nor retention ever takes them for this run's newest."""
+        if dist.get_rank() == 0:
+            for old, new in set_aside(self.root, step):
+                log.warning("checkpoint: %s is newer than the resumed step %d (a branch this run abandons): "
+                            "renamed to %s", old, step, new.name)
+        dist.barrier()
 
     def after_step(self, step: int, *, last: bool) -> bool:
         """Count tokens; save on schedule, at the end, or on preemption.  True: stop now (preempted)."""
@@ -171,6 +245,8 @@ class RunCheckpoints:
         return self.preempted
 
     def save(self, step: int) -> Path | None:
+        """Save ``step``; on failure stop (CheckpointError naming checkpoint.dir) or, with
+        ``checkpoint.on_error=continue``, log one line and train on."""
         if self.unsupported:
             return None
         if step == self.saved_step:
@@ -181,13 +257,33 @@ class RunCheckpoints:
             meta["tokenizer"] = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                                  "pad_token_id": tok.pad_token_id}
         app_state = {"step": step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
-        path = save_checkpoint(self.root, step, self.engine.optimizer, self.engine.mesh["dp"],
-                               model=self.engine.model, app_state=app_state, meta=meta,
-                               write_extra=None if tok is None else self._write_tokenizer)
+        try:
+            path = save_checkpoint(self.root, step, self.engine.optimizer, self.engine.mesh["dp"],
+                                   model=self.engine.model, app_state=app_state, meta=meta,
+                                   write_extra=None if tok is None else self._write_tokenizer)
+        except CheckpointSaveError as err:
+            message = f"checkpoint.dir={self.root}: saving step {step} failed: {err.reason}"
+            if self.settings.on_error == "stop":
+                raise CheckpointError(message + " (checkpoint.on_error=continue trains on)") from None
+            if dist.get_rank() == 0:
+                log.warning("checkpoint: %s; training on (checkpoint.on_error=continue)", message)
+            return None
+        self.good.add(path.resolve())
         if dist.get_rank() == 0:
-            prune(self.root, self.settings.keep_last)
+            prune(self.root, self.settings.keep_last, keep=[path], is_good=self._is_good)
         self.saved_step, self.last_saved = step, str(path)
         return path
+
+    def _is_good(self, path: Path) -> bool:
+        if path.resolve() in self.good:
+            return True
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as err:
+            log.warning("checkpoint: %s; not counted toward checkpoint.keep_last", err)
+            return False
+        self.good.add(path.resolve())
+        return True
 
     def _write_tokenizer(self, directory: Path) -> None:
         self.tokenizer.save_pretrained(str(directory / "tokenizer"))

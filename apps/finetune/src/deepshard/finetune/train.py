@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.mesh import local_device
-from deepshard.finetune.checkpointing import start_checkpointing
+from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.tokenizer import load_tokenizer
@@ -83,6 +83,7 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     rank, world = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
     mesh = build_mesh(settings.parallel)
     dp = mesh["dp"]
     torch.manual_seed(settings.train.seed)

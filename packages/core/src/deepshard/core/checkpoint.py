@@ -5,21 +5,23 @@ weights (under ``model.<fqn>``) and AdamW moments (``optim.exp_avg.<fqn>``, ...)
 stages 1-3 and Replicate at stage 0.  DCP records each chunk's global offset, so a checkpoint
 loads at any world size and any stage.  Keys are stage-agnostic (wrapper prefixes such as
 ``_checkpoint_wrapped_module.`` are dropped).  Saving the fp32 master, not the compute-dtype
-param, lets a bf16 run resume in fp32 and the reverse.
+param, lets a bf16 run resume in fp32 and the reverse.  Offloaded state (host or NVMe stores)
+is saved and loaded where it lives: its DTensors sit on a host mirror of the mesh.
 
-Scalars (update count, loss scaler, the caller's ``app_state``) travel in DCP as one pickled
-object; each rank's RNG state under its own key.  The optimizer state goes through the
-StateStore's ``state_dict``/``load_state_dict`` only, so offloaded stores work unchanged.
+Scalars (update count, loss scaler, the caller's ``app_state``) and RNG states are JSON files
+beside the shards (checkpoint_extra); loading runs nothing from the checkpoint (checkpoint_safe).
+A save checks free space first, and on any failure removes its temp dir on every path out.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import pickle
-import random
+import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +29,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from deepshard.core.checkpoint_extra import (
+    TRAINER,
+    read_json,
+    read_trainer,
+    rng_file,
+    rng_state,
+    set_rng_state,
+    write_json,
+)
 from deepshard.core.checkpoint_manifest import (
     FORMAT,
+    OWNER,
     CheckpointError,
     describe_files,
     latest_good,
@@ -39,21 +52,33 @@ from deepshard.core.checkpoint_manifest import (
     prune,
     publish,
     read_manifest,
+    remove_dead_temp_dirs,
     step_dir_name,
     verify_files,
     write_manifest,
+    write_owner,
 )
-from deepshard.core.optim import ZeroOptimizer
+from deepshard.core.checkpoint_safe import SafeLoadPlanner, SafeReader, read_metadata_safely
 from deepshard.core.dtensor_utils import local_tensor
+from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["CheckpointError", "clean_name", "latest_good", "load_checkpoint", "prune", "save_checkpoint",
-           "step_dir_name", "training_state"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "clean_name", "latest_good", "load_checkpoint", "prune",
+           "save_checkpoint", "step_dir_name", "training_state"]
 
 log = logging.getLogger("deepshard.checkpoint")
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 KINDS = (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq."))
-SCALARS = "trainer"
+STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS": rank 0 pauses a save mid-way
+MARGIN_BYTES = 1 << 20  # manifest, JSON state, DCP metadata
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (no space, I/O error): its temp dir is gone; ``reason`` is one line."""
+
+    def __init__(self, root: Path, step: int, reason: str) -> None:
+        super().__init__(f"checkpoint {str(root)!r}: saving step {step} failed: {reason}")
+        self.root, self.step, self.reason = root, step, reason
 
 
 def clean_name(name: str) -> str:
@@ -72,16 +97,35 @@ def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
     return None
 
 
+_HOST_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """``mesh``'s layout on ``device_type`` (no process group: DCP only needs each rank's coordinate).
+
+    DTensor.from_local moves a tensor to its mesh's device, so offloaded (host) state gets a host
+    mirror of the compute mesh and is saved and loaded in host memory, never copied to the GPU.
+    """
+    if mesh.device_type == device_type:
+        return mesh
+    key = (device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+    if key not in _HOST_MESHES:
+        _HOST_MESHES[key] = DeviceMesh(device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names,
+                                       _init_backend=False)
+    return _HOST_MESHES[key]
+
+
 def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: DeviceMesh) -> DTensor:
-    """``local`` (this rank's state for ``param``) as a DTensor with the layout the stage gives it."""
+    """``local`` (this rank's state for ``param``) as a DTensor with the layout the stage gives it,
+    on the device where ``local`` lives."""
     if isinstance(param, DTensor):
         if 0 < stage < 3:
             raise NotImplementedError("checkpointing tensor-parallel params at zero stages 1-2: see unsupported_reason")
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(local, mesh_on(param.device_mesh, local.device.type), param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
     placement = Replicate() if stage == 0 or param.dim() == 0 else Shard(0)
-    return DTensor.from_local(local, dp_mesh, [placement], run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return DTensor.from_local(local, mesh_on(dp_mesh, local.device.type), [placement], run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh,
@@ -106,28 +150,9 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh,
     return out, store_state
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
+def checkpoint_bytes(state: dict[str, Any]) -> int:
+    """Bytes DCP writes for ``state`` (each global tensor once, whatever its sharding)."""
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _world() -> tuple[int, int]:
@@ -143,6 +168,72 @@ def _agree(value: Any) -> Any:
     return box[0]
 
 
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def one_line(err: BaseException) -> str:
+    """The cause of a failure in one line (DCP's CheckpointException carries each rank's traceback)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, wrapped = next(iter(err.failures.items()))
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {one_line(exc)}"
+    if isinstance(err, CheckpointError):
+        return str(err)
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _is_enospc(err: BaseException | None) -> bool:
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if isinstance(err, CheckpointException):
+            return any(_is_enospc(w[0] if isinstance(w, tuple) else w) for w in err.failures.values())
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def _phase(fn: Callable[[], Any]) -> Any:
+    """Run one phase of a save on every rank; if it failed anywhere, every rank raises the first cause.
+
+    Agreeing after each phase means a rank-0-only step that fails cannot leave the others waiting.
+    """
+    result, failure = None, None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as err:
+        failure = ("ENOSPC " if _is_enospc(err) else "") + one_line(err)
+    failures = [f for f in _gather(failure) if f]
+    if failures:
+        raise _Failed(failures[0])
+    return result
+
+
+class _Failed(Exception):
+    pass
+
+
+def _stall(step: int) -> None:
+    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS``): pause with the shards written."""
+    spec = os.environ.get(STALL_ENV, "")
+    if spec and int(spec.split(":")[0]) == step:
+        log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test", STALL_ENV, spec)
+        time.sleep(float(spec.split(":")[1]))
+
+
+def _free_space_check(root: Path, step: int, needed: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointError(f"needs {needed / 1e6:.0f} MB, {free / 1e6:.0f} MB free (step {step})")
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -152,13 +243,15 @@ def save_checkpoint(
     model: nn.Module | None = None,
     app_state: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
-    write_extra: Any = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``root/step-NNNNNNNN`` atomically from every rank; returns its path.
 
-    ``app_state`` (picklable: data position, tokens seen...) comes back from :func:`load_checkpoint`;
+    ``app_state`` (JSON: data position, tokens seen...) comes back from :func:`load_checkpoint`;
     ``meta`` (JSON: config, model architecture) goes into the manifest for tools such as export;
     ``write_extra(tmp_dir)`` runs on rank 0 to add files (a tokenizer) before the manifest seals them.
+    Raises CheckpointSaveError on every rank when the save fails anywhere (not enough free space,
+    an I/O error): the partial temp dir is removed and nothing older is touched.
     """
     rank, world = _world()
     root = Path(root)
@@ -166,61 +259,89 @@ def save_checkpoint(
     tmp = root / f"{final.name}.tmp-{_agree(uuid.uuid4().hex[:8])}"
     start = time.perf_counter()
     state, _ = training_state(optimizer, dp_mesh, model)
-    # pickled, so DCP stores each as one opaque item instead of flattening nested dicts
-    state[SCALARS] = pickle.dumps({"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(),
-                                   "app": app_state or {}, "world_size": world, "zero_stage": optimizer.stage.stage})
-    state[f"rng.{rank}"] = pickle.dumps(rng_state())
-    if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    if rank == 0 and write_extra is not None:
-        write_extra(tmp)
-    if dist.is_initialized():
-        dist.barrier()
-    # every rank checksums a share of the files, so sealing costs 1/world of a read
-    names = _agree(list_files(tmp))
-    mine = describe_files(tmp, names[rank::world])
-    parts = [mine]
-    if dist.is_initialized():
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
-    if rank == 0:
-        files: dict[str, Any] = {}
-        for p in parts:
-            files.update(p)
-        write_manifest(tmp, {
-            "format": FORMAT, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "world": {"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.stage},
-            "num_params": len(optimizer.stage.names), "meta": meta or {}, "checksum": "crc32", "files": files,
-        })
-        publish(tmp, final)
-    if dist.is_initialized():
-        dist.barrier()
+    needed = checkpoint_bytes(state) + MARGIN_BYTES
+    trainer = {"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(), "app": app_state or {},
+               "world_size": world, "zero_stage": optimizer.stage.stage}
+
+    def begin() -> None:
+        if rank == 0:
+            _free_space_check(root, step, needed)
+            staging = root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}"
+            staging.mkdir()
+            write_owner(staging)  # before the dir gets its .tmp- name, so no one takes it for dead
+            os.replace(staging, tmp)
+
+    def extra() -> None:
+        _stall(step)
+        write_json(tmp, rng_file(rank), rng_state())
+        if rank == 0:
+            write_json(tmp, TRAINER, trainer)
+            if write_extra is not None:
+                write_extra(tmp)
+
+    def seal(parts: list[dict[str, Any]]) -> None:
+        if rank == 0:
+            files: dict[str, Any] = {}
+            for p in parts:
+                files.update(p)
+            write_manifest(tmp, {
+                "format": FORMAT, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "world": {"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.stage},
+                "num_params": len(optimizer.stage.names), "meta": meta or {}, "checksum": "crc32", "files": files,
+            })
+            publish(tmp, final)
+            (final / OWNER).unlink(missing_ok=True)
+
+    try:
+        _phase(begin)
+        _phase(lambda: dcp.save(state, checkpoint_id=str(tmp)))
+        _phase(extra)
+        # every rank checksums a share of the files, so sealing costs 1/world of a read
+        names = _agree(list_files(tmp))
+        parts = _gather(_phase(lambda: describe_files(tmp, names[rank::world])))
+        _phase(lambda: seal(parts))
+    except _Failed as err:
+        reason = str(err)
+        if rank == 0:
+            partial = [p for p in (tmp, root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}") if p.exists()]
+            for p in partial:
+                shutil.rmtree(p, ignore_errors=True)
+            if reason.startswith("ENOSPC "):
+                free = shutil.disk_usage(root).free if root.is_dir() else 0
+                reason = (f"the disk is full: needs {needed / 1e6:.0f} MB, {free / 1e6:.0f} MB free with the "
+                          f"partial save removed ({reason[len('ENOSPC '):]})")
+            if partial:
+                reason += f"; removed the partial {partial[0].name}"
+        raise CheckpointSaveError(root, step, _agree(reason)) from None
     total = sum(f["bytes"] for p in parts for f in p.values())
     log.info("checkpoint: saved %s (%.1f MB) in %.2fs", final, total / 1e6, time.perf_counter() - start)
     return final
 
 
+def _collective_problems(check: Callable[[], list[str]]) -> list[str]:
+    """Every rank's problems from ``check`` (CheckpointError counts as one), the same list on all ranks."""
+    try:
+        problems = check()
+    except CheckpointError as err:
+        problems = [str(err)]
+    return [p for ps in _gather(problems) for p in ps]
+
+
 def verify_collective(path: str | os.PathLike) -> dict[str, Any]:
     """Every rank checks a share of the files; the same CheckpointError is raised on all ranks."""
     rank, world = _world()
-    try:
-        manifest = read_manifest(path)
-        problems = verify_files(path, manifest, part=(rank, world))
-    except CheckpointError as err:
-        manifest, problems = None, [str(err)]
-    everyone = [problems]
-    if dist.is_initialized():
-        everyone = [None] * world
-        dist.all_gather_object(everyone, problems)
-    problems = [p for ps in everyone for p in ps]
+    box: list[dict[str, Any]] = []
+
+    def check() -> list[str]:
+        box.append(read_manifest(path))
+        return verify_files(path, box[0], part=(rank, world))
+
+    problems = _collective_problems(check)
     if problems:
-        if manifest is None:
+        if not box or problems[0].startswith(f"checkpoint {str(path)!r}:"):
             raise CheckpointError(problems[0])
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: " + "; ".join(problems))
-    return manifest
+    return box[0]
 
 
 def load_checkpoint(
@@ -234,20 +355,28 @@ def load_checkpoint(
     """Restore weights, optimizer state, update count, loss scaler and RNG from ``path``.
 
     Works at any world size and stage.  RNG states come back only when the world size matches
-    (otherwise each rank keeps its own).  Returns the ``app_state`` given to the save.
+    (otherwise each rank keeps its own).  Returns the ``app_state`` given to the save.  Nothing in
+    the checkpoint is executed: a crafted one is refused by name (CheckpointError on every rank).
     """
     rank, world = _world()
     start = time.perf_counter()
     manifest = verify_collective(path) if verify else read_manifest(path)
-    state, store_state = training_state(optimizer, dp_mesh, model)
-    state[SCALARS] = b""
+
+    def check_metadata() -> list[str]:
+        read_metadata_safely(path)  # before DCP reads it: a crafted .metadata is refused on every rank
+        return []
+
+    problems = _collective_problems(check_metadata)
+    if problems:
+        raise CheckpointError(problems[0])
+    trainer = read_trainer(path)
     saved_world = manifest["world"]["world_size"]
-    if saved_world == world:
-        state[f"rng.{rank}"] = b""
+    rng = read_json(path, rng_file(rank)) if saved_world == world else None
+    state, store_state = training_state(optimizer, dp_mesh, model)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as err:  # DCP wraps per-rank failures; name the checkpoint and the cause
-        raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({type(err).__name__}: {err})") from err
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the checkpoint and cause
+        raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     loaded = {kind: [] for kind, _ in KINDS}
     stage = optimizer.stage
     for name in stage.names:
@@ -255,22 +384,27 @@ def load_checkpoint(
             loaded[kind].append(local_tensor(state[prefix + clean_name(name)]))
     optimizer.store.load_state_dict(loaded)
     stage.after_step()  # stages 1-2: all-gather the restored shards into the replicated params
-    scalars = pickle.loads(state[SCALARS])
-    optimizer.num_updates = int(scalars["num_updates"])
-    optimizer.scaler.load_state_dict(scalars["scaler"])
-    if saved_world == world:
-        set_rng_state(pickle.loads(state[f"rng.{rank}"]))
+    optimizer.num_updates = int(trainer["num_updates"])
+    optimizer.scaler.load_state_dict(trainer["scaler"])
+    if rng is not None:
+        set_rng_state(rng)
     log.info("checkpoint: loaded %s (saved at world %d, stage %d; now world %d, stage %d) in %.2fs", path,
              saved_world, manifest["world"]["zero_stage"], world, stage.stage, time.perf_counter() - start)
     del store_state
-    return dict(scalars["app"])
+    return dict(trainer["app"])
 
 
 def find_resume(root: str | os.PathLike) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies (rank 0 decides), logging what it skipped."""
+    """The newest checkpoint under ``root`` that verifies (rank 0 decides), logging what it skipped.
+
+    Unfinished saves (temp dirs) are never candidates: those of dead runs are removed, a live
+    concurrent save is left alone; each is logged.
+    """
     rank, _ = _world()
     found: Path | None = None
     if rank == 0:
+        for line in remove_dead_temp_dirs(root):
+            log.warning("checkpoint: %s", line)
         found, skipped = latest_good(root)
         for reason in skipped:
             log.warning("checkpoint: skipping %s", reason)

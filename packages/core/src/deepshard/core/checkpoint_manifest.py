@@ -12,7 +12,10 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,10 @@ from typing import Any
 log = logging.getLogger("deepshard.checkpoint")
 
 MANIFEST = "manifest.json"
-FORMAT = "deepshard-checkpoint/1"
+OWNER = ".owner.json"  # who is writing a temp dir (host, pid): tells a dead run's leftovers from a live save
+FORMAT = "deepshard-checkpoint/2"  # /1 pickled its scalars: not loaded, since unpickling can run code
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+TEMP_MARKERS = (".tmp-", ".init-")
 _CHUNK = 8 << 20
 
 
@@ -48,7 +53,7 @@ def list_files(directory: Path) -> list[str]:
     for root, _, files in os.walk(directory):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, OWNER):
                 out.append(rel)
     return sorted(out)
 
@@ -102,6 +107,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is unreadable ({err})") from err
+    if manifest.get("format") == "deepshard-checkpoint/1":
+        raise CheckpointError(f"checkpoint {str(path)!r}: format deepshard-checkpoint/1 stores pickled state, which "
+                              f"is not loaded (unpickling can run code); it was written by an older deepshard")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {str(path)!r}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
@@ -173,17 +181,122 @@ def latest_good(root: str | os.PathLike, *, checksums: bool = True) -> tuple[Pat
     return None, skipped
 
 
-def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all) and stale temp dirs."""
+def write_owner(directory: Path) -> None:
+    """Mark ``directory`` as being written by this process (see :func:`temp_dirs`)."""
+    (directory / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                               "started": time.time()}))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, never reaped: containers without an init) is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def owner_alive(directory: Path) -> tuple[bool, str]:
+    """Whether the save writing ``directory`` may still be running, and who wrote it.
+
+    Without an owner file (an older version, or a crash before it was written) it is dead; on
+    another host it is taken as alive, since a process there cannot be checked from here.
+    """
+    try:
+        owner = json.loads((directory / OWNER).read_text())
+        host, pid = str(owner["host"]), int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, "no owner"
+    if host != socket.gethostname():
+        return True, f"pid {pid} on host {host}"
+    return _pid_alive(pid), f"pid {pid}"
+
+
+def temp_dirs(root: str | os.PathLike) -> list[tuple[Path, bool, str]]:
+    """``(path, owner alive, owner)`` for every unfinished save's temp dir under ``root``."""
     root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and any(m in p.name for m in TEMP_MARKERS):
+            out.append((p, *owner_alive(p)))
+    return out
+
+
+def remove_dead_temp_dirs(root: str | os.PathLike) -> list[str]:
+    """Remove the temp dirs of dead saves (leaving live concurrent ones); one line for each seen."""
+    lines = []
+    for p, alive, owner in temp_dirs(root):
+        if alive:
+            lines.append(f"{p.name} is an unfinished save still being written ({owner}): skipped, left in place")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            lines.append(f"{p.name} is an unfinished save of a dead run ({owner}): skipped and removed")
+    return lines
+
+
+def set_aside(root: str | os.PathLike, newer_than: int) -> list[tuple[Path, Path]]:
+    """Rename every ``step-N`` with ``N > newer_than`` to ``abandoned-step-N-<time>``.
+
+    A run that resumes at an older step abandons the branch those belong to; renamed, they stay
+    for inspection but ``resume=auto`` and retention never take them for this run's newest.
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = []
+    for cand in step_dirs(root):
+        if cand.step > newer_than:
+            dst = cand.path.with_name(f"abandoned-{cand.path.name}-{stamp}")
+            n = 1
+            while dst.exists():
+                dst = cand.path.with_name(f"abandoned-{cand.path.name}-{stamp}-{n}")
+                n += 1
+            os.replace(cand.path, dst)
+            moved.append((cand.path, dst))
+    return moved
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def prune(root: str | os.PathLike, keep_last: int, *, keep: Iterable[str | os.PathLike] = (),
+          is_good: Callable[[Path], bool] = _verifies) -> list[Path]:
+    """Keep the newest ``keep_last`` checkpoints that verify (0 keeps all); remove older ones and
+    the temp dirs of dead saves.
+
+    ``keep`` (the checkpoint just written) is never removed and counts as good.  A checkpoint that
+    fails ``is_good`` does not count: one newer than the ``keep_last``-th good one stays (for a
+    look), so a corrupt newest checkpoint can never push out the last good one.
+    """
+    root = Path(root)
+    kept = {Path(p).resolve() for p in keep}
     removed = []
     if keep_last > 0:
-        for cand in step_dirs(root)[keep_last:]:
-            shutil.rmtree(cand.path, ignore_errors=True)
-            removed.append(cand.path)
+        good = 0
+        for cand in step_dirs(root):
+            if cand.path.resolve() in kept:
+                good += 1
+            elif good >= keep_last:
+                shutil.rmtree(cand.path, ignore_errors=True)
+                removed.append(cand.path)
+            elif is_good(cand.path):
+                good += 1
+    for p, alive, _ in temp_dirs(root):
+        if not alive:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
     if root.is_dir():
         for p in root.iterdir():
-            if ".tmp-" in p.name or ".old-" in p.name:
+            if ".old-" in p.name:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
     return removed

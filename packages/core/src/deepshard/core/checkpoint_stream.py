@@ -2,7 +2,8 @@
 
 Export tools read the metadata, then ask DCP for a single full tensor at a time: the file
 reader fetches only that tensor's chunks, so memory stays at about one tensor however large
-the model is.  Which keys mean what (the HF names, the config) is the caller's business.
+the model is.  Which keys mean what (the HF names, the config) is the caller's business.  The
+metadata goes through the restricted unpickler and byte items are refused (checkpoint_safe).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from deepshard.core.checkpoint_safe import SafeLoadPlanner, SafeReader, read_metadata_safely
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class TensorInfo:
 
 def tensor_infos(path: str | os.PathLike, prefix: str = "") -> list[TensorInfo]:
     """Every tensor under ``prefix`` in the checkpoint, in saved order, with its full shape and dtype."""
-    meta = FileSystemReader(str(path)).read_metadata()
+    meta = read_metadata_safely(path)
     out = []
     for key, md in meta.state_dict_metadata.items():
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
@@ -47,7 +49,7 @@ def load_full_tensor(path: str | os.PathLike, info: TensorInfo) -> torch.Tensor:
     out = torch.empty(info.shape, dtype=info.dtype)
     with warnings.catch_warnings():  # "no process group: loading without one" is the point here
         warnings.simplefilter("ignore")
-        dcp.load({info.key: out}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({info.key: out}, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
     return out
 
 

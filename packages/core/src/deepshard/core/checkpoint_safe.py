@@ -1,0 +1,96 @@
+"""Reading a checkpoint executes nothing from it.
+
+DCP stores its ``.metadata`` as a pickle, and its default planner unpickles byte items with
+``torch.load(weights_only=False)``: either would run whatever code a crafted file names.  Here
+the metadata goes through an unpickler that admits only DCP's metadata classes, ``torch.Size``,
+dtypes and paths; byte items are refused outright (deepshard checkpoints hold only tensors, and
+their scalars in JSON); tensor data is read by DCP with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from deepshard.core.checkpoint_manifest import CheckpointError
+
+__all__ = ["SafeLoadPlanner", "SafeReader", "read_metadata_safely"]
+
+METADATA = ".metadata"
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the names DCP's metadata is made of; anything else is an error naming it."""
+
+    def __init__(self, file: Any, source: Path) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"{str(self.source)!r} asks to load {module}.{name}, which is not part of DCP's "
+                              f"metadata: refused, nothing from it was run (the file is crafted or not a DCP checkpoint)")
+
+
+def read_metadata_safely(path: str | os.PathLike, *, allow_bytes: bool = False) -> Metadata:
+    """The DCP metadata of checkpoint directory ``path``, unpickled with the restricted unpickler.
+
+    A byte (pickled object) item is refused unless ``allow_bytes``: loading one would unpickle it.
+    """
+    source = Path(path) / METADATA
+    try:
+        with open(source, "rb") as f:
+            metadata = _MetadataUnpickler(f, source).load()
+    except CheckpointError:
+        raise
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{str(source)!r}: missing, so this is not a complete DCP checkpoint") from err
+    except Exception as err:  # truncated or garbage pickle
+        raise CheckpointError(f"{str(source)!r} is unreadable ({type(err).__name__}: {err})") from err
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{str(source)!r} holds a {type(metadata).__name__}, not DCP metadata")
+    if not allow_bytes:
+        items = [k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
+        if items:
+            raise CheckpointError(f"{str(source)!r} declares pickled object item(s) {items[:3]}: a deepshard "
+                                  f"checkpoint holds only tensors, and unpickling them could run code; refused")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with :func:`read_metadata_safely` in place of ``pickle.load``."""
+
+    # no **kwargs: DCP then never falls back to unpickling a per-rank ``__N.metadata`` file
+    def read_metadata(self, *args: Any) -> Metadata:
+        metadata = read_metadata_safely(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Refuses byte items (DCP would ``torch.load(weights_only=False)`` them)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise CheckpointError(f"item {read_item.dest_index.fqn!r} is a pickled object: refused, a deepshard "
+                              f"checkpoint holds only tensors")
