@@ -18,7 +18,7 @@ from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.evaluate import evaluate
-from deepshard.finetune.metrics import RunLogger
+from deepshard.finetune.metrics import RunLogger, memory_line, memory_scalars
 from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.profiling import build_profiler
@@ -124,13 +124,11 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
         now = time.perf_counter()
         tok_s = tokens_per_step / (now - step_start)
         logger.scalars(step, prof.end_step(step, now - step_start))
-        if memory is not None:
-            per_rank = torch.tensor([float(memory.total)], device=local_device())  # nccl needs device tensors
-            gathered = [torch.zeros(1, device=local_device()) for _ in range(world)]
-            dist.all_gather(gathered, per_rank)
-            logger.scalars(step, {f"memory/model_state_bytes_rank{r}": g.item() for r, g in enumerate(gathered)})
-            logger.scalars(step, {"memory/params_bytes": memory.params, "memory/grads_bytes": memory.grads,
-                                  "memory/optimizer_bytes": memory.optimizer + memory.host})
+        if memory is not None:  # every rank's model state and, on CUDA, device peaks (one all-gather)
+            mem = memory_scalars(memory, world=world, device=local_device())
+            logger.scalars(step, mem)
+            if (line := memory_line(mem, world)) is not None:
+                logger.print(line)
         logger.scalars(step, {"train/loss": loss_value, "train/perplexity": math.exp(min(loss_value, 50.0)),
                               "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                               "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
