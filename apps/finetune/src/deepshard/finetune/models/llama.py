@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from deepshard.finetune.models.attention import DocMask, attend, build_doc_mask, use_flex
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
 
@@ -80,20 +81,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocMask | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, cos[:s].to(q.dtype), sin[:s].to(q.dtype), backend=self.kernels)
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:  # the fast path: the kernel's own causal mask
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q, k, v, mask)  # causal; inside documents with a mask (flex on CUDA, dense SDPA else)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -118,16 +113,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocMask | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq] bool: position t sees s <= t of its own document (block-diagonal causal)."""
-    s = doc_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal
 
 
 class Llama(nn.Module):
@@ -172,7 +160,9 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
-        extra = () if doc_ids is None else (doc_causal_mask(doc_ids),)
+        # one mask per forward, shared by every layer: a flex BlockMask on CUDA, the dense one elsewhere
+        extra = () if doc_ids is None else (
+            build_doc_mask(doc_ids, fused=use_flex(doc_ids.device, self.cfg.kernels)),)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin, *extra)
         if self.lm_head is None:
