@@ -105,9 +105,9 @@ class CpuStateStore(StateStore):
         return out
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
-        g32 = self._gather_grads(grads, grad_scale)
         if self._upload_done is not None:
-            self._upload_done.synchronize()  # last step's H2D reads of the masters are finished
+            self._upload_done.synchronize()  # last step's H2D reads of the masters and the staging are finished
+        g32 = self._gather_grads(grads, grad_scale)  # (the staging is the grad buffer it fills)
         with torch.no_grad():  # aliased masters are leaf params
             adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
                          lr=lr, step=step, grad_scale=grad_scale)

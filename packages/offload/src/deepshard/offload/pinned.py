@@ -30,10 +30,10 @@ _stats = {"mapped_bytes": 0, "pinned_bytes": 0, "buffers": 0}
 def _register(ptr: int, nbytes: int) -> None:
     """Page-lock ``nbytes`` at ``ptr`` (CUDA only); a failure names the size and the CUDA error."""
     cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
-    if err != 0:
+    res = cudart.cudaHostRegister(ptr, nbytes, _PORTABLE)
+    if int(res) != 0:
         raise RuntimeError(f"offload: cudaHostRegister of {nbytes} bytes of host memory failed with cudaError "
-                           f"{err} ({cudart.cudaGetErrorString(err)}); check free host memory and the "
+                           f"{int(res)} ({cudart.cudaGetErrorString(res)}); check free host memory and the "
                            "locked-memory limit (ulimit -l)")
 
 
@@ -73,7 +73,7 @@ def pinned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     mapped = page_round(nbytes)
-    m = _Mapping(-1, mapped)
+    m = _Mapping(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # like malloc's: not shared on fork
     view = torch.frombuffer(m, dtype=torch.uint8)  # holds ``m``: unmapped when the last view dies
     m._ptr, m._mapped = view.data_ptr(), mapped
     with _lock:
