@@ -61,7 +61,9 @@ def test_optimizer_step_clip_reduction_on_compute_device() -> None:
     from deepshard.core import PrecisionConfig
     from deepshard.core.precision import LossScaler
 
-    stage = mock.MagicMock(reported=set())
+    stage = mock.MagicMock()
+    stage.grad_handoffs.return_value = []
+    stage.handed_over.return_value = set()
     stage.local_grads.return_value = [torch.randn(4, 4), torch.randn(4)]
     stage.replication.return_value = [1, 1]
     opt = ZeroOptimizer(stage, mock.MagicMock(), lambda step: 1e-3, LossScaler(PrecisionConfig()), grad_clip=1.0)
@@ -196,3 +198,15 @@ def test_sharded_init_buffers_live_on_compute_device(offload_params: bool) -> No
     if offload_params:
         devices = {p.to_local().device.type for p in model.parameters()}
         assert devices == {"cpu"}, f"offloaded params must rest on the host: {devices}"
+
+
+def test_run_dir_and_shared_dir_agreement_on_backend_placed_collectives(tmp_path: Path) -> None:
+    """Every rank takes rank 0's run dir and looks for its probe file: object collectives only."""
+    from deepshard.finetune.checkpointing import agree_run_dir, check_shared_dir
+
+    with fake_world(world_size=2), use_local_device(META), CollectiveRecorder() as rec:
+        assert agree_run_dir(str(tmp_path)) == str(tmp_path)
+        check_shared_dir(tmp_path / "checkpoints")
+    assert len(rec.calls) >= 3, [str(c) for c in rec.calls]
+    bad = rec.off_device(META)
+    assert not bad, "run-dir agreement given host tensors:\n" + "\n".join(bad)
