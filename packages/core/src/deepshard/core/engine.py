@@ -68,7 +68,7 @@ class Engine:
         Call it once per step, before the first backward.  The count stays on the compute device
         (no host sync).
         """
-        count = torch.as_tensor(local_count, dtype=torch.float32).to(local_device()).reshape(())
+        count = torch.as_tensor(local_count, dtype=torch.float32, device=local_device()).reshape(())
         dist.all_reduce(count, group=self.mesh["dp"].get_group())
         return count
 

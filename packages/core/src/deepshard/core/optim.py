@@ -59,12 +59,14 @@ class ZeroOptimizer:
         self.scaler = scaler
         self.grad_clip = grad_clip
         self.num_updates = 0
-        stage.on_grad_ready = store.grad_ready
+        for handoff, offset in stage.grad_handoffs():  # final shards reach the store during backward
+            handoff.bind(store.grad_ready, offset=offset)
 
     def step(self) -> StepStats:
         grads = self.stage.local_grads()
+        handed_over = self.stage.handed_over()
         for i, g in enumerate(grads):
-            if i not in self.stage.reported:  # the rest were handed over while backward ran
+            if i not in handed_over:  # the rest reached the store while backward ran
                 self.store.grad_ready(i, g)
         sq = global_grad_sq_norm(grads, self.stage.replication())
         scale = self.scaler.scale

@@ -58,6 +58,14 @@ class CompositeStage(ZeroStage):
     def replication(self) -> list[int]:
         return [r for p in self.parts for r in p.replication()]
 
+    def grad_handoffs(self) -> list:
+        """Every part's handoffs, their indices shifted to this composite's numbering."""
+        out, offset = [], 0
+        for part in self.parts:
+            out += [(handoff, offset + inner) for handoff, inner in part.grad_handoffs()]
+            offset += len(part.params)
+        return out
+
     def set_grad_sync(self, enabled: bool) -> None:
         for p in self.parts:
             p.set_grad_sync(enabled)

@@ -9,11 +9,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.config import ZeroConfig
+from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
 from deepshard.core.zero.fsdp import FullyShardedStage, apply_fsdp
-from deepshard.core.zero.stages import ReplicatedStage, ShardedGradStage, ShardedOptimizerStage, ZeroStage
+from deepshard.core.zero.gather import ShardGatherer
+from deepshard.core.zero.handoff import GradHandoff
+from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
+from deepshard.core.zero.stages import (
+    ReplicatedStage,
+    ShardedGradStage,
+    ShardedOptimizerStage,
+    ZeroStage,
+    trainable,
+)
 
-__all__ = ["ZeroStage", "apply_zero", "apply_fsdp"]
+__all__ = ["GradHandoff", "ZeroStage", "apply_fsdp", "apply_zero"]
 
 
 def apply_zero(
@@ -25,7 +35,9 @@ def apply_zero(
     param_dtype: torch.dtype = torch.float32,
     offload_params: bool = False,
 ) -> ZeroStage:
-    """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle.
+    """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle,
+    built from its parts (stages 1-2: a reducer and a gatherer; stage 2's reducer hands final
+    gradient shards over during backward through a GradHandoff the optimizer binds to its store).
 
     Stages 0-2 expect the model already in its compute dtype; stage 3 expects fp32 params and
     casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).
@@ -39,10 +51,16 @@ def apply_zero(
         return FullyShardedStage(model)
     if offload_params:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
+    names, params = trainable(model)
+    reducer_kwargs = dict(reduce_bucket_size=config.reduce_bucket_size, overlap=config.overlap_comm,
+                          reduce_dtype=reduce_dtype)
+    if config.stage == 2:
+        reducer = ReduceScatterReducer(params, group, handoff=GradHandoff(), **reducer_kwargs)
+    else:
+        reducer = AllReduceReducer(params, group, **reducer_kwargs)
     if config.stage == 0:
-        return ReplicatedStage(model, group, reduce_bucket_numel=config.reduce_bucket_size,
-                               overlap_comm=config.overlap_comm, reduce_dtype=reduce_dtype)
+        return ReplicatedStage(names, params, reducer=reducer)
+    gatherer = ShardGatherer([local_tensor(p.data) for p in params], group,
+                             allgather_bucket_size=config.allgather_bucket_size)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
-    return cls(model, group, reduce_bucket_numel=config.reduce_bucket_size,
-               allgather_bucket_numel=config.allgather_bucket_size, overlap_comm=config.overlap_comm,
-               reduce_dtype=reduce_dtype)
+    return cls(names, params, reducer=reducer, gatherer=gatherer)

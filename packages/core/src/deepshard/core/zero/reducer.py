@@ -11,20 +11,19 @@ the small ones); the wire dtype is ``reduce_dtype`` (DeepSpeed's ``communication
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from deepshard.core.dtensor_utils import like_param, local_tensor
+from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
 
 
 class _HookedReducer:
     """Buckets of parameters in backward order; a bucket launches when all its grads are ready."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, reduce_bucket_size: int,
                  overlap: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.params = params
         self.group = group
@@ -35,7 +34,7 @@ class _HookedReducer:
         order = list(reversed(range(len(params))))  # backward visits the last layers first
         locals_ = [local_tensor(p.data) for p in params]
         groups = group_into_buckets([locals_[i].numel() for i in order],
-                                    [locals_[i].dtype for i in order], bucket_numel)
+                                    [locals_[i].dtype for i in order], reduce_bucket_size)
         self.buckets = [[order[j] for j in g] for g in groups]
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.layouts = [BucketLayout(idx, [locals_[i].shape for i in idx], self.world) for idx in self.buckets]
@@ -75,10 +74,6 @@ class _HookedReducer:
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-
     def _accumulate(self, i: int) -> None:  # noqa: B027 - the reduce-scatter accumulates after reducing
         """Fold a freshly accumulated ``params[i].grad`` into the fp32 accumulator, where there is one."""
 
@@ -98,9 +93,10 @@ class AllReduceReducer(_HookedReducer):
     by the post-accumulate hook and dropped, so the accumulation is fp32 too.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, reduce_bucket_size: int,
                  overlap: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap, reduce_dtype=reduce_dtype)
+        super().__init__(params, group, reduce_bucket_size=reduce_bucket_size, overlap=overlap,
+                         reduce_dtype=reduce_dtype)
         self.flats: list[torch.Tensor] = []
         self.offsets: dict[int, int] = {}  # param index -> element offset in its bucket's flat buffer
         for idx in self.buckets:
@@ -170,12 +166,15 @@ class ReduceScatterReducer(_HookedReducer):
     stays at ``num_buffers`` buckets however large the model.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_numel: int,
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, reduce_bucket_size: int,
                  overlap: bool, reduce_dtype: torch.dtype = torch.float32, num_buffers: int = 2,
-                 on_shard: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        super().__init__(params, group, bucket_numel=bucket_numel, overlap=overlap, reduce_dtype=reduce_dtype)
+                 handoff: GradHandoff | None = None) -> None:
+        super().__init__(params, group, reduce_bucket_size=reduce_bucket_size, overlap=overlap,
+                         reduce_dtype=reduce_dtype)
         self.shard_grads: list[torch.Tensor | None] = [None] * len(params)
-        self.on_shard = on_shard  # called with each averaged shard as it lands
+        # on the accumulation boundary (``final``), each averaged shard is handed over as it lands
+        self.handoff = handoff
+        self.final = True
         self.num_buffers = num_buffers
         self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._in_use: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -227,9 +226,25 @@ class ReduceScatterReducer(_HookedReducer):
                 self.shard_grads[i] = view.to(torch.float32, copy=True).div_(self.world)
             else:
                 self.shard_grads[i].add_(view, alpha=1.0 / self.world)
-            if self.on_shard is not None:
-                self.on_shard(i, self.shard_grads[i])
+            if self.final and self.handoff is not None:
+                self.handoff(i, self.shard_grads[i])
         self._free.append(self._in_use.pop(b))
+
+    def shard_grad(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s averaged fp32 Shard(0) gradient (zeros where backward left none)."""
+        g = self.shard_grads[i]
+        if g is None:
+            shard = local_shard(local_tensor(self.params[i].data), self.world, self.rank)
+            g = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
+        return g
+
+    def grad_bytes(self) -> int:
+        shards = sum(g.nbytes for g in self.shard_grads if g is not None)
+        return shards + sum(local_tensor(p.grad).nbytes for p in self.params if p.grad is not None)
 
     def zero_grad(self) -> None:
         self.shard_grads = [None] * len(self.params)
+        for p in self.params:
+            p.grad = None
+        if self.handoff is not None:
+            self.handoff.clear()
