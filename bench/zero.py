@@ -6,6 +6,8 @@ never a dependency of our packages) it trains the same model and batches at the 
 run, and the JSON adds our/DeepSpeed ratios.
 
     python bench/zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
+
+On CUDA each rank needs its own GPU (nccl): choose worlds up to the GPU count (``--worlds 1`` on one).
 """
 
 from __future__ import annotations
