@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["dtensor_replication", "like_param", "local_tensor"]
+__all__ = ["copy_global", "dtensor_replication", "like_param", "local_tensor"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -32,3 +33,13 @@ def like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor):
         return DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return g
+
+
+def copy_global(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a full value into ``dst``; a sharded DTensor (ZeRO-3 built on meta) takes its piece only,
+    so a sharded model gets exactly the weights the single-process model gets."""
+    if isinstance(dst, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(value.shape, dst.device_mesh, dst.placements)
+        dst.to_local().copy_(value[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    else:
+        dst.copy_(value)

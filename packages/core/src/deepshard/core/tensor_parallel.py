@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-__all__ = ["ReplicateParallel", "apply_tp", "tp_param_numel"]
+__all__ = ["ReplicateParallel", "apply_tp"]
 
 
 def _to_replicate(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
@@ -73,8 +73,3 @@ def _grad_like_param(p: torch.Tensor) -> None:
     g = p.grad
     if isinstance(g, DTensor) and g.placements != p.placements:
         p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-def tp_param_numel(model: nn.Module) -> int:
-    """Elements of the parameters this rank holds (local shards of DTensors)."""
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["DecoderSpec", "StageLayers", "load_matching", "split_model"]
+__all__ = ["DecoderSpec", "StageLayers", "split_model"]
 
 
 @dataclass(frozen=True)
@@ -107,14 +107,3 @@ def _check_no_shared_params(model: nn.Module, spec: DecoderSpec, num_stages: int
     if first & last:
         raise ValueError("model.tie_embeddings=True with parallel.pp > 1: the embedding and the head would "
                          "live on different stages; untie them or use pp=1")
-
-
-def load_matching(stage: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy the entries of a full-model ``state_dict`` that this stage owns (FQNs are preserved)."""
-    own = stage.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    if missing:
-        raise KeyError(f"state dict lacks {missing[:5]}")
-    with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(state_dict[k])

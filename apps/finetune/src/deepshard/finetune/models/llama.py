@@ -4,7 +4,9 @@ Its norm, rotary, SwiGLU and loss run through ``deepshard.kernels``: ``kernels="
 every one of them to the fused Triton kernels, ``"torch"`` to their exact PyTorch paths (the loss
 is the chunked linear + cross-entropy either way, so the [tokens, vocab] logits never exist).
 
-It knows nothing of distribution: ZeRO, TP and pipelining are applied to it by functions.
+It knows nothing of distribution: ZeRO, TP and pipelining are applied to it by functions.  Its
+init writes weights through core's ``copy_global``, so a ZeRO-3 model built on the meta device
+(each rank holding only its shards) gets exactly the single-process weights.
 Module names follow HF Llama (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...), so HF
 checkpoints map onto it by adding or removing the ``model.`` prefix.
 """
@@ -17,9 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from deepshard.core.dtensor_utils import copy_global
 from deepshard.finetune.models.attention import DocMask, attend, build_doc_mask, use_flex
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
@@ -50,16 +51,6 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-def copy_global(dst: torch.Tensor, value: torch.Tensor) -> None:
-    """Write a full value into ``dst``; a sharded DTensor (ZeRO-3 built on meta) takes its piece only,
-    so a sharded model gets exactly the weights the single-process model gets."""
-    if isinstance(dst, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(value.shape, dst.device_mesh, dst.placements)
-        dst.to_local().copy_(value[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-    else:
-        dst.copy_(value)
 
 
 def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
