@@ -105,7 +105,7 @@ class Engine:
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes."""
         return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=self.mesh["dp"].size(),
-                                  dtype=self.config.precision.dtype)
+                                  dtype=self.config.precision.dtype, modules=[self.model])
 
 
 def initialize(

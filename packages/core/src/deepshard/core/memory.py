@@ -19,7 +19,10 @@ Offloaded optimizer state is reported under ``host``/``nvme`` instead of ``optim
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
 
 from deepshard.core.state_store import StateStore
 from deepshard.core.zero.stages import ZeroStage
@@ -27,18 +30,34 @@ from deepshard.core.zero.stages import ZeroStage
 
 @dataclass
 class ModelStateBytes:
+    """Per-rank bytes.  ``total`` is the model state the ZeRO formula describes; ``buffers`` (named in
+    ``buffer_parts``) is everything else the engine holds alive between steps: communication bucket
+    pools, all-gather buffers, the modules' registered buffers (RoPE tables).  ``live_total`` is both:
+    what a census of live tensor storages finds (tests/core/test_memory_census.py)."""
+
     params: int
     grads: int
     optimizer: int  # master (when not aliased) + Adam moments held on the compute device
     host: int = 0  # optimizer state offloaded to host memory
     nvme: int = 0  # optimizer state offloaded to files
+    buffer_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.host
 
+    @property
+    def buffers(self) -> int:
+        return sum(self.buffer_parts.values())
+
+    @property
+    def live_total(self) -> int:
+        return self.total + self.buffers
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        flat = {k: v for k, v in asdict(self).items() if k != "buffer_parts"}
+        return {**flat, "total": self.total, "buffers": self.buffers, "live_total": self.live_total,
+                **{f"buffers.{k}": v for k, v in self.buffer_parts.items()}}
 
 
 def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelStateBytes:
@@ -56,14 +75,29 @@ def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelSta
     )
 
 
-def measured_bytes(stage: ZeroStage, store: StateStore) -> ModelStateBytes:
+def module_buffer_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes of the modules' registered (non-parameter) buffers, each storage once."""
+    seen: dict[int, int] = {}
+    for m in modules:
+        for b in m.buffers():
+            if b.device.type != "meta":
+                seen[b.untyped_storage().data_ptr()] = b.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def measured_bytes(stage: ZeroStage, store: StateStore, modules: Iterable[nn.Module] = ()) -> ModelStateBytes:
     """Bytes the live tensors hold on this rank right now (call after backward to count grads)."""
     state = store.state_bytes()
+    parts = {**stage.buffer_bytes(), **store.buffer_bytes()}
+    module_buffers = module_buffer_bytes(modules)
+    if module_buffers:
+        parts["module_buffers"] = module_buffers
     return ModelStateBytes(params=stage.param_bytes(), grads=stage.grad_bytes(), optimizer=state["device"],
-                           host=state["host"], nvme=state["nvme"])
+                           host=state["host"], nvme=state["nvme"], buffer_parts=parts)
 
 
-def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, dp: int,
-                       dtype: str) -> dict[str, ModelStateBytes]:
+def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, dp: int, dtype: str,
+                       modules: Iterable[nn.Module] = ()) -> dict[str, ModelStateBytes]:
     """``{"measured": ..., "expected": ...}`` per-rank model-state bytes (what ``memory()`` returns)."""
-    return {"measured": measured_bytes(stage, store), "expected": expected_bytes(stage.stage, num_params, dp, dtype)}
+    return {"measured": measured_bytes(stage, store, modules),
+            "expected": expected_bytes(stage.stage, num_params, dp, dtype)}

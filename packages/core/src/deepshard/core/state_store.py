@@ -67,6 +67,10 @@ class StateStore(ABC):
     def state_bytes(self) -> dict[str, int]:
         """Bytes of master + moments by residence: ``{"device": .., "host": .., "nvme": ..}``."""
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Named staging buffers the store holds beyond the state itself (none by default)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and buffers (stores with scratch files remove them here)."""
 

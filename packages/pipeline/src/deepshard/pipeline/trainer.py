@@ -88,6 +88,13 @@ class CompositeStage(ZeroStage):
     def param_bytes(self) -> int:
         return sum(p.param_bytes() for p in self.parts)
 
+    def buffer_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in self.parts:
+            for name, n in part.buffer_bytes().items():
+                out[name] = out.get(name, 0) + n
+        return out
+
 
 @dataclass
 class PipelineStepResult:
@@ -164,7 +171,7 @@ class PipelineTrainer:
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes (as ``Engine.memory``)."""
         return model_state_memory(self.zero, self.store, num_params=self.num_params, dp=self.dp_size,
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, modules=self.pipeline.modules)
 
 
 def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,

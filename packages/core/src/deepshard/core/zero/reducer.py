@@ -230,6 +230,11 @@ class ReduceScatterReducer(_HookedReducer):
                 self.handoff(i, self.shard_grads[i])
         self._free.append(self._in_use.pop(b))
 
+    def pool_bytes(self) -> int:
+        """Bytes of the reusable (packed input, reduced output) buffer pairs."""
+        pairs = self._free + list(self._in_use.values())
+        return sum(t.nbytes for pair in pairs for t in pair)
+
     def shard_grad(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s averaged fp32 Shard(0) gradient (zeros where backward left none)."""
         g = self.shard_grads[i]

@@ -64,6 +64,10 @@ class ZeroStage(ABC):
     def grad_bytes(self) -> int:
         """Bytes of gradients this rank holds right now."""
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Named communication buffers the stage keeps between steps (bucket pools, gather buffers)."""
+        return {}
+
     def param_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
@@ -156,6 +160,9 @@ class ShardedOptimizerStage(_BucketedStage):
     def after_step(self) -> None:
         self.gatherer.gather()
 
+    def buffer_bytes(self) -> dict[str, int]:
+        return {"allgather": self.gatherer.buffer_bytes()}
+
 
 class ShardedGradStage(_BucketedStage):
     """Stage 2: grads reduce-scattered into Shard(0) buckets as backward runs; full grads never kept."""
@@ -186,3 +193,6 @@ class ShardedGradStage(_BucketedStage):
 
     def after_step(self) -> None:
         self.gatherer.gather()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {"reduce_scatter": self.reducer.pool_bytes(), "allgather": self.gatherer.buffer_bytes()}
