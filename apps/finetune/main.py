@@ -1,6 +1,8 @@
 """deepshard finetune, the Hydra entry point:  python apps/finetune/main.py +zero=stage3
 
-Bad config values end the run before any work, with one line naming the key.
+Bad config values end the run before any work, with one line naming the key (exit 2).  A run that
+fails later ends with one line too: a worker's error with its rank (exit 2), a rank that died or
+hung, or a diverged run (exit 1).
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ register()
 
 @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from deepshard.finetune.app import run
+    from deepshard.finetune.app import RunFailed, run
 
     try:
         run(cfg, HydraConfig.get().runtime.output_dir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunFailed as err:  # a worker's error, a dead or hung rank, divergence: one line, the last
+        sys.stdout.flush()
+        print(f"\nerror: {err}", file=sys.stderr)  # a worker's progress bar may have left the line open
+        sys.exit(err.code)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,69 @@
-"""From a composed Hydra config to running workers: validate first, then launch or run inline."""
+"""From a composed Hydra config to running workers: validate first, then launch or run inline.
+
+Whatever ends a run early reaches the user as one ``RunFailed`` line (main.py prints it): a worker's
+error with its rank (the tracebacks go to ``<run dir>/launcher.log``), a rank that died by a signal
+or hung (the launcher's heartbeat watchdog, ``launcher.hang_s``), or a diverged run.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from deepshard.core.launch import launch_local
+from deepshard.core.launch import JobFailed, launch_local
 from deepshard.finetune.config import resolve_nproc, validate
-from deepshard.finetune.runtime import prepare
+from deepshard.finetune.divergence import TrainingDiverged
+from deepshard.finetune.runtime import check_data_fits, check_model_files, prepare
 from deepshard.finetune.train import train_worker
 from deepshard.offload import remove_scratch
+
+
+class RunFailed(Exception):
+    """The run ended early: one line for the user and the exit code (1: failed, 2: an error to fix)."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.code = code
+
+
+def _log_tracebacks(run_dir: str, traces: dict[int, str]) -> str:
+    path = Path(run_dir) / "launcher.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for rank, text in sorted(traces.items()):
+            f.write(f"--- rank {rank} ---\n{text}\n")
+    return str(path)
+
+
+def _inline(cfg: dict, run_dir: str) -> dict:
+    """This process is the worker (one rank, or a torchrun rank): its errors become one line too."""
+    try:
+        return train_worker(cfg, run_dir)
+    except TrainingDiverged as err:
+        raise RunFailed(str(err), 1) from None
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - anything else: one line with the rank, traceback to the log
+        rank = int(os.environ.get("RANK", 0))
+        log = _log_tracebacks(run_dir, {rank: traceback.format_exc()})
+        message = " ".join(str(err).split())
+        raise RunFailed(f"rank {rank}: {type(err).__name__}: {message} (full traceback: {log})", 2) from None
+
+
+def _failed(err: JobFailed, run_dir: str) -> RunFailed:
+    """The launcher's verdict as the user's line: diverged and dead/hung ranks exit 1, errors exit 2."""
+    log = _log_tracebacks(run_dir, err.tracebacks)
+    if err.error_type == TrainingDiverged.__name__:  # every rank raised it: no rank to name
+        return RunFailed(str(err).split(f"{TrainingDiverged.__name__}: ", 1)[-1], 1)
+    if err.kind == "exception":
+        return RunFailed(f"{err} (full traceback: {log})", 2)
+    return RunFailed(str(err), 1)
 
 
 def under_torchrun() -> bool:
@@ -26,19 +76,25 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     container = OmegaConf.to_container(cfg, resolve=True)
     prepare(container)  # the batch triple for this world size, fp16 on a CPU host, user data read once
     settings = validate(container)
+    check_model_files(settings)
     if under_torchrun():
         settings.parallel.resolve(int(os.environ["WORLD_SIZE"]))
-        return train_worker(container, run_dir)
+        return _inline(container, run_dir)
     nproc = resolve_nproc(settings.nproc_per_node, torch.cuda.device_count())
-    settings.parallel.resolve(nproc)
+    dims = settings.parallel.resolve(nproc)
     if nproc == 1:
-        return train_worker(container, run_dir)
+        return _inline(container, run_dir)
+    check_data_fits(settings, dims.dp)  # tokenizer, documents, batch: fail here, not in every worker
     threshold = int(container["launcher"].get("malloc_mmap_threshold", 0))
     if threshold:  # read by glibc at the workers' start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     run_id = f"run{os.getpid()}"
     try:
-        return launch_local(train_worker, nproc, container, run_dir, run_id=run_id)[0]
+        return launch_local(train_worker, nproc, container, run_dir, run_id=run_id,
+                            heartbeat_dir=os.path.join(run_dir, "heartbeat"), hang_s=settings.launcher.hang_s,
+                            log_file=os.path.join(run_dir, "launcher.log"))[0]
+    except JobFailed as err:
+        raise _failed(err, run_dir) from None
     except SignalException as err:  # SIGTERM/SIGINT reached the workers too: they finished the step and saved
         print(f"preempted ({err}); the workers wrote a checkpoint: rerun with checkpoint.resume=auto",
               file=sys.stderr)

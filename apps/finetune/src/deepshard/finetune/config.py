@@ -98,6 +98,8 @@ class TrainSchema:
 
 
 @dataclass
+    # without a dynamic loss scale (fp32, bf16): this many consecutive non-finite steps stop the run
+    max_bad_steps: int = 3
 class PipelineSchema:
     """Used when parallel.pp > 1 (or tp > 1): torch.distributed.pipelining stages and schedule."""
 
@@ -123,6 +125,8 @@ class LauncherSchema:
 
 
 @dataclass
+    timeout_s: float = 600.0  # collective timeout of the process group (a rank that never answers)
+    hang_s: float = 300.0  # the launcher stops a job whose rank made no progress this long; 0: never
 class AppSchema:
     train: TrainSchema = field(default_factory=TrainSchema)
     launcher: LauncherSchema = field(default_factory=LauncherSchema)
@@ -174,6 +178,7 @@ class Settings:
 
     @property
     def uses_pipeline(self) -> bool:
+    launcher: LauncherSchema = field(default_factory=LauncherSchema)
         """Pipeline or tensor parallel: the model goes through deepshard.pipeline, not the plain engine."""
         return self.parallel.pp > 1 or self.parallel.tp > 1
 
@@ -246,6 +251,17 @@ def _validate_extras(d: dict, t: dict, prof: dict) -> None:
 def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
     """``precision=auto`` (the default): bf16 where CUDA is present (tensor-core speed, fp32 masters,
     no loss scale to tune), fp32 on a CPU-only host (bf16 is emulated there, 4-5x slower).  Any other
+def _validate_launcher(c: dict) -> LauncherSchema:
+    """Timeouts: a positive collective timeout; a hang limit >= 0 (0: off).  A hang limit at or above
+    the collective timeout never fires first: the waiting rank's collective times out instead."""
+    s = LauncherSchema(**c)
+    if not s.timeout_s > 0:
+        raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be > 0 seconds")
+    if s.hang_s < 0:
+        raise ValueError(f"launcher.hang_s={s.hang_s}: must be >= 0 seconds (0: no hang watchdog)")
+    return s
+
+
     value is kept; ``precision=fp32`` on a GPU is strict fp32 (TF32 off, torch's default)."""
     if dtype != "auto":
         return dtype
@@ -310,7 +326,9 @@ def validate(cfg: dict) -> Settings:
                         parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d),
                         nproc_per_node=nproc, profile=ProfileSchema(**(cfg.get("profile") or {})),
                         checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}),
-                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})))
+                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})), launcher=launcher)
+    launcher = _validate_launcher(cfg["launcher"])
+    _positive("train.max_bad_steps", t.get("max_bad_steps", 3))
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     return settings

@@ -1,7 +1,8 @@
 """Decisions that need the world size or the host, taken once before any worker starts.
 
 DeepSpeed's batch arithmetic (train_batch_size = micro batch x grad accumulation x dp size), the
-fp16-on-CPU fallback, and reading user data through once so bad records fail before training.
+fp16-on-CPU fallback, and reading user data through once so bad records fail before training;
+the model directory's files and the built datasets are checked here too, before workers start.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.config import resolve_nproc
 from deepshard.finetune.data.records import check_records
+from deepshard.finetune.data.resumable import check_fits
 
 
 def resolve_batch(train: dict, dp: int) -> None:
@@ -64,3 +66,22 @@ def prepare(cfg: dict) -> None:
     resolve_batch(cfg["train"], dims.dp)
     fp16_fallback(cfg, torch.cuda.is_available())
     check_records(cfg["data"]["name"], cfg["data"])
+
+
+def check_model_files(settings) -> None:
+    """model=hf: config.json was read by validate(); here the tokenizer and the weights' headers."""
+    if settings.model_name == "hf":
+        import dataclasses
+
+        from deepshard.finetune.models.hf import check_hf_dir
+
+        check_hf_dir(settings.model_path, dataclasses.replace(settings.model, kernels="torch"))
+
+
+def check_data_fits(settings, dp: int) -> None:
+    """The tokenizer loads, the documents tokenize and split, and one global batch fits (ValueErrors)."""
+    from deepshard.finetune.data.build import build_datasets
+    from deepshard.finetune.data.tokenizer import load_tokenizer
+
+    train, _ = build_datasets(settings.data, load_tokenizer(settings.model_path), settings.model.vocab_size)
+    check_fits(len(train), dp_size=dp, micro_batch_size=settings.train.micro_batch_size)

@@ -12,12 +12,15 @@ import torch
 import torch.distributed as dist
 
 from deepshard.core import build_mesh, init_distributed, initialize
+from deepshard.core.heartbeat import Heartbeat
 from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.tokenizer import load_tokenizer
+from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged, inject_test_fault
 from deepshard.finetune.evaluate import evaluate
+from deepshard.finetune.liveness import BeatingProfiler
 from deepshard.finetune.metrics import RunLogger, memory_line, memory_scalars
 from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
@@ -81,7 +84,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     settings = validate(cfg)
     # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
     warnings.filterwarnings("ignore", message=".*set_vital.*")
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=settings.launcher.timeout_s)
+    beat = Heartbeat.from_env(rank)  # step and phase, for the launcher's hang watchdog
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
     mesh = build_mesh(settings.parallel)
@@ -98,8 +102,10 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
                                                     tokenizer=tokenizer)
     logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, initial_step=start_step,
                        tb_dir=t.tensorboard_dir)
-    prof = stepper.prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
-                                        device=local_device())
+    prof = build_profiler(settings, engine, trace_dir=os.path.join(run_dir, "profile"), rank=rank,
+                          device=local_device())
+    stepper.prof = BeatingProfiler(prof, beat)
+    guard = DivergenceGuard.for_run(settings, engine.optimizer.scaler, say=logger.print)
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
                  "micro_batch_size": t.micro_batch_size, "device": local_device()}
     evals: dict[str, float] = {}
@@ -118,6 +124,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     step_start = start
     for step in range(start_step + 1, t.max_steps + 1):
         prof.begin_step(step)
+        beat.mark("forward", step)
+        inject_test_fault(engine.model, step)
         out = stepper(batches, measure_memory=step == start_step + 1)
         loss_value, stats, memory = out.loss, out.stats, out.memory
         losses.append(loss_value)
@@ -132,19 +140,30 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
         logger.scalars(step, {"train/loss": loss_value, "train/perplexity": math.exp(min(loss_value, 50.0)),
                               "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                               "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
-                              "train/step_applied": float(stats.applied)})
+                              "train/step_applied": float(stats.applied), "train/skipped_steps": guard.skipped})
         logger.progress({"loss": f"{loss_value:.3f}", "tok/s": f"{tok_s:,.0f}"})
         if step % t.log_every == 0 or step == t.max_steps:
             logger.print(f"step {step:>5}  loss {loss_value:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
                          f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
+        try:  # fp32/bf16: max_bad_steps non-finite steps in a row stop the run, nothing saved after the last good
+            guard.check(step, loss_value, applied=stats.applied, loss_scale=stats.loss_scale,
+                        newest_checkpoint=ckpt.last_saved or (f"the one resumed (step {start_step})" if start_step
+                                                              else "none written yet"))
+        except TrainingDiverged:
+            logger.close()
+            raise
         if eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
+            beat.mark("eval", step)
             evals = evaluate(engine, eval_set, **eval_args)
             logger.scalars(step, evals)
             logger.print(f"eval  {step:>5}  loss {evals['eval/loss']:.4f}  perplexity {evals['eval/perplexity']:.2f}")
-        if ckpt.after_step(step, last=step == t.max_steps):  # SIGTERM/SIGINT: saved, stop cleanly
+        if step == t.max_steps or (every := settings.checkpoint.every_steps) and step % every == 0:
+            beat.mark("checkpoint", step)  # (no save during a run of bad steps: it may be the diverged state)
+        if guard.saving_allowed and ckpt.after_step(step, last=step == t.max_steps):  # SIGTERM/SIGINT: saved, stop
             break
         step_start = time.perf_counter()
     ckpt.close()
+    beat.close()
     elapsed = time.perf_counter() - start
     logger.close()
     ran = len(losses)
@@ -152,7 +171,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     summary = {"steps": start_step + ran, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
                "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * ran / max(elapsed, 1e-9),
                "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals,
-               "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved}
+               "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
+               "skipped_steps": guard.skipped}
     if t.sample_prompt:
         summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
                                           max_seq_len=settings.model.max_seq_len, device=local_device())
@@ -160,6 +180,7 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     what = "preempted" if ckpt.preempted else "done"
     logger.print(f"{what}: steps {start_step + 1}-{start_step + ran} in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
                  f"{summary['final_loss']:.3f} (mean of first/last {k}), {summary['tokens_per_s']:,.0f} tok/s, "
+                 f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}"
                  f"logs in {run_dir}")
     dist.destroy_process_group()
     return summary

@@ -1,16 +1,99 @@
 """Start local worker processes with torch's elastic launcher (used by the app and the tests).
 
-A worker that raises ends the whole job with its error (ChildFailedError), never a hang.
+A worker that raises, dies or hangs ends the whole job with one ``JobFailed`` naming the rank and
+the cause, never a hang: a raised error is ``rank 1: ValueError: ...``, a killed worker ``rank 1
+died with SIGKILL``, and with ``hang_s`` a watchdog over the workers' heartbeats (see
+``deepshard.core.heartbeat``) ends a job whose rank made no progress for that long.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
+import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats
 from deepshard.core.mesh import free_port
+
+# what a rank sees when a peer it talks to is gone: a consequence, not a cause
+_COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Connection closed by peer",
+                "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+
+
+class JobFailed(RuntimeError):
+    """The job's root cause in one line (``str``), its rank and kind, and every rank's traceback."""
+
+    def __init__(self, line: str, *, rank: int, kind: str, error_type: str = "",
+                 tracebacks: dict[int, str] | None = None, hang: Hang | None = None) -> None:
+        super().__init__(line)
+        self.rank, self.kind, self.error_type, self.hang = rank, kind, error_type, hang
+        self.tracebacks = tracebacks or {}
+
+
+def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
+    """(priority, kind, error type, one line, traceback) of one rank's failure; lower priority = root cause."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message", {})
+    if isinstance(message, dict):
+        trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    else:
+        trace = ""
+    message = " ".join(str(message).split())
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        prio = 3 if failure.exitcode in (-signal.SIGTERM, -signal.SIGINT) else 0  # the launcher's own SIGTERM
+        return prio, "signal", name, f"rank {rank} died with {name}", trace
+    if message:
+        error_type = message.split(":", 1)[0]
+        prio = 2 if any(s in message for s in _COMM_ERRORS) else 1
+        return prio, "exception", error_type, f"rank {rank}: {message}", trace
+    return 2, "exit", "", f"rank {rank} exited with code {failure.exitcode}", trace
+
+
+def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | None = None) -> JobFailed:
+    """The root cause among a ChildFailedError's failures (or the watchdog's hang, which caused them);
+    a rank that died by a signal is named with its last heartbeat's step and phase."""
+    described = {rank: _describe(rank, f) for rank, f in child_failed.failures.items()}
+    traces = {rank: d[4] for rank, d in described.items() if d[4]}
+    if hang is not None:
+        return JobFailed(str(hang), rank=hang.rank, kind="hang", tracebacks=traces, hang=hang)
+    rank = min(described, key=lambda r: (described[r][0], child_failed.failures[r].timestamp, r))
+    _, kind, error_type, line, _ = described[rank]
+    last = next((b for b in beats or [] if b["rank"] == rank), None)
+    if kind == "signal" and last is not None and last["phase"] != "startup":
+        line += f" during step {last['step']} ({last['phase']})"
+    return JobFailed(line, rank=rank, kind=kind, error_type=error_type, tracebacks=traces)
+
+
+@contextlib.contextmanager
+def _elastic_logs_to(log_file: str | None) -> Iterator[None]:
+    """torchelastic's and spawn's log lines (its tracebacks of failed workers) go to ``log_file``."""
+    if log_file is None:
+        yield
+        return
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    saved = [(lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for lg, (propagate, level) in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate, lg.level = propagate, level
+        handler.close()
 
 
 def worker_threads(nproc: int, *, cuda: bool, cpus: int | None = None) -> int:
@@ -26,12 +109,32 @@ def worker_threads(nproc: int, *, cuda: bool, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, nproc))
 
 
+def _quiet_resource_tracker() -> None:
+    """Killed workers leak semaphores, and multiprocessing's tracker warns about them as the launcher
+    exits, after the line that names the cause.  Start the tracker now, with that warning off."""
+    from multiprocessing import resource_tracker
+
+    option = "ignore:resource_tracker:UserWarning"
+    sys.warnoptions.append(option)  # the tracker process is started with the interpreter's -W flags
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(option)
+
+
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int | None = None,
-                 run_id: str | None = None) -> list[Any]:
+                 run_id: str | None = None, heartbeat_dir: str | None = None, hang_s: float = 0.0,
+                 log_file: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (gloo/nccl group set up by the worker via
     ``init_distributed``); returns each rank's return value, rank-ordered.  ``run_id`` reaches the
     workers as ``TORCHELASTIC_RUN_ID`` (it names per-run scratch such as NVMe swap dirs).
-    ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`."""
+
+    ``heartbeat_dir`` reaches the workers as ``DEEPSHARD_HEARTBEAT_DIR`` (``Heartbeat.from_env``);
+    with ``hang_s > 0`` a watchdog kills the job once a rank made no progress for that long.
+    ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``.
+    ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if threads_per_worker is None:  # auto: see worker_threads
@@ -44,5 +147,22 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn",
     )
-    results = elastic_launch(config, fn)(*args)
+    _quiet_resource_tracker()
+    watchdog: Watchdog | None = None
+    if heartbeat_dir is not None:
+        beat_dir = Path(heartbeat_dir)
+        beat_dir.mkdir(parents=True, exist_ok=True)
+        for stale in beat_dir.glob("rank*.json"):  # an earlier run's pids must never be judged or killed
+            stale.unlink()
+        os.environ[ENV_DIR] = str(beat_dir)
+        if hang_s > 0:
+            watchdog = Watchdog(beat_dir, hang_s)
+    try:
+        with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
+            results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as err:
+        beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
+        raise job_failed(err, watchdog.hang if watchdog else None, beats) from err
+    finally:
+        os.environ.pop(ENV_DIR, None)
     return [results[r] for r in range(nproc)]

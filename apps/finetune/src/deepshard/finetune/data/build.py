@@ -12,7 +12,7 @@ from deepshard.finetune.data.packing import PackedDataset, PaddedDataset
 from deepshard.finetune.data.sources import SOURCES
 
 
-def split_docs(docs: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+def split_docs(docs: list, eval_fraction: float, seed: int, source: str = "the data") -> tuple[list, list]:
     """A seeded, document-level held-out split: no eval document is ever seen in training."""
     if eval_fraction <= 0:
         return docs, []
@@ -20,7 +20,9 @@ def split_docs(docs: list, eval_fraction: float, seed: int) -> tuple[list, list]
     random.Random(seed).shuffle(order)
     n_eval = max(1, math.ceil(len(docs) * eval_fraction))
     if n_eval >= len(docs):
-        raise ValueError(f"data.eval_fraction={eval_fraction}: leaves no training documents ({len(docs)} in all)")
+        raise ValueError(f"data.eval_fraction={eval_fraction}: {source} holds {len(docs)} document(s), so "
+                         f"{n_eval} held out leave(s) none to train on; add documents, lower data.eval_fraction "
+                         f"or split finer (data.text_unit=paragraph|line)")
     held = set(order[:n_eval])
     return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
@@ -42,7 +44,10 @@ def build_datasets(data, tokenizer, vocab_size: int) -> tuple[Dataset, Dataset |
         raise ValueError(f"model.vocab_size={vocab_size}: the tokenizer has {len(tokenizer)} tokens")
     options = dataclasses.asdict(data) if dataclasses.is_dataclass(data) else dict(data)
     docs = list(SOURCES[data.name](tokenizer, **options))
-    train, held = split_docs(docs, data.eval_fraction, data.seed)
+    source = f"data.path={data.path!r}" if data.path else f"data={data.name}"
+    if data.name == "text":
+        source += f" (data.text_unit={data.text_unit})"
+    train, held = split_docs(docs, data.eval_fraction, data.seed, source)
     train_set = make_dataset(train, data, tokenizer)
     eval_set = make_dataset(held, data, tokenizer, what="eval") if held else None
     return train_set, eval_set

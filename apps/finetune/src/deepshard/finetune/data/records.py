@@ -53,13 +53,22 @@ def _record(obj: object, where: str, text_field: str, prompt_field: str, respons
     return out
 
 
+def _utf8(raw: bytes, file: str, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                         f"save the file as UTF-8") from None
+
+
 def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: str = "prompt",
                   response_field: str = "response", **_: object) -> Iterator[Record]:
     """Each non-blank line of each file is one JSON object (blank lines are skipped)."""
     for file in expand(path):
         count = 0
-        with open(file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(file, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _utf8(raw, file, lineno)
                 if not line.strip():
                     continue
                 try:

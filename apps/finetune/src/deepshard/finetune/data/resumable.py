@@ -18,6 +18,14 @@ from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
+def check_fits(num_windows: int, *, dp_size: int, micro_batch_size: int) -> None:
+    """One global batch must fit in the dataset (ValueError naming the key)."""
+    if num_windows < dp_size * micro_batch_size:
+        raise ValueError(f"train.micro_batch_size={micro_batch_size}: the dataset has {num_windows} windows, "
+                         f"fewer than one batch of {micro_batch_size} for each of {dp_size} data-parallel ranks; "
+                         f"lower it or add data")
+
+
 class OffsetSampler(Sampler[int]):
     """This rank's indices of one epoch, from global position ``start`` of the permutation.
 
@@ -56,9 +64,7 @@ class ResumableStream:
 
     def __init__(self, dataset: Dataset, *, dp_rank: int, dp_size: int, micro_batch_size: int, seed: int,
                  shuffle: bool = True, num_workers: int = 0) -> None:
-        if len(dataset) < dp_size * micro_batch_size:
-            raise ValueError(f"train.micro_batch_size={micro_batch_size}: the dataset has {len(dataset)} windows, "
-                             f"fewer than one batch for {dp_size} data-parallel ranks; lower it or add data")
+        check_fits(len(dataset), dp_size=dp_size, micro_batch_size=micro_batch_size)
         self.sampler = OffsetSampler(len(dataset), rank=dp_rank, world=dp_size, seed=seed, shuffle=shuffle)
         self.loader = StatefulDataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
                                          drop_last=True, num_workers=num_workers)

@@ -40,7 +40,11 @@ def load_tokenizer(path: str | None = None):
                                        bos_token="<|bos|>", eos_token="<|eos|>")
     if not Path(path).is_dir():
         raise ValueError(f"model.path={path!r}: not a directory holding a HF tokenizer")
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
+        raise ValueError(f"model.path={path!r}: its tokenizer does not load ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]})") from None
     if tok.eos_token_id is None:
         raise ValueError(f"model.path={path!r}: the tokenizer defines no eos token, needed to separate documents")
     return tok

@@ -23,6 +23,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
+
+
+def _read_json(f: Path) -> Any:
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{f}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
 def to_hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
@@ -40,7 +53,12 @@ def llama_config_from_hf(path: str | Path) -> LlamaConfig:
     f = Path(path) / "config.json"
     if not f.is_file():
         raise ValueError(f"model.path={str(path)!r}: no config.json there (expected a HF checkpoint directory)")
-    c = json.loads(f.read_text())
+    c = _read_json(f)
+    if not isinstance(c, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(c).__name__}")
+    missing = [k for k in REQUIRED_KEYS if k not in c]
+    if missing:
+        raise ValueError(f"{f}: missing key {missing[0]!r} (a Llama config.json needs {list(REQUIRED_KEYS)})")
     if c.get("model_type") not in ("llama", "mistral", "qwen2", None):
         raise _bad(path, "model_type", c.get("model_type"), "only the Llama family is supported")
     if c.get("hidden_act", "silu") != "silu":
@@ -85,12 +103,52 @@ def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        files = [path / n for n in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{index}: names {f.name}, which is not in model.path={str(path)!r}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model.path={str(path)!r}: no *.safetensors weights there")
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = (f"; {pickled[0]} is a pickle, which is never loaded (it can run code): save the model with "
+                f"save_pretrained(safe_serialization=True)") if pickled else ""
+        raise ValueError(f"model.path={str(path)!r}: no *.safetensors weights there{hint}")
     return files
+
+
+def check_hf_dir(path: str | Path, cfg: LlamaConfig) -> None:
+    """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly our
+    model's weights with our shapes (headers only: no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise ValueError(f"model.path={str(path)!r}: no tokenizer there (expected one of {list(TOKENIZER_MARKERS)}; "
+                         f"save it with tokenizer.save_pretrained(DIR))")
+    with torch.device("meta"):
+        shapes = {n: list(p.shape) for n, p in Llama(cfg).named_parameters()}
+    missing = set(shapes)
+    for f in safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                found = {k: list(st.get_slice(k).get_shape()) for k in st.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        for hf_name, shape in found.items():
+            name = from_hf_name(hf_name)
+            if name not in shapes:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"{f}: weight {hf_name!r} has no place in our Llama")
+            if shape != shapes[name]:
+                raise ValueError(f"{f}: {hf_name} has shape {shape}, config.json implies {shapes[name]}")
+            missing.discard(name)
+    if missing:
+        raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")
 
 
 @torch.no_grad()

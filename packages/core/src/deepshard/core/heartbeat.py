@@ -1,0 +1,153 @@
+"""Which rank is stuck, and where: per-rank heartbeat files and the launcher's watchdog over them.
+
+Each worker's ``Heartbeat`` writes its current step and phase, with the time, to ``<dir>/rank<R>.json``
+at every ``mark`` (a few small atomic writes per step, ~0.1 ms) and from a daemon thread every
+``interval_s``.  Two facts
+come out of a file: ``beat`` (the process is alive: a SIGSTOPped or GIL-frozen rank stops beating)
+and ``since`` (when it last made progress).  A rank blocked in a collective keeps beating, so when
+one rank hangs the others are not blamed: the watchdog names a rank that stopped beating, else the
+one furthest behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
+# the order a step goes through; "startup" is not judged for progress (loading can take long)
+PHASES = ("startup", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
+
+
+class Heartbeat:
+    """One rank's beat; a no-op without a directory (a run not started by the local launcher)."""
+
+    def __init__(self, directory: str | None, rank: int, *, interval_s: float = 0.5) -> None:
+        self.path = Path(directory) / f"rank{rank}.json" if directory else None
+        self.rank = rank
+        self.step = 0
+        self.phase = "startup"
+        self.since = time.time()
+        self.marks = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write()
+            threading.Thread(target=self._run, args=(interval_s,), daemon=True, name="heartbeat").start()
+
+    @classmethod
+    def from_env(cls, rank: int) -> Heartbeat:
+        return cls(os.environ.get(ENV_DIR), rank)
+
+    def mark(self, phase: str, step: int) -> None:
+        """Entering ``phase`` of ``step`` (progress)."""
+        assert phase in PHASES, phase
+        self.phase, self.step, self.since = phase, step, time.time()
+        self.marks += 1
+        if self.path is not None:
+            self._write()
+
+    def _write(self) -> None:
+        assert self.path is not None
+        with self._lock:  # the loop's marks and the beat thread share the temp file
+            state = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
+                     "since": self.since, "marks": self.marks, "beat": time.time()}
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.path)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self._write()
+            except OSError:  # the run dir went away: nothing to report to
+                return
+
+    def close(self) -> None:
+        """Phase ``done``: this rank is no longer judged."""
+        self._stop.set()
+        self.mark("done", self.step)
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    step: int
+    phase: str
+    stalled_s: float
+    frozen: bool  # stopped beating (SIGSTOP, a GIL held forever), not just waiting
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank} has made no progress since step {self.step} ({self.phase}) for "
+                f"{self.stalled_s:.0f} s")
+
+
+def read_beats(directory: str | Path) -> list[dict]:
+    beats = []
+    for f in sorted(Path(directory).glob("rank*.json")):
+        try:
+            beats.append(json.loads(f.read_text()))
+        except (OSError, ValueError):  # mid-replace or gone: next poll
+            continue
+    return beats
+
+
+def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:
+    """The rank to blame once some rank made no progress for ``hang_s``: one that stopped beating,
+    else the one furthest behind (lowest step and phase), ties broken by the oldest progress."""
+    live = [b for b in beats if b["phase"] != "done"]
+    frozen = [b for b in live if now - b["beat"] > hang_s]
+    stalled = [b for b in live if b["phase"] != "startup" and now - b["since"] > hang_s]
+    if not frozen and not stalled:
+        return None
+    pool = frozen or live
+    b = min(pool, key=lambda b: (b["step"], PHASES.index(b["phase"]), b["since"]))
+    return Hang(rank=b["rank"], step=b["step"], phase=b["phase"], stalled_s=now - b["since"], frozen=bool(frozen))
+
+
+class Watchdog:
+    """In the launcher: polls the heartbeat files; on a hang records it and SIGKILLs every worker
+    (a stopped process ignores SIGTERM until continued), so the launch returns with the workers' deaths."""
+
+    def __init__(self, directory: str | Path, hang_s: float, *, poll_s: float = 0.5,
+                 kill: Callable[[int, int], None] = os.kill) -> None:
+        self.directory = Path(directory)
+        self.hang_s = hang_s
+        self.poll_s = poll_s
+        self.kill = kill
+        self.hang: Hang | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="watchdog")
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            beats = read_beats(self.directory)
+            hang = find_hang(beats, self.hang_s, time.time())
+            if hang is None:
+                continue
+            self.hang = hang
+            for b in beats:
+                try:
+                    self.kill(int(b["pid"]), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return
+
+    def last_seen(self, rank: int) -> dict | None:
+        """A rank's last heartbeat (step and phase), if it wrote one."""
+        return next((b for b in read_beats(self.directory) if b["rank"] == rank), None)
