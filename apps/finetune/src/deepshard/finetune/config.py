@@ -45,7 +45,10 @@ def hydra_twin(cls: type, name: str) -> type:
 ZeroSchema = hydra_twin(ZeroConfig, "ZeroSchema")
 OptimSchema = hydra_twin(OptimConfig, "OptimSchema")
 SchedulerSchema = hydra_twin(SchedulerConfig, "SchedulerSchema")
-PrecisionSchema = hydra_twin(PrecisionConfig, "PrecisionSchema")
+# plus the app's own switch: fp16 on a CPU-only host really runs fp16 (slowly) instead of falling back to fp32
+PrecisionSchema = dataclasses.make_dataclass(
+    "PrecisionSchema", [("force_fp16_on_cpu", bool, field(default=False))],
+    bases=(hydra_twin(PrecisionConfig, "PrecisionTwin"),))
 ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
 
@@ -308,7 +311,9 @@ def validate(cfg: dict) -> Settings:
     o = dict(cfg["optim"])
     o["betas"] = tuple(o["betas"])
     engine = EngineConfig(
-        zero=ZeroConfig(**cfg["zero"]), precision=PrecisionConfig(**_resolve_precision(cfg["precision"])),
+        zero=ZeroConfig(**cfg["zero"]),
+        precision=PrecisionConfig(**_resolve_precision(
+            {k: v for k, v in cfg["precision"].items() if k != "force_fp16_on_cpu"})),
         optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
         grad_accum=t["grad_accum"], ac=cfg["ac"],
     )

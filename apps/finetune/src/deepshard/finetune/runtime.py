@@ -47,6 +47,10 @@ def fp16_fallback(cfg: dict, cuda: bool) -> bool:
     """fp16 needs a GPU to be worth it: on a CPU-only host the run trains in fp32 (returns True then)."""
     if cfg["precision"]["dtype"] != "fp16" or cuda:
         return False
+    if cfg["precision"].get("force_fp16_on_cpu"):
+        print("notice: precision.force_fp16_on_cpu=true: real fp16 on this CPU-only host (emulated, slow)",
+              file=sys.stderr)
+        return False
     cfg["precision"]["dtype"] = "fp32"
     print("notice: precision=fp16 needs a CUDA device; this CPU-only host trains in fp32 instead "
           "(loss scale stays 1)", file=sys.stderr)
