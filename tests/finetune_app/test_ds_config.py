@@ -37,7 +37,8 @@ def test_zero3_offload_fixture_maps_and_names_the_rest():
               "scheduler.total_num_steps=6", "train.micro_batch_size=4", "train.grad_accum=1",
               "train.tensorboard_dir=ds_logs/zero3_offload"):
         assert o in t.overrides, (o, t.overrides)
-    assert not any(o.startswith("precision=") for o in t.overrides)  # bf16.enabled=false
+    # bf16.enabled=false: fp32, as DeepSpeed trains it (not our precision=auto, bf16 on a GPU)
+    assert [o for o in t.overrides if o.startswith("precision=")] == ["precision=fp32"]
     assert t.unsupported == ["zero_optimization.stage3_gather_16bit_weights_on_model_save", "comms_logger"]
     assert any("stage3_param_persistence_threshold" in n for n in t.notes)
 

@@ -138,6 +138,8 @@ def translate(ds: dict) -> Translation:
             extra = {k: v for k, v in section.items() if k != "enabled" and not (
                 k in ("auto_cast", "immediate_grad_update") and not v)}
             tr.copy(extra, name, {k: f"precision.{k}" for k in FP16_KEYS} if name == "fp16" else {})
+    if not any(_enabled(ds.get(name)) for name in ("fp16", "bf16", "bfloat16")):
+        t.overrides.append("precision=fp32")  # DeepSpeed trains such a config in fp32 (our default is auto)
 
     if "zero_optimization" in ds:
         handled.add("zero_optimization")
