@@ -137,16 +137,16 @@ def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    box = [f".probe-{uuid.uuid4().hex[:12]}"]
+    box = [f".probe-{uuid.uuid4().hex[:12]}", str(root)]
     dist.broadcast_object_list(box, src=0)
-    probe = root / box[0]
+    probe, named = root / box[0], box[1]  # rank 0's path names the directory in every rank's message
     error = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             probe.write_text("deepshard: every rank must see this file\n")
         except OSError as err:
-            error = f"{key}={root}: cannot write there ({err})"
+            error = f"{key}={named}: cannot write there ({err})"
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error)  # also the barrier: the probe exists before anyone looks
     seen: list[Any] = [None] * world
@@ -157,7 +157,7 @@ def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
         raise ValueError(errors[0])
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
-        raise ValueError(f"{key}={root} is not visible from rank {blind[0]} (node-local disk?): use a shared "
+        raise ValueError(f"{key}={named} is not visible from rank {blind[0]} (node-local disk?): use a shared "
                          f"filesystem that every node mounts at the same path")
 
 

@@ -15,10 +15,8 @@ A save checks free space first, and on any failure removes its temp dir on every
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -41,6 +39,17 @@ from deepshard.core.checkpoint_extra import (
     rng_state,
     set_rng_state,
     write_json,
+)
+from deepshard.core.checkpoint_failures import (
+    MARGIN_BYTES,
+    CheckpointSaveError,
+    PhaseFailed,
+    clean_up,
+    free_space_check,
+    gather,
+    one_line,
+    phase,
+    stall,
 )
 from deepshard.core.checkpoint_manifest import (
     FORMAT,
@@ -69,16 +78,6 @@ log = logging.getLogger("deepshard.checkpoint")
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 KINDS = (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq."))
-STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS": rank 0 pauses a save mid-way
-MARGIN_BYTES = 1 << 20  # manifest, JSON state, DCP metadata
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save that failed (no space, I/O error): its temp dir is gone; ``reason`` is one line."""
-
-    def __init__(self, root: Path, step: int, reason: str) -> None:
-        super().__init__(f"checkpoint {str(root)!r}: saving step {step} failed: {reason}")
-        self.root, self.step, self.reason = root, step, reason
 
 
 def clean_name(name: str) -> str:
@@ -168,72 +167,6 @@ def _agree(value: Any) -> Any:
     return box[0]
 
 
-def _gather(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def one_line(err: BaseException) -> str:
-    """The cause of a failure in one line (DCP's CheckpointException carries each rank's traceback)."""
-    if isinstance(err, CheckpointException) and err.failures:
-        rank, wrapped = next(iter(err.failures.items()))
-        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        return f"rank {rank}: {one_line(exc)}"
-    if isinstance(err, CheckpointError):
-        return str(err)
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def _is_enospc(err: BaseException | None) -> bool:
-    seen = 0
-    while err is not None and seen < 20:
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            return True
-        if isinstance(err, CheckpointException):
-            return any(_is_enospc(w[0] if isinstance(w, tuple) else w) for w in err.failures.values())
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
-
-
-def _phase(fn: Callable[[], Any]) -> Any:
-    """Run one phase of a save on every rank; if it failed anywhere, every rank raises the first cause.
-
-    Agreeing after each phase means a rank-0-only step that fails cannot leave the others waiting.
-    """
-    result, failure = None, None
-    try:
-        result = fn()
-    except (Exception, CheckpointException) as err:
-        failure = ("ENOSPC " if _is_enospc(err) else "") + one_line(err)
-    failures = [f for f in _gather(failure) if f]
-    if failures:
-        raise _Failed(failures[0])
-    return result
-
-
-class _Failed(Exception):
-    pass
-
-
-def _stall(step: int) -> None:
-    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS``): pause with the shards written."""
-    spec = os.environ.get(STALL_ENV, "")
-    if spec and int(spec.split(":")[0]) == step:
-        log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test", STALL_ENV, spec)
-        time.sleep(float(spec.split(":")[1]))
-
-
-def _free_space_check(root: Path, step: int, needed: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(root).free
-    if free < needed:
-        raise CheckpointError(f"needs {needed / 1e6:.0f} MB, {free / 1e6:.0f} MB free (step {step})")
-
-
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -265,14 +198,14 @@ def save_checkpoint(
 
     def begin() -> None:
         if rank == 0:
-            _free_space_check(root, step, needed)
+            free_space_check(root, needed)
             staging = root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}"
             staging.mkdir()
             write_owner(staging)  # before the dir gets its .tmp- name, so no one takes it for dead
             os.replace(staging, tmp)
 
     def extra() -> None:
-        _stall(step)
+        stall(step)
         write_json(tmp, rng_file(rank), rng_state())
         if rank == 0:
             write_json(tmp, TRAINER, trainer)
@@ -293,25 +226,17 @@ def save_checkpoint(
             (final / OWNER).unlink(missing_ok=True)
 
     try:
-        _phase(begin)
-        _phase(lambda: dcp.save(state, checkpoint_id=str(tmp)))
-        _phase(extra)
+        phase(begin)
+        phase(lambda: dcp.save(state, checkpoint_id=str(tmp)))
+        phase(extra)
         # every rank checksums a share of the files, so sealing costs 1/world of a read
         names = _agree(list_files(tmp))
-        parts = _gather(_phase(lambda: describe_files(tmp, names[rank::world])))
-        _phase(lambda: seal(parts))
-    except _Failed as err:
+        parts = gather(phase(lambda: describe_files(tmp, names[rank::world])))
+        phase(lambda: seal(parts))
+    except PhaseFailed as err:
         reason = str(err)
         if rank == 0:
-            partial = [p for p in (tmp, root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}") if p.exists()]
-            for p in partial:
-                shutil.rmtree(p, ignore_errors=True)
-            if reason.startswith("ENOSPC "):
-                free = shutil.disk_usage(root).free if root.is_dir() else 0
-                reason = (f"the disk is full: needs {needed / 1e6:.0f} MB, {free / 1e6:.0f} MB free with the "
-                          f"partial save removed ({reason[len('ENOSPC '):]})")
-            if partial:
-                reason += f"; removed the partial {partial[0].name}"
+            reason = clean_up(root, [tmp, root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}"], reason, needed)
         raise CheckpointSaveError(root, step, _agree(reason)) from None
     total = sum(f["bytes"] for p in parts for f in p.values())
     log.info("checkpoint: saved %s (%.1f MB) in %.2fs", final, total / 1e6, time.perf_counter() - start)
@@ -324,7 +249,7 @@ def _collective_problems(check: Callable[[], list[str]]) -> list[str]:
         problems = check()
     except CheckpointError as err:
         problems = [str(err)]
-    return [p for ps in _gather(problems) for p in ps]
+    return [p for ps in gather(problems) for p in ps]
 
 
 def verify_collective(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""How a checkpoint save fails: agreed by every rank, in one line, with the free space checked first.
+
+Each phase of a save ends in one small all-gather of "did it fail here, and why", so a failure on
+one rank (a full disk, an I/O error, a rank-0-only step) reaches every rank instead of leaving the
+others waiting; the caller then removes the temp dir and raises one CheckpointSaveError.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from deepshard.core.checkpoint_manifest import CheckpointError
+
+log = logging.getLogger("deepshard.checkpoint")
+
+STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS": pause a save with its shards written
+MARGIN_BYTES = 1 << 20  # manifest, JSON state, DCP metadata
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (no space, I/O error): its temp dir is gone; ``reason`` is one line."""
+
+    def __init__(self, root: Path, step: int, reason: str) -> None:
+        super().__init__(f"checkpoint {str(root)!r}: saving step {step} failed: {reason}")
+        self.root, self.step, self.reason = root, step, reason
+
+
+def gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def one_line(err: BaseException) -> str:
+    """The cause of a failure in one line (DCP's CheckpointException carries each rank's traceback)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, wrapped = next(iter(err.failures.items()))
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {one_line(exc)}"
+    if isinstance(err, CheckpointError):
+        return str(err)
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _is_enospc(err: BaseException | None) -> bool:
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if isinstance(err, CheckpointException):
+            return any(_is_enospc(w[0] if isinstance(w, tuple) else w) for w in err.failures.values())
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def phase(fn: Callable[[], Any]) -> Any:
+    """Run one phase of a save on every rank; if it failed anywhere, every rank raises the first cause.
+
+    Agreeing after each phase means a rank-0-only step that fails cannot leave the others waiting.
+    """
+    result, failure = None, None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as err:
+        failure = ("ENOSPC " if _is_enospc(err) else "") + one_line(err)
+    failures = [f for f in gather(failure) if f]
+    if failures:
+        raise PhaseFailed(failures[0])
+    return result
+
+
+class PhaseFailed(Exception):
+    pass
+
+
+def stall(step: int) -> None:
+    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS``): pause with the shards written."""
+    spec = os.environ.get(STALL_ENV, "")
+    if spec and int(spec.split(":")[0]) == step:
+        log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test", STALL_ENV, spec)
+        time.sleep(float(spec.split(":")[1]))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+
+
+def free_space_check(root: Path, needed: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointError(f"needs {_mb(needed)}, {_mb(free)} free")
+
+
+def clean_up(root: Path, partial: list[Path], reason: str, needed: int) -> str:
+    """Remove a failed save's temp dirs; the failure's reason, saying so when the disk filled up
+    (a full disk shows up as ENOSPC, or as a torch.save zip-writer 'enforce fail')."""
+    free = shutil.disk_usage(root).free if root.is_dir() else needed
+    partial = [p for p in partial if p.exists()]
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    full = reason.startswith("ENOSPC ")
+    reason = reason.removeprefix("ENOSPC ")
+    if (full or free < MARGIN_BYTES) and not reason.startswith("needs "):  # not the up-front check's own
+        reason = f"the disk is full: needs {_mb(needed)}, {_mb(free)} were free ({reason})"
+    if partial:
+        reason += f"; removed the partial {partial[0].name}"
+    return reason
+
+
