@@ -1,0 +1,103 @@
+"""The policies behind the fault messages, on plain inputs: which bad steps stop a run, which rank a
+hang blames, which failure of a crashed job is its cause (the real processes: tests/faults/)."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from deepshard.core.heartbeat import Heartbeat, find_hang, read_beats
+from deepshard.core.launch import job_failed
+from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
+
+NAN = float("nan")
+
+
+def _guard(dynamic: bool, said: list[str], **kw) -> DivergenceGuard:
+    args = {"max_bad_steps": 3, "dynamic": dynamic, "min_scale": 1.0, "scale_window": 4, **kw}
+    return DivergenceGuard(**args, say=said.append)
+
+
+def test_fp32_bad_steps_warn_reset_on_a_good_step_and_stop_at_the_limit():
+    said: list[str] = []
+    g = _guard(False, said)
+    g.check(1, 7.5, applied=True, loss_scale=1.0, newest_checkpoint="ck1")
+    g.check(2, NAN, applied=False, loss_scale=1.0, newest_checkpoint="ck1")
+    g.check(3, 8.0, applied=False, loss_scale=1.0, newest_checkpoint="ck1")  # finite loss, inf grads
+    assert not g.saving_allowed and g.skipped == 2 and len(said) == 2
+    assert "non-finite loss and gradient norm" in said[0] and "non-finite gradient norm" in said[1]
+    g.check(4, 7.0, applied=True, loss_scale=1.0, newest_checkpoint="ck1")  # recovers: the count restarts
+    assert g.saving_allowed
+    g.check(5, NAN, applied=True, loss_scale=1.0, newest_checkpoint="ck4")  # applied, but the loss is nan
+    g.check(6, NAN, applied=False, loss_scale=1.0, newest_checkpoint="ck4")
+    with pytest.raises(TrainingDiverged) as err:
+        g.check(7, NAN, applied=False, loss_scale=1.0, newest_checkpoint="ck4")
+    msg = str(err.value)
+    assert msg.startswith("training diverged at step 7: 3 consecutive steps") and "\n" not in msg
+    assert "last finite loss 7.0000 at step 4" in msg and "newest good checkpoint: ck4;" in msg
+
+
+def test_fp16_dynamic_overflows_are_counted_and_a_scale_stuck_at_min_is_an_error():
+    said: list[str] = []
+    g = _guard(True, said)
+    for step, scale in enumerate([65536.0, 32768.0, 16384.0], 1):  # routine: the scaler backs off
+        g.check(step, 7.0, applied=False, loss_scale=scale, newest_checkpoint="none")
+    assert g.skipped == 3 and g.saving_allowed and "(3 skipped so far)" in said[-1]
+    g.check(4, 6.9, applied=True, loss_scale=8192.0, newest_checkpoint="none")
+    for step in range(5, 8):  # at the floor but fewer than the window (4)
+        g.check(step, 7.0, applied=False, loss_scale=1.0, newest_checkpoint="none")
+    g.check(8, 6.8, applied=True, loss_scale=1.0, newest_checkpoint="none")  # a clean step resets it
+    for step in range(9, 12):
+        g.check(step, 7.0, applied=False, loss_scale=1.0, newest_checkpoint="none")
+    with pytest.raises(TrainingDiverged, match=r"stuck at precision.min_loss_scale=1 .* for 4 steps"):
+        g.check(12, 7.0, applied=False, loss_scale=1.0, newest_checkpoint="none")
+
+
+def _beat(rank, step, phase, since, beat):
+    return {"rank": rank, "pid": 100 + rank, "step": step, "phase": phase, "since": since, "beat": beat}
+
+
+def test_a_hang_blames_the_rank_that_stopped_beating_not_the_one_waiting_for_it():
+    now = 1000.0
+    waiting = _beat(0, 12, "optimizer", since=now - 40, beat=now - 0.3)  # blocked in a collective, alive
+    stopped = _beat(1, 12, "backward", since=now - 41, beat=now - 40)  # SIGSTOP
+    assert find_hang([waiting, stopped], 30, now).rank == 1
+    assert str(find_hang([waiting, stopped], 30, now)) == "rank 1 has made no progress since step 12 (backward) for 41 s"
+    assert find_hang([waiting, stopped], 60, now) is None  # not yet
+    # both alive (a rank looping in Python): the one behind is blamed
+    looping = _beat(1, 12, "forward", since=now - 35, beat=now - 0.2)
+    assert find_hang([waiting, looping], 30, now).rank == 1
+    # loading before the first step is not judged while the process beats; done ranks never
+    loading = [_beat(0, 0, "startup", since=now - 500, beat=now), _beat(1, 9, "done", since=now - 500, beat=now - 500)]
+    assert find_hang(loading, 30, now) is None
+
+
+def test_heartbeat_files_carry_step_and_phase(tmp_path):
+    beat = Heartbeat(str(tmp_path), rank=3)
+    beat.mark("backward", 7)
+    (state,) = read_beats(tmp_path)
+    assert (state["rank"], state["step"], state["phase"]) == (3, 7, "backward")
+    beat.close()
+    assert read_beats(tmp_path)[0]["phase"] == "done"
+    Heartbeat(None, rank=0).mark("forward", 1)  # no directory: a no-op
+
+
+def _failure(exitcode: int, message: str = "", timestamp: int = 0):
+    sig = signal.Signals(-exitcode).name if exitcode < 0 else ""
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": f"Traceback\n{message}"}}} if message else {}
+    return SimpleNamespace(exitcode=exitcode, error_file_data=data, timestamp=timestamp, signal_name=lambda: sig)
+
+
+def test_the_cause_of_a_crashed_job_is_the_killed_or_raising_rank_not_its_peers():
+    killed = SimpleNamespace(failures={0: _failure(1, "DistBackendError: Connection closed by peer", 5),
+                                       1: _failure(-signal.SIGKILL, timestamp=6)})
+    err = job_failed(killed, beats=[_beat(1, 12, "backward", 0, 0)])
+    assert (str(err), err.rank, err.kind) == ("rank 1 died with SIGKILL during step 12 (backward)", 1, "signal")
+    raised = SimpleNamespace(failures={0: _failure(1, "RuntimeError: [gloo] Connection reset by peer", 4),
+                                       1: _failure(1, "ValueError: bad row 3", 5)})
+    err = job_failed(raised)
+    assert (str(err), err.error_type, sorted(err.tracebacks)) == ("rank 1: ValueError: bad row 3", "ValueError", [0, 1])
+    terminated = SimpleNamespace(failures={0: _failure(-signal.SIGTERM, timestamp=1), 1: _failure(1, "KeyError: 'x'", 2)})
+    assert str(job_failed(terminated)) == "rank 1: KeyError: 'x'"
