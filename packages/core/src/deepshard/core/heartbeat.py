@@ -1,8 +1,8 @@
 """Which rank is stuck, and where: per-rank heartbeat files and the launcher's watchdog over them.
 
 Each worker's ``Heartbeat`` writes its current step and phase, with the time, to ``<dir>/rank<R>.json``
-at every ``mark`` (a few small atomic writes per step, ~0.1 ms) and from a daemon thread every
-``interval_s``.  Two facts
+at every ``mark`` and from a daemon thread every ``interval_s``: one fixed-size ``pwrite`` over the
+same bytes (microseconds; a reader that catches a write half done skips it until the next poll).  Two facts
 come out of a file: ``beat`` (the process is alive: a SIGSTOPped or GIL-frozen rank stops beating)
 and ``since`` (when it last made progress).  A rank blocked in a collective keeps beating, so when
 one rank hangs the others are not blamed: the watchdog names a rank that stopped beating, else the
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
+_RECORD = 256  # bytes of a heartbeat file, always rewritten whole
 # the order a step goes through; "startup" is not judged for progress (loading can take long)
 PHASES = ("startup", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
 
@@ -37,8 +38,10 @@ class Heartbeat:
         self.marks = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._fd = -1
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._write()
             threading.Thread(target=self._run, args=(interval_s,), daemon=True, name="heartbeat").start()
 
@@ -56,12 +59,10 @@ class Heartbeat:
 
     def _write(self) -> None:
         assert self.path is not None
-        with self._lock:  # the loop's marks and the beat thread share the temp file
+        with self._lock:  # the loop's marks and the beat thread share the file
             state = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
                      "since": self.since, "marks": self.marks, "beat": time.time()}
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.path)
+            os.pwrite(self._fd, json.dumps(state).encode().ljust(_RECORD), 0)  # trailing spaces: valid JSON
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
