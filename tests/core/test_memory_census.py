@@ -49,7 +49,26 @@ def _worker():
             census = sum(n for ptr, n in after.items() if ptr not in before)
             out[(dtype, stage)] = (census, engine.memory()["measured"].as_dict())
             del engine
+    out["overlap"] = {stage: _buckets_launched_before_backward_ends(stage) for stage in (1, 2)}
     return out
+
+
+def _buckets_launched_before_backward_ends(stage: int) -> tuple[int, int]:
+    """(buckets whose collective was already launched when the last gradient of backward arrived,
+    buckets in all): the reduction overlaps backward when the first number is > 1."""
+    from deepshard.core import initialize
+    from deepshard.core.mesh import local_device
+
+    model = build_model().to(local_device())
+    engine = initialize(model, engine_config(stage, bucket=3000))
+    reducer = engine.stage.reducer
+    seen = []
+    # the embedding's gradient is the last of backward; its hook runs after the reducer's own
+    model.embed_tokens.weight.register_post_accumulate_grad_hook(lambda p: seen.append(reducer.num_launched))
+    tokens = torch.randint(0, MICRO.vocab_size, (2, 17), device=local_device())
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+    return seen[0], len(reducer.buckets)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +86,11 @@ def test_memory_report_equals_live_tensor_census(runs, stage, dtype):
             assert reported["buffers.allgather"] > 0
         if stage == 2:
             assert reported["buffers.reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bucket_collectives_launch_while_backward_runs(runs, stage):
+    for rank in (0, 1):
+        launched, total = runs[rank]["overlap"][stage]
+        assert total > 2, "the test model must span several buckets"
+        assert launched > 1, f"stage {stage}: only {launched} of {total} buckets launched before backward ended"

@@ -98,7 +98,7 @@ def _full_params(modules) -> dict[str, torch.Tensor]:
     for m in modules:
         for n, p in m.named_parameters():
             t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-            out[n.replace("_checkpoint_wrapped_module.", "")] = t.float().clone()
+            out[n.replace("_checkpoint_wrapped_module.", "")] = t.float().cpu().clone()  # beside the reference
     return out
 
 
@@ -121,10 +121,11 @@ def _rank_batches(micro: int, per_step: int):
 
 def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
     from deepshard.core import initialize
+    from deepshard.core.mesh import local_device
     from deepshard.finetune.steppers import EngineStepper
 
-    engine = initialize(model(), _engine_config(stage, accum))
-    stepper = EngineStepper(engine, grad_accum=accum, device=torch.device("cpu"))
+    engine = initialize(model().to(local_device()), _engine_config(stage, accum))
+    stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
     stepper.prof = _no_profiler()
     batches = _rank_batches(micro, accum)
     losses = [stepper(batches).loss for _ in range(STEPS)]
@@ -133,12 +134,13 @@ def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
 
 def _pipe_run(axis: str, size: int) -> tuple[list[float], dict]:
     from deepshard.core import ParallelDims, build_mesh
+    from deepshard.core.mesh import local_device
     from deepshard.finetune.models.parallelize import pipeline_llama
     from deepshard.finetune.steppers import PipelineStepper
 
     mesh = build_mesh(ParallelDims(**{axis: size}))
     trainer = pipeline_llama(model(), mesh, _engine_config(0, 1), schedule="1f1b", microbatches=2)
-    stepper = PipelineStepper(trainer, mesh, microbatches=2, device=torch.device("cpu"))
+    stepper = PipelineStepper(trainer, mesh, microbatches=2, device=local_device())
     stepper.prof = _no_profiler()
     ids, labels = data()
     batches = ({"input_ids": ids[s, lo:lo + 2], "labels": labels[s, lo:lo + 2]} for s in range(STEPS) for lo in (0, 2))
@@ -150,6 +152,7 @@ def _bf16_accum_grads() -> dict[str, list[torch.Tensor]]:
     """8 micro-batches of one row, bf16 at ZeRO 2 (world 1): the engine's accumulated gradient, and the
     per-micro-batch bf16 gradients of the same (plain-logits) model computed here with autograd."""
     from deepshard.core import initialize
+    from deepshard.core.mesh import local_device
 
     cfg = LlamaConfig(**{**MICRO.__dict__, "loss_chunk_size": 0})  # plain logits + F.cross_entropy inside
     ids, labels = data(num_steps=1, rows=8, seed=11)
@@ -160,22 +163,24 @@ def _bf16_accum_grads() -> dict[str, list[torch.Tensor]]:
     torch.manual_seed(0)
     ref_model = Llama(cfg)
     ref_model.init_weights(0)
-    ref_model.to(torch.bfloat16)
+    ref_model.to(device=local_device(), dtype=torch.bfloat16)  # the same kernels as the engine's
     per_micro = []
     for r in range(8):
-        logits = ref_model(ids[r:r + 1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[r], ignore_index=-100, reduction="sum")
+        logits = ref_model(ids[r:r + 1].to(local_device()))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[r].to(local_device()), ignore_index=-100,
+                               reduction="sum")
         (loss / num_items).backward()
-        per_micro.append([p.grad.clone() for p in ref_model.parameters()])
+        per_micro.append([p.grad.cpu().clone() for p in ref_model.parameters()])
         ref_model.zero_grad()
     torch.manual_seed(0)
     m = Llama(cfg)
     m.init_weights(0)
-    engine = initialize(m, _engine_config(2, 8, dtype="bf16"))
+    engine = initialize(m.to(local_device()), _engine_config(2, 8, dtype="bf16"))
     count = engine.global_num_items(num_items)
+    ids, labels = ids.to(local_device()), labels.to(local_device())
     for r in range(8):
         engine.backward(engine(ids[r:r + 1], labels[r:r + 1], reduction="sum"), num_items=count)
-    ours = [g.clone() for g in engine.stage.local_grads()]
+    ours = [g.cpu().clone() for g in engine.stage.local_grads()]
     return {"per_micro": per_micro, "ours": ours}
 
 

@@ -55,6 +55,11 @@ class _HookedReducer:
             self._ready[b] = 0  # a bucket may fill again (several backward passes, e.g. pipeline micro-batches)
             self._launch(b)
 
+    @property
+    def num_launched(self) -> int:
+        """Buckets whose collective has been launched in the current backward (overlap, observable)."""
+        return sum(self._launched)
+
     def _grad_or_zeros(self, i: int) -> torch.Tensor:
         p = self.params[i]
         return local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
