@@ -177,6 +177,7 @@ class RunCheckpoints:
         self.last_saved: str | None = None
         self.saved_step = -1
         self.good: set[Path] = set()  # checkpoints known to verify (written or loaded by this run)
+        self.bad: set[Path] = set()  # and known not to (each is verified once)
         self.preemption = Preemption(local_device())
         self.preempted = False
         self.unsupported = unsupported_reason(engine.optimizer)
@@ -264,7 +265,7 @@ class RunCheckpoints:
         except CheckpointSaveError as err:
             message = f"checkpoint.dir={self.root}: saving step {step} failed: {err.reason}"
             if self.settings.on_error == "stop":
-                raise CheckpointError(message + " (checkpoint.on_error=continue trains on)") from None
+                raise CheckpointError(message + " (checkpoint.on_error=continue would train on without it)") from None
             if dist.get_rank() == 0:
                 log.warning("checkpoint: %s; training on (checkpoint.on_error=continue)", message)
             return None
@@ -275,12 +276,13 @@ class RunCheckpoints:
         return path
 
     def _is_good(self, path: Path) -> bool:
-        if path.resolve() in self.good:
-            return True
+        if path.resolve() in self.good or path.resolve() in self.bad:
+            return path.resolve() in self.good
         try:
             verify_checkpoint(path)
         except CheckpointError as err:
             log.warning("checkpoint: %s; not counted toward checkpoint.keep_last", err)
+            self.bad.add(path.resolve())
             return False
         self.good.add(path.resolve())
         return True
