@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,13 +108,16 @@ def test_only_dead_runs_temp_dirs_are_removed_and_each_is_logged(tmp_path, dead_
     host = socket.gethostname()
     live = _temp(tmp_path, "step-00000006.tmp-live0001", {"host": host, "pid": os.getpid()})
     dead = _temp(tmp_path, "step-00000006.tmp-dead0001", {"host": host, "pid": dead_pid})
-    remote = _temp(tmp_path, "step-00000006.tmp-remote01", {"host": host + "-elsewhere", "pid": 1})
+    remote = _temp(tmp_path, "step-00000006.tmp-remote01", {"host": host + "-elsewhere", "pid": 1,
+                                                            "started": time.time()})
+    old_remote = _temp(tmp_path, "step-00000006.tmp-remote02", {"host": host + "-elsewhere", "pid": 1,
+                                                                "started": time.time() - 7 * 3600})
     orphan = _temp(tmp_path, "step-00000006.tmp-orphan01", None)
     assert {p.name: alive for p, alive, _ in temp_dirs(tmp_path)} == {
-        live.name: True, dead.name: False, remote.name: True, orphan.name: False}
+        live.name: True, dead.name: False, remote.name: True, old_remote.name: False, orphan.name: False}
     with caplog.at_level(logging.WARNING, logger="deepshard.checkpoint"):
         assert find_resume(tmp_path) == tmp_path / "step-00000004"
-    assert live.is_dir() and remote.is_dir() and not dead.exists() and not orphan.exists()
+    assert live.is_dir() and remote.is_dir() and not dead.exists() and not orphan.exists() and not old_remote.exists()
     assert f"{dead.name} is an unfinished save of a dead run (pid {dead_pid}): skipped and removed" in caplog.text
     assert f"{live.name} is an unfinished save still being written (pid {os.getpid()})" in caplog.text
     prune(tmp_path, keep_last=1)  # retention leaves a live concurrent save alone too

@@ -27,6 +27,7 @@ OWNER = ".owner.json"  # who is writing a temp dir (host, pid): tells a dead run
 FORMAT = "deepshard-checkpoint/2"  # /1 pickled its scalars: not loaded, since unpickling can run code
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 TEMP_MARKERS = (".tmp-", ".init-")
+OTHER_HOST_STALE_S = 6 * 3600  # a temp dir another host started this long ago belongs to a dead run
 _CHUNK = 8 << 20
 
 
@@ -204,15 +205,16 @@ def owner_alive(directory: Path) -> tuple[bool, str]:
     """Whether the save writing ``directory`` may still be running, and who wrote it.
 
     Without an owner file (an older version, or a crash before it was written) it is dead; on
-    another host it is taken as alive, since a process there cannot be checked from here.
+    another host it is taken as alive, since a process there cannot be checked from here, until it
+    is older than any save takes (``OTHER_HOST_STALE_S``).
     """
     try:
         owner = json.loads((directory / OWNER).read_text())
-        host, pid = str(owner["host"]), int(owner["pid"])
+        host, pid, started = str(owner["host"]), int(owner["pid"]), float(owner.get("started", 0))
     except (OSError, ValueError, KeyError, TypeError):
         return False, "no owner"
     if host != socket.gethostname():
-        return True, f"pid {pid} on host {host}"
+        return time.time() - started < OTHER_HOST_STALE_S, f"pid {pid} on host {host}"
     return _pid_alive(pid), f"pid {pid}"
 
 
