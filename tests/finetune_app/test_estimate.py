@@ -10,6 +10,7 @@ def _worker(cfgs: dict) -> dict:
     import torch
 
     from deepshard.core import build_mesh, init_distributed, initialize
+    from deepshard.core.mesh import local_device
     from deepshard.finetune.config import validate
     from deepshard.finetune.train import build_model
 
@@ -19,8 +20,8 @@ def _worker(cfgs: dict) -> dict:
     for stage, cfg in cfgs.items():
         s = validate(cfg)
         mesh = mesh or build_mesh(s.parallel)
-        engine = initialize(build_model(s, torch.device("cpu")), s.engine, mesh=mesh)
-        tokens = torch.randint(0, s.model.vocab_size, (2, 33))
+        engine = initialize(build_model(s, local_device()), s.engine, mesh=mesh)
+        tokens = torch.randint(0, s.model.vocab_size, (2, 33), device=local_device())
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         out[stage] = (engine.memory()["measured"].as_dict(), engine.num_params)
     return out
