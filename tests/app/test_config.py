@@ -28,8 +28,8 @@ def _group_overrides() -> list[list[str]]:
     out = []
     for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
         for option in sorted(group.glob("*.yaml")):
-            if group.name == "zero":
-                out.append([f"+zero={option.stem}"])
+            if group.name in ("zero", "peft"):  # absent from the defaults list: added with +
+                out.append([f"+{group.name}={option.stem}"])
             elif (group.name, option.stem) == ("model", "hf"):
                 continue  # needs a HF checkpoint directory: tests/checkpoint/test_hf_roundtrip.py
             elif group.name == "offload":  # needs a sharding stage, and nvme a directory

@@ -20,6 +20,7 @@ from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.finetune.models.lora import LORA_TARGETS, LoraSettings, lora_settings
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 
@@ -84,6 +85,7 @@ class DataSchema:
     response_field: str = "response"
     text_unit: str = "file"  # data=text: file | paragraph | line is one document
     split: str = "train"  # data=hf_disk: the split of a saved DatasetDict
+    chat_template: typing.Optional[str] = None  # noqa: UP045 - data=chat: a Jinja file (default: the tokenizer's)
 
 
 @dataclass
@@ -98,11 +100,11 @@ class TrainSchema:
     sample_prompt: typing.Optional[str] = None  # noqa: UP045 - greedy sample from rank 0 at the end
     sample_tokens: int = 16
     tensorboard_dir: typing.Optional[str] = None  # noqa: UP045 - default: <run dir>/tensorboard
+    # without a dynamic loss scale (fp32, bf16): this many consecutive non-finite steps stop the run
+    max_bad_steps: int = 3
 
 
 @dataclass
-    # without a dynamic loss scale (fp32, bf16): this many consecutive non-finite steps stop the run
-    max_bad_steps: int = 3
 class PipelineSchema:
     """Used when parallel.pp > 1 (or tp > 1): torch.distributed.pipelining stages and schedule."""
 
@@ -110,6 +112,19 @@ class PipelineSchema:
     microbatches: int = 4  # micro-batches per step and dp replica (the pipeline's gradient accumulation)
     partition: str = "uniform"  # uniform | parameters | type:REGEX (DeepSpeed's partition_method)
     virtual_stages: int = 0  # stages per rank for the interleaved schedules; 0: the schedule's default
+
+
+@dataclass
+class PeftSchema:
+    """``+peft=lora``: LoRA adapters on a frozen base (models/lora.py); name none trains every weight."""
+
+    name: str = "none"  # none | lora
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    modules_to_save: list[str] = field(default_factory=list)
+    init_from: typing.Optional[str] = None  # noqa: UP045 - a PEFT adapter folder to continue from
 
 
 @dataclass
@@ -125,11 +140,11 @@ class LauncherSchema:
     # bytes; > 0 fixes glibc's mmap threshold in the workers, so freed host buffers leave RSS
     # (about half the peak RSS of a CPU ZeRO-3 run, at ~30% step time); 0 keeps glibc's default
     malloc_mmap_threshold: int = 0
+    timeout_s: float = 600.0  # collective timeout of the process group (a rank that never answers)
+    hang_s: float = 300.0  # the launcher stops a job whose rank made no progress this long; 0: never
 
 
 @dataclass
-    timeout_s: float = 600.0  # collective timeout of the process group (a rank that never answers)
-    hang_s: float = 300.0  # the launcher stops a job whose rank made no progress this long; 0: never
 class AppSchema:
     train: TrainSchema = field(default_factory=TrainSchema)
     launcher: LauncherSchema = field(default_factory=LauncherSchema)
@@ -143,6 +158,7 @@ class AppSchema:
     offload: OffloadSchema = field(default_factory=OffloadSchema)  # type: ignore[valid-type]
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     pipeline: PipelineSchema = field(default_factory=PipelineSchema)
+    peft: PeftSchema = field(default_factory=PeftSchema)
     ac: str = "none"
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
@@ -178,10 +194,11 @@ class Settings:
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     pipeline: PipelineSchema = field(default_factory=PipelineSchema)
+    launcher: LauncherSchema = field(default_factory=LauncherSchema)
+    peft: LoraSettings | None = None  # +peft=lora
 
     @property
     def uses_pipeline(self) -> bool:
-    launcher: LauncherSchema = field(default_factory=LauncherSchema)
         """Pipeline or tensor parallel: the model goes through deepshard.pipeline, not the plain engine."""
         return self.parallel.pp > 1 or self.parallel.tp > 1
 
@@ -251,9 +268,6 @@ def _validate_extras(d: dict, t: dict, prof: dict) -> None:
         raise ValueError(f"profile.trace_steps={prof['trace_steps']}: steps count from 1")
 
 
-def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
-    """``precision=auto`` (the default): bf16 where CUDA is present (tensor-core speed, fp32 masters,
-    no loss scale to tune), fp32 on a CPU-only host (bf16 is emulated there, 4-5x slower).  Any other
 def _validate_launcher(c: dict) -> LauncherSchema:
     """Timeouts: a positive collective timeout; a hang limit >= 0 (0: off).  A hang limit at or above
     the collective timeout never fires first: the waiting rank's collective times out instead."""
@@ -265,6 +279,9 @@ def _validate_launcher(c: dict) -> LauncherSchema:
     return s
 
 
+def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
+    """``precision=auto`` (the default): bf16 where CUDA is present (tensor-core speed, fp32 masters,
+    no loss scale to tune), fp32 on a CPU-only host (bf16 is emulated there, 4-5x slower).  Any other
     value is kept; ``precision=fp32`` on a GPU is strict fp32 (TF32 off, torch's default)."""
     if dtype != "auto":
         return dtype
@@ -327,13 +344,19 @@ def validate(cfg: dict) -> Settings:
     threshold = cfg["launcher"].get("malloc_mmap_threshold", 0)
     if threshold < 0:
         raise ValueError(f"launcher.malloc_mmap_threshold={threshold}: must be >= 0 bytes (0: glibc's default)")
+    launcher = _validate_launcher(cfg["launcher"])
+    _positive("train.max_bad_steps", t.get("max_bad_steps", 3))
     settings = Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
                         parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d),
                         nproc_per_node=nproc, profile=ProfileSchema(**(cfg.get("profile") or {})),
                         checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}),
-                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})), launcher=launcher)
-    launcher = _validate_launcher(cfg["launcher"])
-    _positive("train.max_bad_steps", t.get("max_bad_steps", 3))
+                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})), launcher=launcher,
+                        peft=lora_settings(cfg.get("peft")))
+    if settings.peft is not None and settings.uses_pipeline:
+        raise ValueError(f"+peft=lora with parallel.pp={parallel.pp} parallel.tp={parallel.tp}: LoRA adapters are "
+                         f"not supported with pipeline/tensor parallelism yet (tp would have to split A of the "
+                         f"row-parallel and B of the column-parallel projections); use parallel.pp=1 parallel.tp=1 "
+                         f"with any zero stage")
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     return settings

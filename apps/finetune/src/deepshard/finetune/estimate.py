@@ -39,20 +39,41 @@ class Estimate:
         return out + (" offload.params=cpu" if self.offload_params else "")
 
 
-def count_params(model_cfg) -> int:
-    """Trainable parameters of the model config, built on the meta device."""
+def count_params(model_cfg, lora=None) -> int:
+    """Trainable parameters of the model config, built on the meta device (``lora``: a LoraSettings,
+    then the adapters and the modules to save only)."""
     from deepshard.finetune.models.llama import Llama
+    from deepshard.finetune.models.lora import count_lora_params
 
     with torch.device("meta"):
         model = Llama(model_cfg)
+    if lora is not None:
+        return count_lora_params(model, lora)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def count_frozen(model_cfg, lora) -> int:
+    """Under LoRA: the base parameters that are frozen (no grads, no optimizer state); 0 otherwise."""
+    if lora is None:
+        return 0
+    from deepshard.finetune.models.llama import Llama
+    from deepshard.finetune.models.lora import apply_lora
+
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+        apply_lora(model, r=lora.r, alpha=lora.alpha, target_modules=lora.target_modules,
+                   modules_to_save=lora.modules_to_save, seed=None)
+    return sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
 def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
-             offload_params: bool = False, nvme_buffer_bytes: int = 0) -> Estimate:
-    """Where a rank's params, grads and optimizer state live for this choice (``num_params`` per rank
-    before data-parallel sharding, i.e. already divided by tp and pp)."""
+             offload_params: bool = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0) -> Estimate:
+    """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
+    per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``frozen_params``
+    (a LoRA base): params only, in the compute dtype at stages 0-2, fp32 shards at stage 3 (FSDP2)."""
     e = expected_bytes(stage, num_params, dp, dtype)
+    frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
+    e.params += frozen
     device, host, nvme = e.params + e.grads + e.optimizer, 0, 0
     # offloaded: an fp32 master + two moments per sharded element (12 bytes; on a CPU-only host an fp32
     # master may alias the param, so that is an upper bound there)
@@ -66,7 +87,8 @@ def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str =
     return Estimate(stage, offload, offload_params, device, host, nvme)
 
 
-def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0) -> list[Estimate]:
+def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0,
+                  frozen_params: int = 0) -> list[Estimate]:
     """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3)."""
     out = []
     for stage in range(4):
@@ -75,7 +97,8 @@ def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: in
                 continue
             for params in (False, True) if stage == 3 and offload != "none" else (False,):
                 out.append(estimate(num_params, stage=stage, dp=dp, dtype=dtype, offload=offload,
-                                    offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes))
+                                    offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes,
+                                    frozen_params=frozen_params))
     return out
 
 
@@ -119,15 +142,18 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     settings = validate(cfg)
     world = world_size(cfg)
     dims = ParallelDims(**cfg["parallel"]).resolve(world)
-    total = count_params(settings.model)
+    total = count_params(settings.model, settings.peft)
+    frozen = count_frozen(settings.model, settings.peft)
     per_rank = total // (dims.tp * dims.pp)
     dtype = settings.engine.precision.dtype
     off = cfg.get("offload") or {}
     buffers = int(off.get("buffer_count", 0)) * int(off.get("buffer_size", 0)) * 16
-    rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers)
+    rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
-             f"{total / 1e6:.2f}M params ({settings.model_name}), world size {world} "
-             f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}), {dtype}",
+             f"{(total + frozen) / 1e6:.2f}M params ({settings.model_name}), world size {world} "
+             f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}), {dtype}"
+             + (f"; LoRA r={settings.peft.r}: {total / 1e6:.3f}M trainable (grads + Adam state), "
+                f"{frozen / 1e6:.2f}M frozen base (params only)" if settings.peft else ""),
              f"{'device':>10} {'host':>10} {'nvme':>10}   options"]
     lines += [f"{_fmt(r.device):>10} {_fmt(r.host):>10} {_fmt(r.nvme):>10}   {r.options}" for r in rows]
     lines.append("(activations and temporary buffers are not included)")

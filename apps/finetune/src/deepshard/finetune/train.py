@@ -24,6 +24,7 @@ from deepshard.finetune.liveness import BeatingProfiler
 from deepshard.finetune.metrics import RunLogger, memory_line, memory_scalars
 from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.models.lora import apply_lora, init_adapters
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
 from deepshard.finetune.steppers import EngineStepper, PipelineStepper
@@ -42,12 +43,18 @@ def init_model(model: Llama, s: Settings) -> None:
     model.init_weights(seed=s.train.seed)
     if s.model_name == "hf":
         load_hf_weights(model, s.model_path)
+    if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base)
+        init_adapters(model, seed=s.train.seed)
 
 
 def build_model(s: Settings, device: torch.device, *, materialize: bool = True) -> Llama:
     """On the meta device first (no memory); then, unless ZeRO-3 will shard it first, materialized."""
     with torch.device("meta"):
         model = Llama(s.model)
+    if s.peft is not None:  # +peft=lora: frozen base + adapters, before any parallelism is applied
+        p = s.peft
+        apply_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules,
+                   modules_to_save=p.modules_to_save, seed=None)
     if materialize:
         model.to_empty(device=device)
         init_model(model, s)

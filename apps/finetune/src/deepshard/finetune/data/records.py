@@ -154,4 +154,8 @@ READERS = {"jsonl": jsonl_records, "text": text_records, "hf_disk": hf_disk_reco
 
 def check_records(name: str, options: dict) -> int:
     """Read every record of a user data source now (ValueError naming file and line); returns the count."""
+    if name == "chat":  # conversations: the rows' shape and roles (the template needs the tokenizer)
+        from deepshard.finetune.data.chat import chat_rows
+
+        return sum(1 for _ in chat_rows(**options))
     return sum(1 for _ in READERS[name](**options)) if name in READERS else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
+from deepshard.finetune.data.chat import chat_docs
 from deepshard.finetune.data.corpus import generate
 from deepshard.finetune.data.records import READERS, Record
 
@@ -51,4 +52,4 @@ def _reader_source(name: str):
     return docs
 
 
-SOURCES = {"embedded": embedded_docs, **{name: _reader_source(name) for name in READERS}}
+SOURCES = {"embedded": embedded_docs, **{name: _reader_source(name) for name in READERS}, "chat": chat_docs}

@@ -35,9 +35,12 @@ def load_tokenizer(path: str | None = None):
     """A local HF tokenizer directory (``model.path``), or the embedded one when ``path`` is None."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if path is None:
+    if path is None:  # with the small chat template shipped beside it (data=chat)
+        from deepshard.finetune.data.chat import embedded_chat_template
+
         return PreTrainedTokenizerFast(tokenizer_file=str(embedded_tokenizer_path()), pad_token="<|pad|>",
-                                       bos_token="<|bos|>", eos_token="<|eos|>")
+                                       bos_token="<|bos|>", eos_token="<|eos|>",
+                                       chat_template=embedded_chat_template())
     if not Path(path).is_dir():
         raise ValueError(f"model.path={path!r}: not a directory holding a HF tokenizer")
     try:

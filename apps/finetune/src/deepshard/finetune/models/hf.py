@@ -156,7 +156,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if ".lora_" not in n}  # LoRA adapters: not in a base
     missing = set(params)
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:

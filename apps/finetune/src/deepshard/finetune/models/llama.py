@@ -139,6 +139,8 @@ class Llama(nn.Module):
         g = torch.Generator().manual_seed(seed)
         std = 0.02
         for name, p in self.named_parameters():
+            if ".lora_" in name:  # LoRA adapters (models/lora.py) have their own init: the base's stays as is
+                continue
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
                 continue

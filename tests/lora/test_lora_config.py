@@ -1,0 +1,62 @@
+"""+peft=lora: the config group, its validation before start, and the estimator's LoRA layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepshard.finetune.config import validate
+from deepshard.finetune.estimate import compose, estimate, report
+
+# the tiny preset: dim 256, 6 layers, 8 heads of 32, 4 kv heads, ffn 704, vocab 2048
+DIM, LAYERS, KV, FFN, VOCAB = 256, 6, 4 * 32, 704, 2048
+BASE = VOCAB * DIM * 2 + LAYERS * (DIM * DIM * 2 + DIM * KV * 2 + DIM * FFN * 3 + 2 * DIM) + DIM
+
+
+def adapters(r: int) -> int:
+    """r x (in + out) for q, k, v, o, gate, up, down of every layer, written out."""
+    per_layer = (DIM + DIM) + (DIM + KV) * 2 + (DIM + DIM) + (DIM + FFN) * 3
+    return LAYERS * r * per_layer
+
+
+def test_lora_group_composes_with_defaults():
+    s = validate(compose(["+peft=lora", "peft.r=4", "peft.modules_to_save=[lm_head]"]))
+    assert s.peft is not None and s.peft.r == 4 and s.peft.alpha == 16.0
+    assert s.peft.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert s.peft.modules_to_save == ("lm_head",)
+    assert validate(compose([])).peft is None
+
+
+@pytest.mark.parametrize("override,message", [
+    ("peft.r=0", r"peft.r=0: the LoRA rank must be a positive integer"),
+    ("peft.target_modules=[q_proj,qkv]", r"peft.target_modules=\['q_proj', 'qkv'\]: unknown module name 'qkv'; "
+                                         r"valid names are \['q_proj'"),
+    ("peft.modules_to_save=[head]", r"peft.modules_to_save=\['head'\]: unknown module name 'head'"),
+    ("peft.dropout=1.5", r"peft.dropout=1.5: must be in \[0, 1\)"),
+    ("parallel.tp=2", r"\+peft=lora with parallel.pp=1 parallel.tp=2: LoRA adapters are not supported with "
+                      r"pipeline/tensor parallelism yet"),
+])
+def test_bad_lora_settings_fail_before_start(override, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose(["+peft=lora", override, "launcher.nproc_per_node=2"]))
+
+
+def test_estimator_counts_adapters_as_trainable_and_the_base_as_params_only():
+    _, rows, per_rank, dp = report(compose(["+peft=lora", "peft.r=8", "launcher.nproc_per_node=2"]))
+    assert dp == 2 and per_rank == adapters(8)
+    n, frozen = adapters(8), BASE
+    by = {r.options: r for r in rows}
+    # fp32: trainable 4 + 4 + 8 bytes (grads and Adam sharded per the stage), frozen base 4 bytes, no state
+    assert by["+zero=stage0"].device == 16 * n + 4 * frozen
+    assert by["+zero=stage1"].device == 4 * n + 4 * n + 8 * n // 2 + 4 * frozen
+    assert by["+zero=stage2"].device == 4 * n + (4 * n + 8 * n) // 2 + 4 * frozen
+    assert by["+zero=stage3"].device == 16 * n // 2 + 4 * frozen // 2
+    # the optimizer state alone is 8 bytes x adapters / N at stage >= 1 (what the parity test measures)
+    assert estimate(n, stage=1, dp=2, dtype="fp32", offload="cpu").host == 12 * n // 2
+
+
+def test_estimator_text_names_the_lora_split(capsys):
+    from deepshard.finetune.estimate import main
+
+    assert main(["+peft=lora", "launcher.nproc_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{adapters(8) / 1e6:.3f}M trainable" in out and "frozen base (params only)" in out
