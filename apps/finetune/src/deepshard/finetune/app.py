@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from deepshard.core.launch import JobFailed, launch_local
+from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import resolve_nproc, validate
 from deepshard.finetune.divergence import TrainingDiverged
 from deepshard.finetune.runtime import check_data_fits, check_model_files, prepare
@@ -32,6 +33,9 @@ class RunFailed(Exception):
         self.code = code
 
 
+DIVERGED = (TrainingDiverged, LossScaleAtMinimum)  # raised alike on every rank: the run failed, no rank to name
+
+
 def _log_tracebacks(run_dir: str, traces: dict[int, str]) -> str:
     path = Path(run_dir) / "launcher.log"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +49,7 @@ def _inline(cfg: dict, run_dir: str) -> dict:
     """This process is the worker (one rank, or a torchrun rank): its errors become one line too."""
     try:
         return train_worker(cfg, run_dir)
-    except TrainingDiverged as err:
+    except DIVERGED as err:
         raise RunFailed(str(err), 1) from None
     except ValueError:
         raise
@@ -59,8 +63,8 @@ def _inline(cfg: dict, run_dir: str) -> dict:
 def _failed(err: JobFailed, run_dir: str) -> RunFailed:
     """The launcher's verdict as the user's line: diverged and dead/hung ranks exit 1, errors exit 2."""
     log = _log_tracebacks(run_dir, err.tracebacks)
-    if err.error_type == TrainingDiverged.__name__:  # every rank raised it: no rank to name
-        return RunFailed(str(err).split(f"{TrainingDiverged.__name__}: ", 1)[-1], 1)
+    if err.error_type in [e.__name__ for e in DIVERGED]:
+        return RunFailed(str(err).split(f"{err.error_type}: ", 1)[-1], 1)
     if err.kind == "exception":
         return RunFailed(f"{err} (full traceback: {log})", 2)
     return RunFailed(str(err), 1)

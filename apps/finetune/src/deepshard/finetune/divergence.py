@@ -6,9 +6,10 @@ means "scale too high" and the scaler backs off; a few such skips are routine an
 Without a dynamic scale (fp32, bf16, a static fp16 scale) a non-finite loss or gradient means the
 run is diverging (or the data is bad): each skip is a warning, and ``train.max_bad_steps``
 consecutive ones stop the run with ``TrainingDiverged``, before anything is saved over the newest
-good checkpoint.  A dynamic scale stuck at ``precision.min_loss_scale`` while every step still
-overflows, for ``precision.loss_scale_window`` steps, is the same error (DeepSpeed's
-``raise_error_at_min_scale``).
+good checkpoint.  With a dynamic scale, an overflow at ``precision.min_loss_scale`` ends the run in
+the scaler itself (``LossScaleAtMinimum``, DeepSpeed's ``raise_error_at_min_scale``); with that
+switched off, a scale stuck at the minimum while every step overflows, for
+``precision.loss_scale_window`` steps, is still an error here.
 """
 
 from __future__ import annotations
@@ -62,10 +63,9 @@ class DivergenceGuard:
             return
         if not applied:
             self.skipped += 1
-        if self.dynamic and not applied:
+        if self.dynamic and not applied:  # a NaN loss too: DeepSpeed judges it by the scale's floor alone
             self._overflow(step, loss_scale, newest_checkpoint)
-            if finite:
-                return
+            return
         what = "gradient norm" if finite else ("loss" if applied else "loss and gradient norm")
         self.streak += 1
         skipped = "skipped" if not applied else "applied, but its loss is not finite"
