@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,13 +38,17 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subproces
 
 
 def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """stdout up to the log line of ``step`` (rank 0 logs every step)."""
-    seen, deadline = "", time.time() + timeout
-    for line in proc.stdout:
-        seen += line
-        if re.search(rf"step\s+{step}\s+loss", line):
-            return seen
-        assert time.time() < deadline, seen[-2000:]
+    """stdout up to the log line of ``step`` (rank 0 logs every step); a silent hang is killed at ``timeout``."""
+    seen = ""
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            seen += line
+            if re.search(rf"step\s+{step}\s+loss", line):
+                return seen
+    finally:
+        timer.cancel()
     raise AssertionError(f"the run ended before step {step}: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
 
 
