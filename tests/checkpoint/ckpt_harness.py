@@ -19,6 +19,7 @@ from zero_harness import MICRO, SEQ, build_model, engine_config  # noqa: E402
 
 from deepshard.core import SchedulerConfig, initialize  # noqa: E402
 from deepshard.core.checkpoint import load_checkpoint, save_checkpoint, training_state  # noqa: E402
+from deepshard.core.mesh import local_device  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -40,7 +41,7 @@ def make_engine(stage: int, *, ac: str = "none", dtype: str = "fp32", store_fact
     cfg = dataclasses.replace(cfg, ac=ac, scheduler=SchedulerConfig(name="WarmupLR", warmup_max_lr=2e-3,
                                                                      warmup_num_steps=8))
     kwargs = {} if store_factory is None else {"store_factory": store_factory}
-    return initialize(build_model(MICRO), cfg, **kwargs)
+    return initialize(build_model(MICRO).to(local_device()), cfg, **kwargs)
 
 
 def run_steps(engine, steps: range) -> list[float]:
@@ -49,7 +50,7 @@ def run_steps(engine, steps: range) -> list[float]:
     data = global_batches()
     losses = []
     for step in steps:
-        tokens = data[step].chunk(dp.size())[dp.get_local_rank()]
+        tokens = data[step].chunk(dp.size())[dp.get_local_rank()].to(local_device())
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()

@@ -25,3 +25,18 @@ def test_default_counts_the_cores_this_process_may_use():
     assert worker_threads(1, cuda=True) == usable
     assert worker_threads(usable * 2, cuda=True) == 1  # more ranks than cores: never 0
     assert inspect.signature(launch_local).parameters["threads_per_worker"].default is None  # auto
+
+
+@pytest.mark.parametrize(("nproc", "gpus", "want"), [(2, 1, True), (4, 2, True), (2, 2, False), (2, 0, False)])
+def test_more_workers_than_gpus_run_on_cpu(nproc, gpus, want):
+    from deepshard.core.launch import workers_on_cpu
+
+    assert workers_on_cpu(nproc, gpus) is want
+
+
+def test_app_refuses_more_workers_than_gpus():
+    from deepshard.finetune.config import resolve_nproc
+
+    with pytest.raises(ValueError, match=r"launcher.nproc_per_node=2 > 1 visible GPU\(s\)"):
+        resolve_nproc("2", 1)
+    assert resolve_nproc("2", 0) == 2 and resolve_nproc("auto", 4) == 4

@@ -244,6 +244,9 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
         n = 0
     if n < 1:
         raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
+    if 0 < cuda_devices < n:
+        raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
+                         f"rank; use at most {cuda_devices} (or 'auto')")
     return n
 
 

@@ -109,6 +109,13 @@ def worker_threads(nproc: int, *, cuda: bool, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, nproc))
 
 
+def workers_on_cpu(nproc: int, cuda_devices: int) -> bool:
+    """More local workers than GPUs: nccl cannot give each rank a GPU, so the workers run on the CPU
+    with gloo (the test suite's multi-rank tests on a one-GPU host).  The app refuses such a
+    ``launcher.nproc_per_node`` before launch instead."""
+    return 0 < cuda_devices < nproc
+
+
 def _quiet_resource_tracker() -> None:
     """Killed workers leak semaphores, and multiprocessing's tracker warns about them as the launcher
     exits, after the line that names the cause.  Start the tracker now, with that warning off."""
@@ -134,13 +141,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``.
     ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`.
     """
+    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    hide_gpus = workers_on_cpu(nproc, torch.cuda.device_count())
     if threads_per_worker is None:  # auto: see worker_threads
-        import torch
-
-        threads_per_worker = worker_threads(nproc, cuda=torch.cuda.is_available())
+        threads_per_worker = worker_threads(nproc, cuda=torch.cuda.is_available() and not hide_gpus)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)  # inherited by the workers
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
@@ -157,6 +164,12 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         os.environ[ENV_DIR] = str(beat_dir)
         if hang_s > 0:
             watchdog = Watchdog(beat_dir, hang_s)
+    saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide_gpus:
+        logging.getLogger(__name__).warning(
+            "launch_local: %d workers > %d visible GPU(s): the workers run on the CPU with gloo "
+            "(nccl needs one GPU per rank)", nproc, torch.cuda.device_count())
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned workers see no GPU
     try:
         with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
             results = elastic_launch(config, fn)(*args)
@@ -165,4 +178,9 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         raise job_failed(err, watchdog.hang if watchdog else None, beats) from err
     finally:
         os.environ.pop(ENV_DIR, None)
+        if hide_gpus:
+            if saved_visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
     return [results[r] for r in range(nproc)]
