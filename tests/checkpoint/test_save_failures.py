@@ -5,8 +5,6 @@ cannot see is named before training."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 from failure_harness import disk_worker
 
@@ -14,18 +12,9 @@ from deepshard.core.launch import launch_local
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MB tmpfs (skipped where mounting is not permitted)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True,
-                         text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_tmpfs(mount_tmpfs):
+    """A 2 MB tmpfs (tests/conftest.py's mount_tmpfs)."""
+    return mount_tmpfs("2m")
 
 
 @pytest.mark.slow

@@ -135,17 +135,9 @@ def test_kill_9_mid_save_then_resume_auto_uses_the_good_one(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
-                         text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_tmpfs(mount_tmpfs):
+    """A 1 MB tmpfs (tests/conftest.py's mount_tmpfs)."""
+    return mount_tmpfs("1m")
 
 
 def test_a_full_checkpoint_dir_stops_or_continues_as_asked(tmp_path, small_tmpfs):

@@ -188,7 +188,8 @@ def write_owner(directory: Path) -> None:
                                                "started": time.time()}))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie counts as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -215,7 +216,7 @@ def owner_alive(directory: Path) -> tuple[bool, str]:
         return False, "no owner"
     if host != socket.gethostname():
         return time.time() - started < OTHER_HOST_STALE_S, f"pid {pid} on host {host}"
-    return _pid_alive(pid), f"pid {pid}"
+    return pid_alive(pid), f"pid {pid}"
 
 
 def temp_dirs(root: str | os.PathLike) -> list[tuple[Path, bool, str]]:

@@ -18,6 +18,8 @@ import signal
 import threading
 from pathlib import Path
 
+from deepshard.core.checkpoint_manifest import pid_alive
+
 log = logging.getLogger(__name__)
 
 PREFIX = "deepshard-"
@@ -119,14 +121,6 @@ def remove_scratch(nvme_path: str | os.PathLike, run_id: str) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_scratch(nvme_path: str | os.PathLike) -> list[Path]:
@@ -142,7 +136,7 @@ def remove_stale_scratch(nvme_path: str | os.PathLike) -> list[Path]:
                 owners.append(int(owner.read_text()))
             except (OSError, ValueError):
                 continue
-        if owners and not any(_alive(pid) for pid in owners):
+        if owners and not any(pid_alive(pid) for pid in owners):
             shutil.rmtree(run, ignore_errors=True)
             removed.append(run)
     return removed
