@@ -1,0 +1,1 @@
+"""Drop-in APIs of other training libraries on deepshard: ``import deepshard.compat.deepspeed as deepspeed``."""

@@ -1,0 +1,98 @@
+"""DeepSpeed's checkpoint layout (``save_dir/tag/``, ``save_dir/latest``) over core's checkpoint API.
+
+Inside ``save_dir/tag/`` is one of our checkpoints (``step-NNNNNNNN``: DCP shards, JSON scalars,
+a manifest), so it loads at any world size and ZeRO stage; ``client_state`` travels as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepshard.core import Engine
+from deepshard.core.checkpoint import clean_name, load_checkpoint, save_checkpoint
+from deepshard.core.checkpoint_manifest import MANIFEST, latest_good
+
+LATEST = "latest"
+
+
+def _json(client_state: dict) -> dict:
+    try:
+        json.dumps(client_state)
+    except TypeError as err:
+        raise ValueError(f"save_checkpoint(client_state=...): must be JSON (numbers, strings, lists, dicts): {err}. "
+                         f"Checkpoints here execute nothing on load, so they hold no pickled objects") from None
+    return client_state
+
+
+def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dict, counters: dict[str, int],
+                  save_latest: bool) -> Path:
+    app = {"client_state": _json(client_state), "counters": counters, "tag": tag}
+    path = save_checkpoint(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
+                           model=engine.model, app_state=app)
+    if save_latest and dist.get_rank() == 0:
+        (save_dir / LATEST).write_text(tag)
+    dist.barrier()
+    return path
+
+
+def resolve(load_dir: Path, tag: str | None) -> Path | None:
+    """The checkpoint directory for ``load_dir`` and ``tag`` (``latest`` when no tag), or None."""
+    if tag is None and (load_dir / LATEST).is_file():
+        tag = (load_dir / LATEST).read_text().strip()
+    target = load_dir / tag if tag is not None else load_dir
+    if (target / MANIFEST).is_file():
+        return target
+    if not target.is_dir():
+        if tag is not None:
+            raise ValueError(f"load_checkpoint({str(load_dir)!r}, tag={tag!r}): no such directory {str(target)!r}")
+        return None
+    found, _ = latest_good(target)
+    return found
+
+
+def load_ds_style(engine: Engine, load_dir: Path, tag: str | None, *, optimizer_states: bool,
+                  lr_scheduler_states: bool) -> tuple[Path, dict[str, Any]] | None:
+    path = resolve(load_dir, tag) if dist.get_rank() == 0 else None
+    box = [path]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    path = Path(box[0])
+    app = load_checkpoint(path, engine.optimizer, engine.mesh["dp"], model=engine.model)
+    opt = engine.optimizer
+    if not optimizer_states:  # a fresh optimizer on the loaded weights (Adam moments zeroed)
+        state = opt.store.state_dict()
+        opt.store.load_state_dict({"master": state["master"],
+                                   "exp_avg": [torch.zeros_like(t) for t in state["exp_avg"]],
+                                   "exp_avg_sq": [torch.zeros_like(t) for t in state["exp_avg_sq"]]})
+    if not lr_scheduler_states:  # the schedule (and Adam's step count) restarts
+        opt.num_updates = 0
+    return path, app
+
+
+def full_state_dict(module: nn.Module, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """Every rank takes part (ZeRO-3 gathers); rank 0 gets full host tensors in the compute dtype."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=exclude_frozen)
+    state = get_model_state_dict(module, options=opts)
+    return {clean_name(k): v.detach().contiguous() for k, v in state.items()}
+
+
+def save_16bit(module: nn.Module, path: Path, *, exclude_frozen: bool) -> None:
+    state = full_state_dict(module, exclude_frozen=exclude_frozen)
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.clone() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+        else:
+            torch.save(state, path)
+    dist.barrier()

@@ -1,0 +1,164 @@
+"""A ds_config (dict or JSON path) as core's typed ``EngineConfig``, through the app's own translation.
+
+The one translation (``deepshard.finetune.ds_config.translate``) turns the DeepSpeed keys into the
+app's override strings; :func:`engine_config_from_overrides` applies those to DeepSpeed's defaults
+(not the app's Hydra defaults: a DeepSpeed user without ``gradient_clipping`` gets none) and builds
+the frozen core configs.  The batch triple goes through the app's ``resolve_batch``.  Any
+ValueError is re-worded with the ds_config's own key names and the file it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
+from deepshard.finetune.ds_config import SCHEDULERS, Translation, load, translate
+from deepshard.finetune.runtime import fp16_fallback, resolve_batch
+
+# our key -> the ds_config key it came from (for error messages)
+DS_KEYS = {
+    "train.global_batch_size": "train_batch_size", "train.micro_batch_size": "train_micro_batch_size_per_gpu",
+    "train.grad_accum": "gradient_accumulation_steps", "optim.lr": "optimizer.params.lr",
+    "optim.betas": "optimizer.params.betas", "optim.eps": "optimizer.params.eps",
+    "optim.weight_decay": "optimizer.params.weight_decay", "optim.grad_clip": "gradient_clipping",
+    "zero.stage": "zero_optimization.stage", "zero.reduce_bucket_size": "zero_optimization.reduce_bucket_size",
+    "zero.allgather_bucket_size": "zero_optimization.allgather_bucket_size",
+    "zero.prefetch": "zero_optimization.stage3_prefetch_bucket_size", "zero.reduce_dtype": "communication_data_type",
+    **{f"precision.{k}": f"fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                               "hysteresis", "min_loss_scale", "consecutive_hysteresis")},
+    **{f"scheduler.{k}": f"scheduler.params.{k}" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                                         "warmup_type", "total_num_steps", "warmup_min_ratio",
+                                                         "cos_min_ratio")},
+}
+# DeepSpeed's defaults where they differ from our library's (deepspeed/runtime/lr_schedules.py, its Adam)
+DS_OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 0.0}
+DS_SCHEDULER = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000, "warmup_type": "log"}
+SECTIONS = ("zero", "precision", "optim", "scheduler", "offload", "train")
+
+
+@dataclass
+class CompatConfig:
+    """What ``initialize`` needs: the engine config, the batch triple, offload and the translation."""
+
+    engine: EngineConfig
+    micro_batch_size: int
+    grad_accum: int
+    train_batch_size: int
+    offload: dict[str, Any] = field(default_factory=dict)
+    translation: Translation = field(default_factory=Translation)
+    fp16_on_cpu: bool = False
+
+
+def ds_name(message: str, source: str) -> str:
+    """``message`` with our keys replaced by the ds_config's, prefixed by where the config came from."""
+    for ours, theirs in sorted(DS_KEYS.items(), key=lambda kv: -len(kv[0])):
+        message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?![\w])", theirs, message)
+    return f"{source}: {message}"
+
+
+def _parse(value: str) -> Any:
+    """An override's value: JSON numbers and lists (``1e-08``, ``[0.8,0.999]``), else YAML (quoted strings)."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return yaml.safe_load(value)
+
+
+def sections_from_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """The app's override strings (``+zero=stage2``, ``optim.lr=0.001``, ...) as per-section values."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    out["app"] = {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        key = key.lstrip("+~")
+        if key == "zero":
+            out["zero"]["stage"] = int(value.removeprefix("stage"))
+        elif key == "precision":
+            out["precision"]["dtype"] = value
+        elif key == "scheduler":
+            out["scheduler"]["name"] = {v: k for k, v in SCHEDULERS.items()}[value]
+        elif key == "offload":
+            out["offload"]["device"] = value
+        elif key == "ac":
+            out["app"]["ac"] = value
+        elif "." in key and key.split(".", 1)[0] in SECTIONS:
+            section, rest = key.split(".", 1)
+            out[section][rest] = _parse(value)
+        else:  # logging, profiling, tensorboard: the app's concerns, not the engine's
+            out["app"][key] = _parse(value)
+    return out
+
+
+def engine_config_from_overrides(overrides: list[str], *, grad_accum: int) -> EngineConfig:
+    """Core's EngineConfig from a translation's overrides, on DeepSpeed's defaults."""
+    s = sections_from_overrides(overrides)
+    optim = {**DS_OPTIM, **s["optim"]}
+    optim["betas"] = tuple(optim["betas"])
+    scheduler = {**DS_SCHEDULER, **s["scheduler"]} if s["scheduler"].get("name") else {}
+    if scheduler.get("name") == "WarmupCosineLR":  # its warm-up is a ratio of the optimizer's lr
+        scheduler = {k: v for k, v in scheduler.items() if k not in ("warmup_min_lr", "warmup_max_lr")}
+    return EngineConfig(zero=ZeroConfig(**s["zero"]), precision=PrecisionConfig(**s["precision"]),
+                        optim=OptimConfig(**optim), scheduler=SchedulerConfig(**scheduler),
+                        grad_accum=grad_accum, ac=s["app"].get("ac", "none"))
+
+
+def read_ds_config(config: dict | str | Path | None) -> tuple[dict, str]:
+    """The ds_config dict and how to name it in errors (the file's name, or ``ds_config``)."""
+    if config is None:
+        raise ValueError("deepspeed.initialize(): give config= (or config_params=): a ds_config dict or a JSON path")
+    if isinstance(config, (str, Path)):
+        return load(str(config)), Path(config).name
+    if not isinstance(config, dict):
+        raise ValueError(f"config={type(config).__name__}: expected a ds_config dict or the path of a JSON file")
+    return dict(config), "ds_config"
+
+
+def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, optimizer_defaults: dict | None = None,
+                  warn: bool = True) -> CompatConfig:
+    """Translate, resolve the batch at this data-parallel size and build the engine config."""
+    ds, source = read_ds_config(config)
+    try:
+        tr = translate(ds)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    s = sections_from_overrides(tr.overrides)
+    if optimizer_defaults and "optimizer" not in ds:  # a torch optimizer given to initialize()
+        tr.overrides += [f"optim.{k}={v}" for k, v in optimizer_defaults.items()]
+    train = {"global_batch_size": 0, "micro_batch_size": 1, "grad_accum": 1, **s["train"]}
+    try:
+        resolve_batch(train, dp)
+    except ValueError as err:
+        raise ValueError(ds_name(str(err), source) + _batch_hint(train, dp)) from None
+    precision = {"precision": {"dtype": s["precision"].get("dtype", "fp32")}}
+    fallback = fp16_fallback(precision, cuda)  # prints the one-line notice: fp16 trains in fp32 on CPU
+    if fallback:
+        tr.overrides.append("precision.dtype=fp32")
+    try:
+        engine = engine_config_from_overrides(tr.overrides, grad_accum=train["grad_accum"])
+    except ValueError as err:
+        raise ValueError(ds_name(str(err), source)) from None
+    if warn and tr.unsupported:
+        print(f"warning: {source}: not supported, ignored: {', '.join(tr.unsupported)}", file=sys.stderr)
+    global_batch = train["micro_batch_size"] * train["grad_accum"] * dp
+    return CompatConfig(engine=engine, micro_batch_size=train["micro_batch_size"], grad_accum=train["grad_accum"],
+                        train_batch_size=global_batch, offload=s["offload"], translation=tr, fp16_on_cpu=fallback)
+
+
+def _batch_hint(train: dict, dp: int) -> str:
+    """Which one change makes the ds_config's batch triple consistent at this world size."""
+    g, m, a = train.get("global_batch_size", 0), train["micro_batch_size"], train["grad_accum"]
+    hints = []
+    if m and a:
+        hints.append(f"train_batch_size={m * a * dp}")
+    if m and g and g % (m * dp) == 0:
+        hints.append(f"gradient_accumulation_steps={g // (m * dp)}")
+    if a and g and g % (a * dp) == 0:
+        hints.append(f"train_micro_batch_size_per_gpu={g // (a * dp)}")
+    return f" (at world size {dp}: set {' or '.join(hints)})" if hints else ""

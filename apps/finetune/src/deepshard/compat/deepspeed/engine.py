@@ -1,0 +1,179 @@
+"""``DeepSpeedEngine``: DeepSpeed's engine calls on top of core's ``Engine`` (public API only).
+
+DeepSpeed's contracts kept: ``step()`` is called after every micro-batch and updates on the
+accumulation boundary; ``backward(loss)`` takes the micro-batch's *mean* loss (HF models' ``.loss``)
+and divides it by ``gradient_accumulation_steps``, ranks averaged (a mean of means).  The exact
+token-weighted loss is one keyword away: ``n = engine.global_num_items(local_valid_tokens)`` once per
+step, then ``engine.backward(loss_sum, num_items=n)`` (README, "As a library").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepshard.core import Engine
+from deepshard.core.mesh import local_device
+
+from .checkpoint import load_ds_style, save_16bit, save_ds_style
+from .config import CompatConfig
+
+
+class DeepSpeedEngine(nn.Module):
+    """What DeepSpeed users call on ``model_engine``; ``.engine`` is the deepshard Engine underneath."""
+
+    def __init__(self, engine: Engine, config: CompatConfig) -> None:
+        super().__init__()
+        self.engine = engine
+        self.module = engine.model
+        self.compat = config
+        self.global_steps = 0  # optimizer boundaries passed (DeepSpeed counts skipped fp16 steps too)
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+
+    # --- identity and batch arithmetic
+    @property
+    def device(self) -> torch.device:
+        return local_device()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.mesh["dp"].size()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def train_batch_size(self) -> int:
+        return self.compat.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.compat.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.compat.grad_accum
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True for the micro-batch whose ``step()`` will update (DeepSpeed's definition)."""
+        return (self.micro_steps + 1) % self.compat.grad_accum == 0
+
+    def get_lr(self) -> list[float]:
+        """The rate of the next update, one per parameter group (we have one)."""
+        opt = self.engine.optimizer
+        return [opt.lr_at(opt.num_updates)]
+
+    @property
+    def optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.engine.scaler.scale)
+
+    # --- the loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
+        return self.engine.global_num_items(local_count)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True, *,
+                 num_items: torch.Tensor | float | None = None) -> torch.Tensor:
+        """DeepSpeed's contract (mean loss, divided by the accumulation steps); ``num_items``: ours."""
+        if retain_graph:
+            raise ValueError("backward(retain_graph=True): not supported (each micro-batch is backpropagated once)")
+        if not scale_wrt_gas and num_items is None:
+            loss = loss * self.compat.grad_accum  # the engine divides by the accumulation steps
+        self.engine.backward(loss, num_items=num_items)
+        return loss
+
+    def step(self) -> None:
+        """Call after every micro-batch: updates (and advances the LR schedule) on the boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.compat.micro_batch_size * self.world_size
+        if not boundary:
+            return
+        stats = self.engine.step()
+        assert stats is not None, "the core engine's accumulation count disagrees with micro_steps"
+        self.global_steps += 1
+        self.skipped_steps += 0 if stats.applied else 1
+
+    def zero_grad(self) -> None:
+        """Gradients are cleared by every update; between micro-batches they must accumulate."""
+        if self.micro_steps % self.compat.grad_accum == 0 and self.engine.micro_step % self.compat.grad_accum == 0:
+            self.engine.stage.zero_grad()
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        return self.train(False)
+
+    def sync_masters_from_params(self, params: list[nn.Parameter]) -> None:
+        """zero.GatheredParameters(modifier_rank=...) changed weights: the fp32 masters follow."""
+        mine = {id(p) for p in self.module.parameters()}
+        if any(id(p) in mine for p in params):
+            sync_masters(self.engine)
+
+    # --- checkpoints
+    def counters(self) -> dict[str, int]:
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None, save_latest: bool = True) -> bool:
+        """``save_dir/tag/`` (default tag ``global_stepN``) and, with ``save_latest``, ``save_dir/latest``.
+
+        ``client_state`` must be JSON (DeepSpeed pickles it; our checkpoints execute nothing on load).
+        """
+        tag = tag or f"global_step{self.global_steps}"
+        save_ds_style(self.engine, Path(save_dir), str(tag), client_state=dict(client_state or {}),
+                      counters=self.counters(), save_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no checkpoint (DeepSpeed's
+        answer).  ``load_dir`` may also be one of our checkpoints (``from_deepspeed``'s output)."""
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False): not supported (every parameter is restored)")
+        found = load_ds_style(self.engine, Path(load_dir), tag,
+                              optimizer_states=load_optimizer_states and not load_module_only,
+                              lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+        if found is None:
+            return None, None
+        path, app = found
+        for key, value in app.get("counters", {}).items():
+            setattr(self, key, int(value))
+        return str(path), app.get("client_state", {})
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The full model in its compute dtype on rank 0 (ZeRO-3 shards gathered): ``.bin`` is a torch
+        state dict, ``.safetensors`` a safetensors file."""
+        save_16bit(self.module, Path(save_dir) / save_filename, exclude_frozen=exclude_frozen_parameters)
+        return True
+
+
+def sync_masters(engine: Engine) -> None:
+    """The optimizer's fp32 masters from the current parameter shards (after an outside change)."""
+    store = engine.optimizer.store
+    state = store.state_dict()
+    masters = [p.detach().float() for p in engine.stage.local_params()]
+    store.load_state_dict({"master": masters, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]})

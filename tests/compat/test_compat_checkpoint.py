@@ -1,0 +1,28 @@
+"""zero.Init (params never whole on a rank), GatheredParameters (full inside, modifier_rank's change
+kept and reaching the fp32 masters), DeepSpeed's checkpoint calls with the ``latest`` tag file and
+client_state, and save_16bit_model, on a real 2-rank gloo group at ZeRO-3."""
+
+from __future__ import annotations
+
+import pytest
+from compat_ckpt_harness import checkpoint_worker
+
+from deepshard.core.launch import launch_local
+
+
+@pytest.mark.slow
+def test_init_gather_checkpoint_and_16bit_model(tmp_path):
+    outs = launch_local(checkpoint_worker, 2, str(tmp_path))
+    for rank, o in enumerate(outs):
+        assert o["meta"], "zero.Init left a parameter materialized"
+        assert o["local"] * 2 == o["full"]  # each rank holds half of the embedding, never all of it
+        assert o["gathered_shape"][0] * o["gathered_shape"][1] == o["full"]
+        assert o["row0"] == [0.5] * len(o["row0"]) and not o["row1_is_9"]
+        assert rank or o["master_row0"] == o["row0"]  # the fp32 master took the change (rank 0 holds row 0)
+        assert o["latest"] == "global_step2" and o["steps"] == 2
+        assert o["path"].startswith(str(tmp_path / "global_step2"))
+        assert o["client"] == {"epoch": 3, "note": "hi"}
+        assert o["resumed"] == pytest.approx(o["after"], abs=1e-6), f"rank {rank}"
+        assert o["lr"] == [1e-3]
+    assert outs[0]["saved_keys"] and outs[0]["saved_match"]
+    assert outs[0]["first"] != outs[1]["first"]  # ranks saw different data

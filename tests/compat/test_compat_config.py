@@ -1,0 +1,81 @@
+"""The ds_config through the app's one translation: errors name the file and its key, the batch
+hint says which change makes it consistent at this world size, DeepSpeed's defaults and its
+one-update-late LR schedule (no process group needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from deepshard.compat.deepspeed.config import compat_config
+from deepshard.compat.deepspeed.schedule import deepspeed_lr_at
+from deepshard.core import SchedulerConfig
+from deepshard.core.schedules import LRSchedule
+
+
+def test_batch_mismatch_names_the_file_its_keys_and_the_fix(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                "gradient_accumulation_steps": 1, "optimizer": {"type": "AdamW"}}))
+    with pytest.raises(ValueError) as err:
+        compat_config(str(path), dp=2, cuda=False)
+    msg = str(err.value)
+    assert msg.startswith("ds_config.json: train_batch_size=16 != train_micro_batch_size_per_gpu=4 x "
+                          "gradient_accumulation_steps=1 x data-parallel size 2 = 8")
+    assert "at world size 2: set train_batch_size=8 or gradient_accumulation_steps=2" in msg
+    assert "train.global_batch_size" not in msg
+
+
+def test_bad_value_names_the_ds_key():
+    with pytest.raises(ValueError, match=r"^ds_config: optimizer.params.lr=-1: must be > 0"):
+        compat_config({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, dp=1, cuda=False)
+    with pytest.raises(ValueError, match=r"^ds_config: gradient_clipping=-1"):
+        compat_config({"optimizer": {"type": "AdamW"}, "gradient_clipping": -1}, dp=1, cuda=False)
+
+
+def test_unsupported_keys_one_warning_line(capsys):
+    compat_config({"optimizer": {"type": "AdamW"}, "comms_logger": {"enabled": True}, "amp": {"enabled": True}},
+                  dp=1, cuda=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: ds_config: not supported, ignored: comms_logger, amp"]
+
+
+def test_fixture_translates_with_deepspeed_defaults():
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parents[1] / "finetune_app" / "fixtures"
+    z2 = compat_config(str(fixtures / "ds_zero2_fp16.json"), dp=2, cuda=False)
+    assert (z2.micro_batch_size, z2.grad_accum, z2.train_batch_size) == (4, 2, 16)
+    e = z2.engine
+    assert e.zero.stage == 2 and e.precision.dtype == "fp32" and z2.fp16_on_cpu  # fp16 -> fp32 on CPU
+    assert e.optim.betas == (0.8, 0.999) and e.optim.grad_clip == 1.0
+    assert e.scheduler.name == "WarmupLR" and e.scheduler.warmup_type == "log"  # DeepSpeed's default
+    z3 = compat_config(str(fixtures / "ds_zero3_offload.json"), dp=2, cuda=False, warn=False)
+    assert z3.engine.zero.stage == 3 and z3.offload["device"] == "cpu" and z3.offload["params"] == "cpu"
+    plain = compat_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}, dp=2, cuda=False)
+    assert plain.engine.optim.grad_clip == 0.0 and plain.engine.optim.betas == (0.9, 0.999)  # DeepSpeed's
+    assert plain.train_batch_size == 4
+
+
+def _ds_rate(name: str, it: int, c: SchedulerConfig, base: float) -> float:
+    """deepspeed/runtime/lr_schedules.py's get_lr at last_batch_iteration ``it`` (written out)."""
+    if it < 0:
+        return 0.0 if name == "WarmupCosineLR" else c.warmup_min_lr
+    if it < c.warmup_num_steps:
+        gamma = math.log(it + 1) / math.log(c.warmup_num_steps)
+    elif name == "WarmupLR":
+        gamma = 1.0
+    else:
+        gamma = max(0.0, (c.total_num_steps - it) / max(1.0, c.total_num_steps - c.warmup_num_steps))
+    return c.warmup_min_lr + (c.warmup_max_lr - c.warmup_min_lr) * gamma
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR"])
+def test_lr_of_update_k_is_deepspeeds_one_update_late(name):
+    c = SchedulerConfig(name=name, warmup_min_lr=1e-5, warmup_max_lr=1e-3, warmup_num_steps=4,
+                        warmup_type="log", total_num_steps=10)
+    lr_at = deepspeed_lr_at(LRSchedule(c, 1e-3).lr_at, c)
+    for k in range(12):  # DeepSpeed's engine steps its scheduler after the k-th update
+        assert lr_at(k) == pytest.approx(_ds_rate(name, k - 1, c, 1e-3), abs=1e-12)
