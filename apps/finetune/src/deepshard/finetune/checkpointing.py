@@ -172,6 +172,8 @@ class RunCheckpoints:
         self.data = data
         self.tokens_per_step = tokens_per_step
         self.meta = meta
+        # +peft=lora: adapters and their optimizer state only; the frozen base is rebuilt from meta["base"]
+        self.model = None if "peft" in meta else engine.model
         self.tokenizer = tokenizer
         self.tokens_seen = 0
         self.last_saved: str | None = None
@@ -214,7 +216,7 @@ class RunCheckpoints:
         step = 0
         if path is not None:
             dp = self.engine.mesh["dp"]
-            app = load_checkpoint(path, self.engine.optimizer, dp, model=self.engine.model, verify=not verified)
+            app = load_checkpoint(path, self.engine.optimizer, dp, model=self.model, verify=not verified)
             self.data.load_state_dict(app["data"])
             self.tokens_seen = int(app["tokens_seen"])
             step = self.saved_step = int(app["step"])
@@ -260,7 +262,7 @@ class RunCheckpoints:
         app_state = {"step": step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
         try:
             path = save_checkpoint(self.root, step, self.engine.optimizer, self.engine.mesh["dp"],
-                                   model=self.engine.model, app_state=app_state, meta=meta,
+                                   model=self.model, app_state=app_state, meta=meta,
                                    write_extra=None if tok is None else self._write_tokenizer)
         except CheckpointSaveError as err:
             message = f"checkpoint.dir={self.root}: saving step {step} failed: {err.reason}"
@@ -303,6 +305,9 @@ def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, eng
                            micro_batch_size=t.micro_batch_size, seed=t.seed)
     tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
     meta = {"model": dataclasses.asdict(settings.model), "config": cfg}
+    if getattr(settings, "peft", None) is not None:  # a LoRA checkpoint: the adapters, and the base by reference
+        meta["peft"] = dataclasses.asdict(settings.peft)
+        meta["base"] = {"model": settings.model_name, "path": settings.model_path, "seed": t.seed}
     ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,
                           tokens_per_step=tokens_per_step, meta=meta, tokenizer=tokenizer)
     return ckpt, data, ckpt.resume()

@@ -90,10 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where to write the HF model folder")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 500MB, 2GB)")
+    lora = parser.add_mutually_exclusive_group()  # +peft=lora checkpoints (adapter_export.py)
+    lora.add_argument("--adapter", action="store_true", help="write a PEFT adapter folder (PeftModel.from_pretrained)")
+    lora.add_argument("--merge", action="store_true", help="write the base with the adapters merged, a full HF model")
+    parser.add_argument("--base", default=None, help="--merge: the base's HF folder (default: the one trained on)")
     args = parser.parse_args(argv)
     try:
-        summary = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype,
-                                    max_shard_bytes=parse_size(args.max_shard_size))
+        from deepshard.finetune import adapter_export as ax
+
+        if args.adapter:
+            summary = ax.export_adapter(args.checkpoint, args.out_dir, dtype=args.dtype)
+        elif args.merge:
+            summary = ax.export_merged(args.checkpoint, args.out_dir, dtype=args.dtype, base_dir=args.base,
+                                       max_shard_bytes=parse_size(args.max_shard_size))
+        elif ax.is_lora_checkpoint(args.checkpoint):
+            raise ValueError(f"checkpoint {args.checkpoint!r} holds LoRA adapters only (+peft=lora): pass --adapter "
+                             f"(a PEFT adapter folder) or --merge (the base with the adapters merged)")
+        else:
+            summary = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype,
+                                        max_shard_bytes=parse_size(args.max_shard_size))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.build import build_datasets
+from deepshard.finetune.data.chat import resolve_template
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged, inject_test_fault
 from deepshard.finetune.evaluate import evaluate
@@ -43,8 +44,12 @@ def init_model(model: Llama, s: Settings) -> None:
     model.init_weights(seed=s.train.seed)
     if s.model_name == "hf":
         load_hf_weights(model, s.model_path)
-    if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base)
+    if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base), or a PEFT folder's
         init_adapters(model, seed=s.train.seed)
+        if s.peft.init_from:
+            from deepshard.finetune.adapter_export import load_peft_adapter
+
+            load_peft_adapter(model, s.peft.init_from)
 
 
 def build_model(s: Settings, device: torch.device, *, materialize: bool = True) -> Llama:
@@ -122,7 +127,8 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if settings.uses_pipeline else ""
     params_scope = " per pp/tp rank" if settings.uses_pipeline else ""  # each pp/tp rank holds a part
     logger.print(f"deepshard: {world} rank(s){layout}, zero stage {settings.engine.zero.stage}{offload}, "
-                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M params{params_scope}, "
+                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M "
+                 f"{'trainable (LoRA) ' if settings.peft else ''}params{params_scope}, "
                  f"{len(dataset)} windows of {settings.data.seq_len} tokens")
 
     tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
@@ -181,8 +187,10 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
                "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
                "skipped_steps": guard.skipped}
     if t.sample_prompt:
+        chat = resolve_template(tokenizer, settings.data.chat_template) if settings.data.name == "chat" else None
         summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
-                                          max_seq_len=settings.model.max_seq_len, device=local_device())
+                                          max_seq_len=settings.model.max_seq_len, device=local_device(),
+                                          chat_template=chat)
         logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
     what = "preempted" if ckpt.preempted else "done"
     logger.print(f"{what}: steps {start_step + 1}-{start_step + ran} in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "

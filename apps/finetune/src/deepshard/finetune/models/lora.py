@@ -189,9 +189,14 @@ def lora_settings(c: dict | None) -> LoraSettings | None:
         return None
     if c["name"] != "lora":
         raise ValueError(f"peft.name={c['name']!r}: valid values are ['lora'] (or leave +peft out)")
-    return LoraSettings(r=c.get("r", 8), alpha=float(c.get("alpha", 16.0)), dropout=float(c.get("dropout", 0.0)),
+    lora = LoraSettings(r=c.get("r", 8), alpha=float(c.get("alpha", 16.0)), dropout=float(c.get("dropout", 0.0)),
                         target_modules=tuple(c.get("target_modules") or ()),
                         modules_to_save=tuple(c.get("modules_to_save") or ()), init_from=c.get("init_from"))
+    if lora.init_from:
+        from deepshard.finetune.adapter_export import check_init_from
+
+        check_init_from(lora.init_from, lora)
+    return lora
 
 
 def count_lora_params(model: nn.Module, lora: LoraSettings) -> int:

@@ -1,0 +1,261 @@
+"""LoRA checkpoints out and PEFT adapters in: ``export --adapter``, ``export --merge``, ``peft.init_from``.
+
+A ``+peft=lora`` checkpoint holds the adapters (and ``peft.modules_to_save``) with their optimizer
+state only; its manifest's ``meta`` names the LoRA settings (``peft``) and the base
+(``base``: model name, HF path, seed).
+
+- ``--adapter`` writes a PEFT adapter folder through PEFT's own API: a ``PeftModel`` over a
+  meta-device ``LlamaForCausalLM`` of the checkpoint's architecture gets the adapters
+  (``set_peft_model_state_dict``) and ``save_pretrained`` writes ``adapter_config.json`` and
+  ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, OUT)`` loads it.
+- ``--merge`` writes a full HF model (today's export format): each base weight, streamed from the
+  base's safetensors (or rebuilt from the seed for a model trained from scratch), plus
+  ``alpha / r * B @ A`` where it has adapters; trained modules_to_save replace their base copies.
+- ``peft.init_from=DIR`` loads a PEFT adapter folder (``peft.utils.load_peft_weights``) into a
+  run's adapters; its ``adapter_config.json`` must match ``peft.r``/``alpha``/``target_modules``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepshard.core.checkpoint_manifest import CheckpointError, read_manifest, verify_checkpoint
+from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
+from deepshard.core.dtensor_utils import copy_global
+from deepshard.finetune.models.hf import (
+    from_hf_name,
+    hf_config_dict,
+    plan_shards,
+    safetensors_files,
+    to_hf_name,
+    write_safetensors,
+)
+from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.finetune.models.lora import LoraSettings, is_adapter, peft_key
+
+PREFIX = "model."
+PEFT_PREFIX = "base_model.model."
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraSettings, dict[str, Any]] | None:
+    """(manifest, model config, LoRA settings, base reference) of a LoRA checkpoint; None for a full one."""
+    manifest = verify_checkpoint(ckpt)
+    meta = manifest.get("meta", {})
+    if "peft" not in meta:
+        return None
+    if "model" not in meta:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: its manifest names no model architecture (meta.model)")
+    p = dict(meta["peft"])
+    lora = LoraSettings(r=p["r"], alpha=p["alpha"], dropout=p["dropout"], target_modules=tuple(p["target_modules"]),
+                        modules_to_save=tuple(p["modules_to_save"]))
+    return manifest, LlamaConfig(**meta["model"]), lora, dict(meta.get("base", {}))
+
+
+def is_lora_checkpoint(ckpt: str | Path) -> bool:
+    """Whether the manifest names LoRA settings (read only: the export that follows verifies)."""
+    try:
+        return "peft" in read_manifest(ckpt).get("meta", {})
+    except (CheckpointError, OSError):
+        return False  # the export itself reports what is wrong with it
+
+
+def _need_lora(ckpt: str | Path, flag: str):
+    found = lora_meta(ckpt)
+    if found is None:
+        raise ValueError(f"{flag}: checkpoint {str(ckpt)!r} was not trained with +peft=lora (it holds every "
+                         f"weight); export it without {flag}")
+    return found
+
+
+def peft_config(lora: LoraSettings, base: dict[str, Any]):
+    """PEFT's LoraConfig for these settings (``base_model_name_or_path``: the base's HF path, if any)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), modules_to_save=list(lora.modules_to_save) or None,
+                      base_model_name_or_path=base.get("path"), task_type="CAUSAL_LM")
+
+
+def _copy_tokenizer(ckpt: Path, out: Path) -> bool:
+    tok_dir = ckpt / "tokenizer"
+    if tok_dir.is_dir():
+        for f in tok_dir.iterdir():
+            shutil.copy2(f, out / f.name)
+    return tok_dir.is_dir()
+
+
+def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> dict[str, Any]:
+    """A PEFT adapter folder from a LoRA checkpoint, written by ``PeftModel.save_pretrained``."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    start = time.perf_counter()
+    ckpt, out = Path(ckpt), Path(out_dir)
+    manifest, cfg, lora, base = _need_lora(ckpt, "--adapter")
+    with torch.device("meta"):  # the base's weights are not needed to save adapters: no memory for them
+        skeleton = LlamaForCausalLM(HFLlamaConfig.from_dict(hf_config_dict(cfg)))
+    if base.get("path"):  # what adapter_config.json names as the base (PeftModel reads it from the model)
+        skeleton.name_or_path = skeleton.config._name_or_path = str(base["path"])
+    model = get_peft_model(skeleton, peft_config(lora, base), low_cpu_mem_usage=True)
+    for module in model.modules():  # only what PEFT trains (adapters, modules_to_save) gets real storage
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.requires_grad and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=DTYPES[dtype]))
+    state = {peft_key(i.key[len(PREFIX):]): load_full_tensor(ckpt, i).to(DTYPES[dtype])
+             for i in tensor_infos(ckpt, PREFIX)}
+    result = set_peft_model_state_dict(model, state)
+    if result.unexpected_keys:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: tensors {result.unexpected_keys[:3]} have no place in "
+                              f"PEFT's model for these LoRA settings")
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: no tensor for the adapter {missing[0]}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    return {"out_dir": str(out), "step": manifest["step"], "tensors": len(state), "dtype": dtype,
+            "format": "peft-lora", "tokenizer": _copy_tokenizer(ckpt, out), "seconds": time.perf_counter() - start}
+
+
+def _base_lookup(cfg: LlamaConfig, base: dict[str, Any], base_dir: str | None) -> Callable[[str], torch.Tensor]:
+    """Our name -> that base weight: read on demand from a HF folder, or from the run's seeded init."""
+    path = base_dir or base.get("path")
+    if base.get("model") == "hf" or base_dir:
+        if not path or not Path(path).is_dir():
+            raise ValueError(f"--base={path!r}: the base model's HF folder is needed to merge (pass --base DIR)")
+        from safetensors import safe_open
+
+        where = {}
+        for f in safetensors_files(path):
+            with safe_open(str(f), framework="pt") as st:
+                where.update({from_hf_name(k): (f, k) for k in st.keys()})
+
+        def read(name: str) -> torch.Tensor:
+            if name not in where:
+                raise ValueError(f"--base={path!r}: no weight {to_hf_name(name)!r} there")
+            f, key = where[name]
+            with safe_open(str(f), framework="pt") as st:
+                return st.get_tensor(key)
+        return read
+    from deepshard.finetune.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(int(base.get("seed", 0)))  # the run's seeded init: its frozen base exactly
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    return params.__getitem__
+
+
+def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base_dir: str | None = None,
+                  max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
+    """A full HF LlamaForCausalLM folder: the base with ``alpha / r * B @ A`` merged into each target,
+    written tensor by tensor as the plain export does."""
+    start = time.perf_counter()
+    ckpt, out = Path(ckpt), Path(out_dir)
+    manifest, cfg, lora, base = _need_lora(ckpt, "--merge")
+    cfg = dataclasses.replace(cfg, kernels="torch")
+    infos = {i.key[len(PREFIX):]: i for i in tensor_infos(ckpt, PREFIX)}
+    torch_dtype = DTYPES[dtype]
+    base_weight = _base_lookup(cfg, base, base_dir)
+    from deepshard.finetune.models.llama import Llama
+
+    with torch.device("meta"):  # names and shapes in our order (a tied head is the embedding: once)
+        names = [(n, tuple(p.shape)) for n, p in Llama(cfg).named_parameters()]
+
+    def merged(name: str) -> torch.Tensor:
+        w = load_full_tensor(ckpt, infos[name]) if name in infos else base_weight(name)  # trained modules_to_save
+        stem = name[:-len(".weight")]
+        a, b = infos.get(f"{stem}.lora_A.weight"), infos.get(f"{stem}.lora_B.weight")
+        if a is not None and b is not None:
+            w = w.float() + lora.scaling * (load_full_tensor(ckpt, b).float() @ load_full_tensor(ckpt, a).float())
+        return w.to(torch_dtype)
+
+    specs = [(to_hf_name(n), torch_dtype, shape) for n, shape in names]
+    groups = list(plan_shards(specs, max_shard_bytes))
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, idx in enumerate(groups, 1):
+        fname = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        total += write_safetensors(out_dir_ready(out) / fname, [specs[i] for i in idx],
+                                   (merged(names[i][0]) for i in idx))
+        weight_map.update({specs[i][0]: fname for i in idx})
+    if len(groups) > 1:
+        size = sum(torch_dtype.itemsize * math.prod(shape) for _, _, shape in specs)
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
+    tok = manifest.get("meta", {}).get("tokenizer", {})
+    config = hf_config_dict(cfg, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+                            bos_token_id=tok.get("bos_token_id"), eos_token_id=tok.get("eos_token_id"),
+                            pad_token_id=tok.get("pad_token_id"))
+    (out_dir_ready(out) / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    return {"out_dir": str(out), "step": manifest["step"], "tensors": len(specs), "files": len(groups),
+            "bytes": total, "dtype": dtype, "format": "hf-merged", "tokenizer": _copy_tokenizer(ckpt, out),
+            "seconds": time.perf_counter() - start}
+
+
+def out_dir_ready(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def check_init_from(path: str, lora: LoraSettings) -> None:
+    """``peft.init_from=DIR`` before start: a PEFT LoRA folder whose settings match this run's."""
+    cfg_file = Path(path).expanduser() / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"peft.init_from={path!r}: no adapter_config.json there (expected a PEFT adapter folder, "
+                         f"e.g. one written by export --adapter or PeftModel.save_pretrained)")
+    try:
+        c = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if c.get("peft_type") != "LORA":
+        raise ValueError(f"peft.init_from={path!r}: peft_type={c.get('peft_type')!r}; only LORA adapters load")
+    targets = c.get("target_modules") or []
+    for key, theirs, ours in (("peft.r", c.get("r"), lora.r), ("peft.alpha", c.get("lora_alpha"), lora.alpha),
+                              ("peft.target_modules", sorted(targets), sorted(lora.target_modules))):
+        if theirs != ours:
+            raise ValueError(f"peft.init_from={path!r}: the adapter has {key.split('.')[1]}={theirs!r} but "
+                             f"{key}={ours!r}; set {key} to match")
+    if not any((Path(path).expanduser() / n).is_file() for n in ("adapter_model.safetensors",)):
+        raise ValueError(f"peft.init_from={path!r}: no adapter_model.safetensors there (pickled .bin adapters "
+                         f"are never loaded)")
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, path: str) -> int:
+    """Copy a PEFT adapter folder's weights into ``model``'s adapters (plain or ZeRO-3 shards); returns
+    the number of tensors loaded."""
+    from peft.utils import load_peft_weights
+
+    weights = load_peft_weights(str(Path(path).expanduser()), device="cpu")
+    params = dict(model.named_parameters())
+    wanted = {n for n, p in params.items() if p.requires_grad}
+    loaded = set()
+    for key, t in weights.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise ValueError(f"peft.init_from={path!r}: key {key!r} is not a PEFT LlamaForCausalLM adapter key")
+        name = from_hf_name(key[len(PEFT_PREFIX):]).replace(".modules_to_save", "")
+        if name not in wanted:
+            raise ValueError(f"peft.init_from={path!r}: {key!r} has no trainable place in this run "
+                             f"(check peft.target_modules / peft.modules_to_save)")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"peft.init_from={path!r}: {key} has shape {list(t.shape)}, this run expects "
+                             f"{list(params[name].shape)}")
+        copy_global(params[name], t)
+        loaded.add(name)
+    missing = sorted(n for n in wanted - loaded if is_adapter(n))
+    if missing:
+        raise ValueError(f"peft.init_from={path!r}: no weights for {missing[:3]}")
+    return len(loaded)
