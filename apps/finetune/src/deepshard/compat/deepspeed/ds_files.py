@@ -1,0 +1,107 @@
+"""Reading DeepSpeed's checkpoint files without running what they carry.
+
+They are pickles (``torch.save``).  Each is read with ``torch.load(weights_only=True, mmap=True)``:
+torch's restricted unpickler rebuilds tensors and plain containers only, plus the classes named in
+:data:`ALLOWED`, which are *our* inert stand-ins registered under DeepSpeed's names (DeepSpeed need
+not be installed): an IntEnum and two attribute bags.  Anything else in a file is refused with the
+file's name and the global it asked for.  ``mmap=True`` maps tensor storage instead of reading it,
+so a partition costs memory only for the pages actually copied out.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (same values)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class _AttrBag:
+    """Stand-in for a pickled DeepSpeed object: its attributes, nothing callable."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str)})
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class LossScaler(_AttrBag):
+    """Stand-in for deepspeed.runtime.fp16.loss_scaler.LossScaler (static scale)."""
+
+
+class DynamicLossScaler(_AttrBag):
+    """Stand-in for deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler."""
+
+
+class FragmentAddress(_AttrBag):
+    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (numel, start)."""
+
+
+ALLOWED = [
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+]
+
+
+def load_ds_file(path: str | os.PathLike) -> dict[str, Any]:
+    """One DeepSpeed ``.pt`` file, restricted to tensors, containers and :data:`ALLOWED` (ValueError else)."""
+    try:
+        with torch.serialization.safe_globals(ALLOWED):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        why = f"it asks for {found.group(1)}, which is not on the allowlist" if found else \
+            " ".join(str(err).split())[:300]
+        raise ValueError(f"{path}: not loaded ({why}); DeepSpeed checkpoints are read with weights_only=True "
+                         f"and an allowlist of {[name for _, name in ALLOWED]}, so nothing in them runs") from None
+
+
+def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
+    """``ckpt_dir/tag`` (the tag from ``ckpt_dir/latest`` when not given), or ckpt_dir itself when it
+    already holds the files."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise ValueError(f"{root}: no such directory")
+    if tag is None:
+        if list(root.glob("*model_states.pt")):
+            return root
+        latest = root / "latest"
+        if not latest.is_file():
+            raise ValueError(f"{root}: no 'latest' file and no *model_states.pt: give --tag (one of "
+                             f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
+        tag = latest.read_text().strip()
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise ValueError(f"{root}: tag {tag!r} has no directory {tag_dir}")
+    return tag_dir
+
+
+def rank_files(tag_dir: Path, kind: str) -> list[Path]:
+    """``*zero_pp_rank_R_mp_rank_00_{kind}.pt`` ordered by data-parallel rank R."""
+    found = {}
+    for f in tag_dir.glob(f"*zero_pp_rank_*_mp_rank_*_{kind}.pt"):
+        m = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", f.name)
+        assert m is not None
+        if m.group(2) != "00":
+            raise ValueError(f"{f}: model-parallel rank {m.group(2)}: checkpoints with tensor/pipeline model "
+                             f"parallelism (mp_rank > 0) are not supported")
+        found[int(m.group(1))] = f
+    if sorted(found) != list(range(len(found))):
+        raise ValueError(f"{tag_dir}: {kind} files for data-parallel ranks {sorted(found)}: some are missing")
+    return [found[r] for r in range(len(found))]
