@@ -2,8 +2,8 @@
 
 The split is measured around the engine's calls (forward, backward, optimizer step); the time the
 ZeRO stage spends waiting for its collectives (``finish_backward`` after backward, the parameter
-all-gather after the step) is timed on this engine's stage instance and reported as communication
-wait, so backward and optimizer are compute only.  Model FLOPs come from FlopCounterMode on one
+all-gather after the step) is timed by the optimizer itself (``ZeroOptimizer.comm_wait_s``) and
+reported as communication wait, so backward and optimizer are compute only.  Model FLOPs come from FlopCounterMode on one
 micro-batch of a meta-device copy of the model (no memory, no time on the real one).
 """
 
@@ -60,23 +60,7 @@ class StepProfiler:
         self.rank = rank
         self.times: dict[str, float] = defaultdict(float)
         self.trace = None
-        if enabled:
-            for name in ("finish_backward", "after_step"):
-                self._time_calls(engine.stage, name)
-
-    def _time_calls(self, obj: object, name: str) -> None:
-        """Accumulate the time of ``obj.name`` calls (this instance only) as communication wait."""
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.times["comm_wait" + ("@backward" if name == "finish_backward" else "@optimizer")] += \
-                    time.perf_counter() - t0
-
-        setattr(obj, name, timed)
+        self.comm_wait_s = engine.optimizer.comm_wait_s  # the optimizer times the stage's collective waits
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -110,10 +94,11 @@ class StepProfiler:
         out: dict[str, float] = {}
         if self.enabled:
             t = self.times
-            comm_b, comm_o = t.pop("comm_wait@backward", 0.0), t.pop("comm_wait@optimizer", 0.0)
+            comm_b, comm_o = self.comm_wait_s["backward"], self.comm_wait_s["optimizer"]
             out = {"profile/forward_s": t.pop("forward", 0.0), "profile/backward_s": t.pop("backward", 0.0) - comm_b,
                    "profile/optimizer_s": t.pop("optimizer", 0.0) - comm_o, "profile/comm_wait_s": comm_b + comm_o}
             t.clear()
+            self.comm_wait_s.update(backward=0.0, optimizer=0.0)
             out["profile/other_s"] = max(0.0, seconds - sum(out.values()))
         if self.flops_per_step:  # MFU is cheap (FLOPs counted once), so it is logged on every run
             achieved = self.flops_per_step / seconds
@@ -131,7 +116,8 @@ def build_profiler(settings, engine, *, trace_dir: str, rank: int, device: torch
     # counted on the meta device, where Triton kernels cannot run: the torch paths do the same math
     torch_model = dataclasses.replace(settings.model, kernels="torch")
     flops = model_flops(lambda: Llama(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
-    flops = flops * t.grad_accum // (settings.parallel.tp * settings.parallel.pp)
+    # every micro-batch of the step: grad_accum of them, or the pipeline's microbatches under pp/tp
+    flops = flops * settings.micro_batches_per_step // (settings.parallel.tp * settings.parallel.pp)
     peak = p.peak_tflops or peak_tflops(device, torch.get_num_threads())
     return StepProfiler(enabled=p.enabled, engine=engine, flops_per_step=flops, peak=peak,
                         trace_steps=list(p.trace_steps), trace_dir=trace_dir, rank=rank)

@@ -92,7 +92,7 @@ class Engine:
             count = torch.as_tensor(num_items, dtype=torch.float32, device=loss.device).clamp(min=1.0)
             factor = (self.scaler.scale * self.mesh["dp"].size()) / count
         (loss * factor).backward()
-        self.stage.finish_backward()
+        self.optimizer.finish_backward()
         self.micro_step += 1
 
     def step(self) -> StepStats | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,8 +60,16 @@ class ZeroOptimizer:
         self.scaler = scaler
         self.grad_clip = grad_clip
         self.num_updates = 0
+        # seconds spent waiting for the stage's collectives, for profilers (they read and reset it)
+        self.comm_wait_s = {"backward": 0.0, "optimizer": 0.0}
         for handoff, offset in stage.grad_handoffs():  # final shards reach the store during backward
             handoff.bind(store.grad_ready, offset=offset)
+
+    def finish_backward(self) -> None:
+        """Wait for the reductions launched during backward (timed as communication wait)."""
+        t0 = time.perf_counter()
+        self.stage.finish_backward()
+        self.comm_wait_s["backward"] += time.perf_counter() - t0
 
     def step(self) -> StepStats:
         grads = self.stage.local_grads()
@@ -80,7 +89,9 @@ class ZeroOptimizer:
         if self.grad_clip > 0:
             coef = min(1.0, self.grad_clip / (norm + 1e-6))
         self.store.step(grads, lr=lr, step=self.num_updates + 1, grad_scale=coef / scale)
+        t0 = time.perf_counter()
         self.stage.after_step()
+        self.comm_wait_s["optimizer"] += time.perf_counter() - t0
         self.stage.zero_grad()
         self.scaler.update(overflow=False)
         self.num_updates += 1

@@ -152,7 +152,7 @@ class PipelineTrainer:
         scaled: list[torch.Tensor] = []
         p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False)
         self.zero.set_grad_sync(True)
-        self.zero.finish_backward()
+        self.optimizer.finish_backward()
         stats = self.optimizer.step()
         loss_sum = p.loss.true_sum(scaled) if p.has_last else torch.zeros((), device=device)
         dist.all_reduce(loss_sum)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
