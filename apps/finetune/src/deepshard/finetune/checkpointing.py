@@ -81,7 +81,9 @@ class Preemption:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.requested:
-            log.warning("received %s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+            # preemption, or the launcher stopping the survivors of a failed rank (the cause then comes last)
+            log.warning("received %s: finishing this step, then writing a checkpoint if every rank can",
+                        signal.Signals(signum).name)
         self.requested = True
 
     def agreed(self) -> bool:
