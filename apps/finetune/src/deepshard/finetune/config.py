@@ -206,6 +206,10 @@ class Settings:
     def micro_batches_per_step(self) -> int:
         return self.pipeline.microbatches if self.uses_pipeline else self.train.grad_accum
 
+    def tokens_per_step(self, dp_size: int) -> int:
+        """Token positions of one optimizer step over all data-parallel ranks (the tokens/s numerator)."""
+        return self.train.micro_batch_size * self.micro_batches_per_step * self.data.seq_len * dp_size
+
 
 def _validate_pipeline(settings: Settings) -> None:
     """pp/tp runs: the schedule, the split, the TP divisibility, and what they do not support yet."""

@@ -7,6 +7,8 @@ import math
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.models.lora import apply_lora, init_adapters
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
-from deepshard.finetune.steppers import EngineStepper, PipelineStepper
+from deepshard.finetune.steppers import EngineStepper, PipelineStepper, StepOutput
 from deepshard.offload import make_store_factory
 
 log = logging.getLogger("deepshard.finetune")
@@ -91,8 +93,36 @@ def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineSt
     return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
 
 
-def train_worker(cfg: dict, run_dir: str) -> dict:
-    """Train on this rank; returns the run's summary (identical on every rank)."""
+@dataclass
+class Run:
+    """Everything one rank's training needs, built once by :func:`start_run`."""
+
+    settings: Settings
+    rank: int
+    world: int
+    run_dir: str
+    stepper: EngineStepper | PipelineStepper
+    tokenizer: Any
+    dataset: Any
+    eval_set: Any
+    ckpt: Any  # RunCheckpoints
+    batches: Any  # the resumable batch stream
+    start_step: int
+    logger: RunLogger
+    prof: Any  # StepProfiler
+    beat: Heartbeat
+    guard: DivergenceGuard
+    eval_args: dict
+    losses: list[float] = field(default_factory=list)
+    evals: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def engine(self):
+        return self.stepper.engine
+
+
+def start_run(cfg: dict, run_dir: str) -> Run:
+    """Process group, mesh, model + ZeRO (or the pipeline), data, and the resume from the newest checkpoint."""
     settings = validate(cfg)
     # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
     warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -103,7 +133,6 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     mesh = build_mesh(settings.parallel)
     dp = mesh["dp"]
     torch.manual_seed(settings.train.seed)
-
     tokenizer = load_tokenizer(settings.model_path)
     stepper = build_stepper(settings, mesh, rank=rank)
     engine = stepper.engine
@@ -120,82 +149,121 @@ def train_worker(cfg: dict, run_dir: str) -> dict:
     guard = DivergenceGuard.for_run(settings, engine.optimizer.scaler, say=logger.print)
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
                  "micro_batch_size": t.micro_batch_size, "device": local_device()}
-    evals: dict[str, float] = {}
-    off = settings.offload
-    offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
-    par = settings.parallel.resolve(world)
-    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if settings.uses_pipeline else ""
-    params_scope = " per pp/tp rank" if settings.uses_pipeline else ""  # each pp/tp rank holds a part
-    logger.print(f"deepshard: {world} rank(s){layout}, zero stage {settings.engine.zero.stage}{offload}, "
-                 f"{settings.engine.precision.dtype}, {engine.num_params / 1e6:.2f}M "
-                 f"{'trainable (LoRA) ' if settings.peft else ''}params{params_scope}, "
-                 f"{len(dataset)} windows of {settings.data.seq_len} tokens")
+    run = Run(settings=settings, rank=rank, world=world, run_dir=run_dir, stepper=stepper, tokenizer=tokenizer,
+              dataset=dataset, eval_set=eval_set, ckpt=ckpt, batches=batches, start_step=start_step, logger=logger,
+              prof=prof, beat=beat, guard=guard, eval_args=eval_args)
+    logger.print(header(run))
+    return run
 
-    tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
-    losses: list[float] = []
-    start = time.perf_counter()
-    step_start = start
-    for step in range(start_step + 1, t.max_steps + 1):
-        prof.begin_step(step)
-        beat.mark("forward", step)
+
+def header(run: Run) -> str:
+    """The run's first line: ranks and layout, ZeRO stage, offload, precision, parameters, data."""
+    s, world = run.settings, run.world
+    off = s.offload
+    offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
+    par = s.parallel.resolve(world)
+    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if s.uses_pipeline else ""
+    params_scope = " per pp/tp rank" if s.uses_pipeline else ""  # each pp/tp rank holds a part
+    return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
+            f"{s.engine.precision.dtype}, {run.engine.num_params / 1e6:.2f}M "
+            f"{'trainable (LoRA) ' if s.peft else ''}params{params_scope}, "
+            f"{len(run.dataset)} windows of {s.data.seq_len} tokens")
+
+
+def train_loop(run: Run) -> float:
+    """The steps from the resumed one to ``train.max_steps``; returns the wall seconds they took."""
+    t, engine = run.settings.train, run.engine
+    start = step_start = time.perf_counter()
+    for step in range(run.start_step + 1, t.max_steps + 1):
+        last = step == t.max_steps
+        run.prof.begin_step(step)
+        run.beat.mark("forward", step)
         inject_test_fault(engine.model, step)
-        out = stepper(batches, measure_memory=step == start_step + 1)
-        loss_value, stats, memory = out.loss, out.stats, out.memory
-        losses.append(loss_value)
-        now = time.perf_counter()
-        tok_s = tokens_per_step / (now - step_start)
-        logger.scalars(step, prof.end_step(step, now - step_start))
-        if memory is not None:  # every rank's model state and, on CUDA, device peaks (one all-gather)
-            mem = memory_scalars(memory, world=world, device=local_device())
-            logger.scalars(step, mem)
-            if (line := memory_line(mem, world)) is not None:
-                logger.print(line)
-        logger.scalars(step, {"train/loss": loss_value, "train/perplexity": math.exp(min(loss_value, 50.0)),
-                              "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
-                              "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
-                              "train/step_applied": float(stats.applied), "train/skipped_steps": guard.skipped})
-        logger.progress({"loss": f"{loss_value:.3f}", "tok/s": f"{tok_s:,.0f}"})
-        if step % t.log_every == 0 or step == t.max_steps:
-            logger.print(f"step {step:>5}  loss {loss_value:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
-                         f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
-        try:  # fp32/bf16: max_bad_steps non-finite steps in a row stop the run, nothing saved after the last good
-            guard.check(step, loss_value, applied=stats.applied, loss_scale=stats.loss_scale,
-                        newest_checkpoint=ckpt.last_saved or (f"the one resumed (step {start_step})" if start_step
-                                                              else "none written yet"))
-        except TrainingDiverged:
-            logger.close()
-            raise
-        if eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
-            beat.mark("eval", step)
-            evals = evaluate(engine, eval_set, **eval_args)
-            logger.scalars(step, evals)
-            logger.print(f"eval  {step:>5}  loss {evals['eval/loss']:.4f}  perplexity {evals['eval/perplexity']:.2f}")
-        if step == t.max_steps or (every := settings.checkpoint.every_steps) and step % every == 0:
-            beat.mark("checkpoint", step)  # (no save during a run of bad steps: it may be the diverged state)
-        if guard.saving_allowed and ckpt.after_step(step, last=step == t.max_steps):  # SIGTERM/SIGINT: saved, stop
+        out = run.stepper(run.batches, measure_memory=step == run.start_step + 1)
+        run.losses.append(out.loss)
+        log_step(run, step, out, time.perf_counter() - step_start)
+        check_divergence(run, step, out)
+        if run.eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or last):
+            evaluate_step(run, step)
+        if last or (every := run.settings.checkpoint.every_steps) and step % every == 0:
+            run.beat.mark("checkpoint", step)  # (no save during a run of bad steps: it may be the diverged state)
+        if run.guard.saving_allowed and run.ckpt.after_step(step, last=last):  # SIGTERM/SIGINT: saved, stop
             break
         step_start = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def log_step(run: Run, step: int, out: StepOutput, seconds: float) -> None:
+    """TensorBoard scalars, the progress bar, and a line every ``train.log_every`` steps."""
+    s, logger, stats = run.settings, run.logger, out.stats
+    tok_s = s.tokens_per_step(run.eval_args["dp_size"]) / seconds
+    logger.scalars(step, run.prof.end_step(step, seconds))
+    if out.memory is not None:  # every rank's model state and, on CUDA, device peaks (one all-gather)
+        mem = memory_scalars(out.memory, world=run.world, device=local_device())
+        logger.scalars(step, mem)
+        if (line := memory_line(mem, run.world)) is not None:
+            logger.print(line)
+    logger.scalars(step, {"train/loss": out.loss, "train/perplexity": math.exp(min(out.loss, 50.0)),
+                          "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
+                          "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
+                          "train/step_applied": float(stats.applied), "train/skipped_steps": run.guard.skipped})
+    logger.progress({"loss": f"{out.loss:.3f}", "tok/s": f"{tok_s:,.0f}"})
+    if step % s.train.log_every == 0 or step == s.train.max_steps:
+        logger.print(f"step {step:>5}  loss {out.loss:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
+                     f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
+
+
+def check_divergence(run: Run, step: int, out: StepOutput) -> None:
+    """fp32/bf16: ``train.max_bad_steps`` non-finite steps in a row stop the run (TrainingDiverged)."""
+    resumed = f"the one resumed (step {run.start_step})" if run.start_step else "none written yet"
+    try:
+        run.guard.check(step, out.loss, applied=out.stats.applied, loss_scale=out.stats.loss_scale,
+                        newest_checkpoint=run.ckpt.last_saved or resumed)
+    except TrainingDiverged:
+        run.logger.close()
+        raise
+
+
+def evaluate_step(run: Run, step: int) -> None:
+    run.beat.mark("eval", step)
+    run.evals = evaluate(run.engine, run.eval_set, **run.eval_args)
+    run.logger.scalars(step, run.evals)
+    run.logger.print(f"eval  {step:>5}  loss {run.evals['eval/loss']:.4f}  "
+                     f"perplexity {run.evals['eval/perplexity']:.2f}")
+
+
+def finish(run: Run, elapsed: float) -> dict:
+    """Close checkpoints and logs, sample if asked, print the summary line; returns the summary."""
+    s, t, losses, ckpt, guard = run.settings, run.settings.train, run.losses, run.ckpt, run.guard
     ckpt.close()
-    beat.close()
-    elapsed = time.perf_counter() - start
-    logger.close()
+    run.beat.close()
+    run.logger.close()
     ran = len(losses)
     k = max(1, min(10, ran // 2))
-    summary = {"steps": start_step + ran, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
+    tokens_per_step = s.tokens_per_step(run.eval_args["dp_size"])
+    summary = {"steps": run.start_step + ran, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
                "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * ran / max(elapsed, 1e-9),
-               "world_size": world, "zero_stage": settings.engine.zero.stage, "run_dir": run_dir, **evals,
-               "start_step": start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
+               "world_size": run.world, "zero_stage": s.engine.zero.stage, "run_dir": run.run_dir, **run.evals,
+               "start_step": run.start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
                "skipped_steps": guard.skipped}
     if t.sample_prompt:
-        chat = resolve_template(tokenizer, settings.data.chat_template) if settings.data.name == "chat" else None
-        summary["sample"] = greedy_sample(engine.model, tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
-                                          max_seq_len=settings.model.max_seq_len, device=local_device(),
+        chat = resolve_template(run.tokenizer, s.data.chat_template) if s.data.name == "chat" else None
+        summary["sample"] = greedy_sample(run.engine.model, run.tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
+                                          max_seq_len=s.model.max_seq_len, device=local_device(),
                                           chat_template=chat)
-        logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
+        run.logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
     what = "preempted" if ckpt.preempted else "done"
-    logger.print(f"{what}: steps {start_step + 1}-{start_step + ran} in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
-                 f"{summary['final_loss']:.3f} (mean of first/last {k}), {summary['tokens_per_s']:,.0f} tok/s, "
-                 f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}"
-                 f"logs in {run_dir}")
+    run.logger.print(
+        f"{what}: steps {run.start_step + 1}-{run.start_step + ran} in {elapsed:.1f}s, loss "
+        f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of first/last {k}), "
+        f"{summary['tokens_per_s']:,.0f} tok/s, "
+        f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}logs in {run.run_dir}")
     dist.destroy_process_group()
     return summary
+
+
+def train_worker(cfg: dict, run_dir: str) -> dict:
+    """Train on this rank; returns the run's summary (identical on every rank)."""
+    run = start_run(cfg, run_dir)
+    elapsed = train_loop(run)
+    return finish(run, elapsed)
