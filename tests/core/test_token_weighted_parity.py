@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deepshard.core import Trainer
 from deepshard.core.launch import launch_local
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 
@@ -125,6 +126,7 @@ def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
     from deepshard.finetune.steppers import EngineStepper
 
     engine = initialize(model().to(local_device()), _engine_config(stage, accum))
+    assert isinstance(engine, Trainer)  # what the app's checkpointing and logging take
     stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
     stepper.prof = _no_profiler()
     batches = _rank_batches(micro, accum)
@@ -140,6 +142,7 @@ def _pipe_run(axis: str, size: int) -> tuple[list[float], dict]:
 
     mesh = build_mesh(ParallelDims(**{axis: size}))
     trainer = pipeline_llama(model(), mesh, _engine_config(0, 1), schedule="1f1b", microbatches=2)
+    assert isinstance(trainer, Trainer)  # no stand-in needed between the pipeline and the app
     stepper = PipelineStepper(trainer, mesh, microbatches=2, device=local_device())
     stepper.prof = _no_profiler()
     ids, labels = data()

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from deepshard.core.trainer_protocol import Trainer
+
 # dense bf16/fp16 tensor-core peaks per device, TFLOP/s (fp32 is far lower; set profile.peak_tflops)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
                "V100": 125.0, "T4": 65.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
@@ -108,7 +110,7 @@ class StepProfiler:
         return out
 
 
-def build_profiler(settings, engine, *, trace_dir: str, rank: int, device: torch.device) -> StepProfiler:
+def build_profiler(settings, engine: Trainer, *, trace_dir: str, rank: int, device: torch.device) -> StepProfiler:
     """The run's profiler: FLOPs per rank and step from the model config, the peak from config or table."""
     from deepshard.finetune.models.llama import Llama
 

@@ -63,27 +63,11 @@ def valid_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
 
 
-class PipelineEngine:
-    """What checkpointing and logging need from a pipeline trainer, named as on ``Engine``."""
-
-    def __init__(self, trainer, mesh: DeviceMesh) -> None:
-        self.trainer = trainer
-        self.mesh = mesh
-        self.optimizer = trainer.optimizer
-        self.stage = trainer.zero
-        self.model = None  # stage modules keep the full model's FQNs; the optimizer holds every param
-        self.num_params = trainer.num_params
-
-    def memory(self) -> dict[str, ModelStateBytes]:
-        return self.trainer.memory()
-
-
 class PipelineStepper:
     """``pipeline.microbatches`` micro-batches stacked into one batch for the schedule."""
 
     def __init__(self, trainer, mesh: DeviceMesh, *, microbatches: int, device: torch.device) -> None:
-        self.engine = PipelineEngine(trainer, mesh)
-        self.trainer = trainer
+        self.engine = self.trainer = trainer  # a deepshard.core Trainer, as the engine is
         self.microbatches = microbatches
         self.device = device
         self.prof = None

@@ -48,6 +48,10 @@ class Engine:
         self.last_stats: StepStats | None = None
 
     @property
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
+
+    @property
     def scaler(self) -> LossScaler:
         return self.optimizer.scaler
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core import DeviceStateStore, EngineConfig, StateStore
 from deepshard.core.dtensor_utils import local_tensor
@@ -114,17 +115,22 @@ class PipelineTrainer:
     and only the last stage the labels.
     """
 
-    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, dp_size: int, dtype: str = "fp32",
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+    model = None  # stage modules keep the full model's FQNs; the optimizer holds every param (see modules)
+
+    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, mesh: DeviceMesh, dtype: str = "fp32") -> None:
         self.pipeline = pipeline
         self.optimizer = optimizer
-        self.dp_size = dp_size
-        assert dp_group is not None or dp_size == 1, "dp_size > 1 needs the dp group (the token count is global)"
-        self.dp_group = dp_group
+        self.mesh = mesh
+        self.dp_size = mesh["dp"].size()
+        self.dp_group = mesh["dp"].get_group()
         self.dtype = dtype
         self.world = dist.get_world_size()
         self.loss_ranks = self.world // pipeline.pp_mesh.size()  # ranks holding the last stage
         self.num_params = self._rank_param_count()
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return self.pipeline.modules
 
     @property
     def zero(self) -> ZeroStage:
@@ -143,8 +149,7 @@ class PipelineTrainer:
         device = p.stages[0].device
         # the step's valid-token count over every microbatch and dp replica, before any backward
         num_items = (labels != IGNORE_INDEX).sum().to(device=device, dtype=torch.float32)
-        if self.dp_group is not None:
-            dist.all_reduce(num_items, group=self.dp_group)
+        dist.all_reduce(num_items, group=self.dp_group)
         num_items = num_items.clamp(min=1.0)
         self.zero.set_grad_sync(False)  # reduce once per step, not once per microbatch
         p.loss.multiplier = self.optimizer.scaler.scale * self.dp_size / num_items
@@ -174,9 +179,8 @@ class PipelineTrainer:
                                   dtype=self.dtype, modules=self.pipeline.modules)
 
 
-def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
-                  store_factory: StoreFactory = DeviceStateStore,
-                  dp_group: dist.ProcessGroup | None = None) -> PipelineTrainer:
+def build_trainer(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
+                  store_factory: StoreFactory = DeviceStateStore) -> PipelineTrainer:
     """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
 
     ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` must be
@@ -191,4 +195,4 @@ def build_trainer(pipeline: Pipeline, config: EngineConfig, *, dp_size: int,
     zero = parts[0].zero if len(parts) == 1 else CompositeStage([p.zero for p in parts])
     masters = [t for p in parts for t in p.fp32_masters] if all(p.fp32_masters is not None for p in parts) else None
     optimizer = build_optimizer(zero, config, store_factory=store_factory, fp32_masters=masters)
-    return PipelineTrainer(pipeline, optimizer, dp_size=dp_size, dtype=config.precision.dtype, dp_group=dp_group)
+    return PipelineTrainer(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype)

@@ -138,5 +138,4 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, device=device or local_device())
-    return build_trainer(pipe, config, dp_size=mesh["dp"].size(), store_factory=store_factory,
-                         dp_group=mesh["dp"].get_group())
+    return build_trainer(pipe, config, mesh=mesh, store_factory=store_factory)
