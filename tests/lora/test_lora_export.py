@@ -191,3 +191,16 @@ def test_init_from_a_peft_adapter_folder(runs, tmp_path):
     params = dict(model.named_parameters())
     for info, t in iter_full_tensors(runs["ckpt"], "model."):
         assert torch.equal(params[info.key[len("model."):]], t), info.key
+
+
+def test_resume_refuses_a_mismatched_run(runs):
+    from deepshard.core.checkpoint_manifest import CheckpointError
+    from deepshard.finetune.adapter_export import check_lora_resume
+
+    meta = json.loads((runs["ckpt"] / "manifest.json").read_text())["meta"]
+    check_lora_resume(runs["ckpt"], meta)  # the same run's settings: fine
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters only but this run is without \+peft=lora"):
+        check_lora_resume(runs["ckpt"], {"model": meta["model"]})
+    other = {**meta, "base": {**meta["base"], "path": "/elsewhere"}}
+    with pytest.raises(CheckpointError, match=r"its adapters were trained on the base .* resume with the same"):
+        check_lora_resume(runs["ckpt"], other)

@@ -259,3 +259,17 @@ def load_peft_adapter(model: nn.Module, path: str) -> int:
     if missing:
         raise ValueError(f"peft.init_from={path!r}: no weights for {missing[:3]}")
     return len(loaded)
+
+
+def check_lora_resume(path: str | Path, meta: dict[str, Any]) -> None:
+    """Before a resume loads anything: LoRA adapters resume only into a LoRA run on the same base, and a
+    full checkpoint only into a full run (CheckpointError naming both sides)."""
+    saved = read_manifest(path).get("meta", {})
+    if ("peft" in saved) != ("peft" in meta):
+        holds, runs = ("LoRA adapters only", "without +peft=lora") if "peft" in saved else \
+            ("every weight (a full fine-tune)", "with +peft=lora")
+        raise CheckpointError(f"checkpoint {str(path)!r} holds {holds} but this run is {runs}; resume it the way "
+                              f"it was trained, or start from it another way (export, peft.init_from)")
+    if "peft" in meta and saved.get("base") != meta.get("base"):
+        raise CheckpointError(f"checkpoint {str(path)!r}: its adapters were trained on the base {saved.get('base')}, "
+                              f"this run's base is {meta.get('base')}; resume with the same model.path and train.seed")
