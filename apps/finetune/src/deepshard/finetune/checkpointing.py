@@ -35,8 +35,8 @@ from deepshard.core.checkpoint import (
     unsupported_reason,
 )
 from deepshard.core.checkpoint_manifest import CheckpointError, prune, set_aside, step_dirs, verify_checkpoint
-from deepshard.core.engine import Engine
 from deepshard.core.mesh import local_device
+from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.data.resumable import ResumableStream
 
 log = logging.getLogger("deepshard.finetune")
@@ -166,7 +166,7 @@ def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
 class RunCheckpoints:
     """Resume before the loop, ``after_step`` inside it; a few lines in train.py."""
 
-    def __init__(self, settings: CheckpointSchema, *, run_dir: str, engine: Engine, data: ResumableStream,
+    def __init__(self, settings: CheckpointSchema, *, run_dir: str, engine: Trainer, data: ResumableStream,
                  tokens_per_step: int, meta: dict[str, Any], tokenizer: Any = None) -> None:
         self.settings = settings
         self.root = Path(settings.dir or os.path.join(run_dir, "checkpoints"))
@@ -302,7 +302,7 @@ class RunCheckpoints:
         self.preemption.exit_when_done()
 
 
-def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, engine: Engine, dataset: Any,
+def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, engine: Trainer, dataset: Any,
                         tokenizer: Any) -> tuple[RunCheckpoints, ResumableStream, int]:
     """The resumable batch stream and the checkpointer, resumed; returns them and the steps already done."""
     dp, t = engine.mesh["dp"], settings.train
