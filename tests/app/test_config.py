@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -39,16 +40,35 @@ def _group_overrides() -> list[list[str]]:
     return out
 
 
+def _group_target(settings, group: str):
+    """Where a group's values land in the typed settings."""
+    return {"zero": settings.engine.zero, "precision": settings.engine.precision, "optim": settings.engine.optim,
+            "scheduler": settings.engine.scheduler, "model": settings.model, "data": settings.data,
+            "offload": settings.offload, "peft": settings.peft}[group]
+
+
 @pytest.mark.parametrize("overrides", _group_overrides(), ids=lambda o: o[0])
 def test_every_group_option_composes_and_validates(overrides):
-    settings = validate(_compose(overrides))
+    composed = _compose(overrides)
+    settings = validate(composed)
     group, option = overrides[0].lstrip("+").split("=")
+    target = _group_target(settings, group)
+    # every key the option's file sets (interpolations resolved by the composition) reaches the settings
+    for key, value in OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")).items():
+        if key == "name" and not hasattr(target, "name"):
+            continue  # the model's preset name lives beside its architecture
+        want = composed[group][key]
+        if group == "precision" and key == "dtype":
+            want = resolve_dtype(option, cuda_available=torch.cuda.is_available())
+        got = getattr(target, key)
+        got = list(got) if isinstance(got, tuple) else got
+        if dataclasses.is_dataclass(got):  # a nested config (offload.aio)
+            got = dataclasses.asdict(got)
+        assert got == want, (group, option, key, got, want)
     if group == "zero":
         assert settings.engine.zero.stage == int(option[-1])
-    if group == "offload":
-        assert settings.offload.device == option
-    if group == "precision":
-        assert settings.engine.precision.dtype == resolve_dtype(option, cuda_available=torch.cuda.is_available())
+    if group == "model":
+        assert settings.model_name == option
 
 
 def test_no_zero_group_means_stage0():

@@ -36,13 +36,20 @@ def test_rms_norm_triton_mixed_dtype_promotes_like_hf() -> None:
     torch.testing.assert_close(y, rms_norm_reference(x, w), rtol=2**-7, atol=1e-5)
 
 
-def test_rms_norm_module_loads_hf_state_dict_and_matches_reference() -> None:
+def test_rms_norm_module_loads_hf_state_dict_and_matches_transformers() -> None:
+    """The module against HF's own LlamaRMSNorm (an implementation we do not share), state dict and all."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     torch.manual_seed(0)
+    hf = LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(48))
     norm = RMSNorm(48, eps=1e-5)
-    weight = torch.rand(48)
-    norm.load_state_dict({"weight": weight})
+    norm.load_state_dict(hf.state_dict())
     x = torch.randn(2, 3, 48)
-    torch.testing.assert_close(norm(x), rms_norm_reference(x, weight, 1e-5))
+    torch.testing.assert_close(norm(x), hf(x))
+    xb = x.bfloat16()  # HF computes in fp32 and casts back: so must we
+    torch.testing.assert_close(norm.bfloat16()(xb), hf.bfloat16()(xb))
 
 
 def test_rms_norm_bad_backend_is_a_value_error() -> None:
