@@ -54,7 +54,7 @@ def test_every_group_option_composes_and_validates(overrides):
     group, option = overrides[0].lstrip("+").split("=")
     target = _group_target(settings, group)
     # every key the option's file sets (interpolations resolved by the composition) reaches the settings
-    for key, value in OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")).items():
+    for key in OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")):
         if key == "name" and not hasattr(target, "name"):
             continue  # the model's preset name lives beside its architecture
         want = composed[group][key]
