@@ -110,3 +110,17 @@ def test_peak_rss_within_one_and_a_half_partition_files(tmp_path):
     dcp.load(t, checkpoint_id=str(out), no_dist=True)
     assert (t["model.layers.4.weight"] == 1.0).all()  # the second half of the flat vector is rank 1's
     assert (t["optim.exp_avg_sq.layers.3.weight"] == 20.0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_resumes_our_checkpoints(imported, tmp_path, stage):
+    """to_deepspeed: DeepSpeed resumes a checkpoint we wrote and continues with our losses; and an
+    imported-then-exported fixture continues as DeepSpeed did from its own file (skipped without DeepSpeed)."""
+    pytest.importorskip("deepspeed")
+    from export_harness import export_worker
+
+    outs = launch_local(export_worker, 2, str(tmp_path), imported[stage], stage)
+    for out in outs:
+        assert out["ds_from_ours"] == pytest.approx(out["ours"], abs=1e-5)
+        assert out["ds_from_import"] == pytest.approx(_continuation(stage), abs=1e-5)

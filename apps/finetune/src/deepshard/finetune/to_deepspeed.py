@@ -1,0 +1,142 @@
+"""``python -m deepshard.finetune.to_deepspeed CKPT OUT_DIR [--stage N] [--world W] [--tag TAG]``
+
+One of our checkpoints (a ``step-*`` directory, or a folder of them: the newest good one) as a
+DeepSpeed ZeRO-1/2 checkpoint that DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` resumes at
+data-parallel size W (default: the size it was saved at): ``OUT_DIR/latest``,
+``OUT_DIR/TAG/mp_rank_00_model_states.pt`` (the full fp32 weights, LR-scheduler position, step
+counters) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its slice of the flat
+fp32 masters and Adam moments).  DeepSpeed must build its engine with two parameter groups in
+model order, matrices first (decayed) then vectors (weight_decay 0): the AdamW of deepshard.
+Each rank file is built from one tensor at a time (core's checkpoint_stream).  ZeRO-3 output and
+the fp16 loss-scaler state are not written yet (DeepSpeed keeps its fresh scaler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepshard.core.checkpoint_manifest import latest_good, read_manifest
+from deepshard.core.checkpoint_stream import TensorInfo, load_full_tensor, tensor_infos
+
+DS_VERSION = "0.19.8"
+PREFIXES = {"master": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
+
+
+def _find(ckpt: Path) -> Path:
+    if (ckpt / "manifest.json").is_file():
+        return ckpt
+    found, _ = latest_good(ckpt)
+    if found is None:
+        raise ValueError(f"{ckpt}: not a deepshard checkpoint (no manifest.json) and no good step-* inside")
+    return found
+
+
+def groups(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
+    """Two groups in saved (model) order: matrices (decayed), then vectors and scalars."""
+    return [[i for i in infos if len(i.shape) >= 2], [i for i in infos if len(i.shape) < 2]]
+
+
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, world: int | None = None,
+                      tag: str | None = None) -> Path:
+    if stage not in (1, 2):
+        raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1 or ZeRO-2 checkpoints (ZeRO-3: not yet)")
+    path = _find(Path(ckpt))
+    manifest = read_manifest(path)
+    trainer = json.loads((path / "trainer.json").read_text())
+    world = world or int(manifest["world"].get("dp_size") or manifest["world"]["world_size"] or 1)
+    steps = int(trainer["num_updates"])
+    counters = trainer["app"].get("counters", {}) if isinstance(trainer["app"], dict) else {}
+    tag = tag or f"global_step{counters.get('global_steps', steps)}"
+    masters = [i for i in tensor_infos(path, "model.") if f"optim.exp_avg.{i.key[6:]}" in
+               {j.key for j in tensor_infos(path, "optim.exp_avg.")}]
+    grouped = groups(masters)
+    out = Path(out_dir) / tag
+    out.mkdir(parents=True, exist_ok=False)
+    shapes = [OrderedDict((i.key[6:], torch.Size(i.shape)) for i in g) for g in grouped]
+    module = OrderedDict((i.key[6:], load_full_tensor(path, i)) for i in tensor_infos(path, "model."))
+    torch.save({"module": module, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
+                "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+                "lr_scheduler": {"last_batch_iteration": steps - 1}, "data_sampler": None, "random_ltd": None,
+                "sparse_tensor_module_names": set(), "skipped_steps": int(counters.get("skipped_steps", 0)),
+                "global_steps": int(counters.get("global_steps", steps)),
+                "global_samples": int(counters.get("global_samples", 0)), "dp_world_size": world,
+                "mp_world_size": 1, "ds_config": {}, "ds_version": DS_VERSION}, out / "mp_rank_00_model_states.pt")
+    del module
+    align = 2 * world  # DeepSpeed pads each flat group to a multiple of 2 x dp size
+    sizes = [math.ceil(sum(math.prod(i.shape) for i in g) / align) * align for g in grouped]
+    for rank in range(world):
+        flats: dict[str, list[torch.Tensor]] = {k: [] for k in PREFIXES}
+        paddings = []
+        for g, size in zip(grouped, sizes):
+            part = size // world
+            lo_r, hi_r = rank * part, (rank + 1) * part
+            for kind, prefix in PREFIXES.items():
+                flat = torch.zeros(part, dtype=torch.float32)
+                offset = 0
+                for info in g:
+                    n = math.prod(info.shape)
+                    lo, hi = max(offset, lo_r), min(offset + n, hi_r)
+                    if hi > lo:
+                        t = load_full_tensor(path, TensorInfo(prefix + info.key[6:], info.shape, torch.float32))
+                        flat[lo - lo_r:hi - lo_r] = t.reshape(-1)[lo - offset:hi - offset]
+                    offset += n
+                flats[kind].append(flat)
+            paddings.append(max(0, hi_r - max(lo_r, sum(math.prod(i.shape) for i in g))))
+        # torch's Adam keeps ``step`` as a tensor it increments in place (an int would stay put)
+        state = {i: {"step": torch.tensor(float(steps)), "exp_avg": flats["exp_avg"][i], "exp_avg_sq": flats["exp_avg_sq"][i]}
+                 for i in range(len(grouped))}
+        param_groups = [_group(trainer, i, decay=(i == 0)) for i in range(len(grouped))]
+        osd: dict[str, Any] = {
+            # no loss_scaler / clip_grad / dynamic_loss_scale keys: DeepSpeed keeps its own config's values
+            "base_optimizer_state": {"state": state, "param_groups": param_groups},
+            "single_partition_of_fp32_groups": flats["master"], "zero_stage": stage, "group_paddings": paddings,
+            "param_alignment_paddings": [[0] * len(g) for g in grouped], "partition_count": [world] * len(grouped),
+            "ds_version": DS_VERSION}
+        torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION},
+                   out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (Path(out_dir) / "latest").write_text(tag)
+    return out
+
+
+def _group(trainer: dict, index: int, *, decay: bool) -> dict[str, Any]:
+    """DeepSpeed's Adam param_group.  DeepSpeed restores every hyper-parameter from it, and the lr
+    is the one its next update uses (its scheduler only moves after that update)."""
+    app = trainer["app"] if isinstance(trainer["app"], dict) else {}
+    saved = (app.get("deepspeed", {}).get("param_groups") or [None, None])[index]  # an imported DeepSpeed run
+    if saved is None:
+        saved = app.get("optimizer")  # written by deepshard.compat.deepspeed's save_checkpoint
+    if not saved:
+        raise ValueError("the checkpoint records no optimizer hyper-parameters (lr, betas, eps, weight_decay): "
+                         "export checkpoints saved by deepshard.compat.deepspeed or imported from DeepSpeed")
+    group = {"lr": float(saved["lr"]), "bias_correction": True, "betas": list(saved["betas"]),
+             "eps": float(saved["eps"]), "weight_decay": float(saved["weight_decay"]) if decay else 0.0, "step": 0,
+             "params": [index]}
+    return group
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.to_deepspeed")
+    ap.add_argument("ckpt")
+    ap.add_argument("out_dir")
+    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1 or 2)")
+    ap.add_argument("--world", type=int, default=None, help="its data-parallel size (default: as saved)")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    try:
+        print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
