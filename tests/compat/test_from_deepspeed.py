@@ -124,3 +124,53 @@ def test_deepspeed_resumes_our_checkpoints(imported, tmp_path, stage):
     for out in outs:
         assert out["ds_from_ours"] == pytest.approx(out["ours"], abs=1e-5)
         assert out["ds_from_import"] == pytest.approx(_continuation(stage), abs=1e-5)
+
+
+def test_any_world_size_parameters_spanning_rank_partitions(tmp_path):
+    """ZeRO-2 at world 3: a parameter that starts in rank 1's partition and ends in rank 2's."""
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    _synthetic_zero2(tag, 3, [3 * 1024, 5 * 1024, 1024])  # flat 9216 = 3 x 3072
+    out = import_checkpoint(tmp_path, tmp_path / "out", tag="global_step5")
+    import torch.distributed.checkpoint as dcp
+
+    t = {f"model.layers.{i}.weight": torch.zeros(n, 1024) for i, n in enumerate((3, 5, 1))}
+    t["optim.exp_avg.layers.1.weight"] = torch.zeros(5, 1024)
+    dcp.load(t, checkpoint_id=str(out), no_dist=True)
+    assert (t["model.layers.0.weight"] == 0).all() and (t["model.layers.2.weight"] == 2).all()
+    mid = t["model.layers.1.weight"].reshape(-1)
+    assert (mid[:3072] == 1).all() and (mid[3072:] == 2).all()
+    assert (t["optim.exp_avg.layers.1.weight"].reshape(-1)[3072:] == 12).all()
+    assert json.loads((out / "trainer.json").read_text())["num_updates"] == 5
+
+
+def test_zero3_uneven_partitions_at_world_3(tmp_path):
+    """ZeRO-3 splits every parameter into ceil(numel / world) pieces, the last padded: reassembled exactly."""
+    world, shapes = 3, {"a.weight": torch.Size([7, 5]), "b.weight": torch.Size([4]), "c.weight": torch.Size([2, 2])}
+    full = {n: torch.arange(s.numel(), dtype=torch.float32).reshape(s) + 100 * i
+            for i, (n, s) in enumerate(shapes.items())}
+    tag = tmp_path / "global_step2"
+    tag.mkdir()
+    for r in range(world):
+        pieces = []
+        for t in full.values():
+            part = -(-t.numel() // world)
+            flat = torch.nn.functional.pad(t.reshape(-1), (0, part * world - t.numel()))
+            pieces.append(flat[r * part:(r + 1) * part])
+        flat = torch.cat(pieces)
+        torch.save({"module": {}, "param_shapes": [shapes], "buffer_names": [], "global_steps": 2},
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 3, "partition_count": world, "fp32_flat_groups": [flat[:5], flat[5:]],  # two sub-groups
+            "optimizer_state_dict": {"state": {0: {"step": 2, "exp_avg": flat[:5] * 2, "exp_avg_sq": flat[:5] * 3},
+                                               1: {"step": 2, "exp_avg": flat[5:] * 2, "exp_avg_sq": flat[5:] * 3}},
+                                     "param_groups": [{"lr": 1e-3, "params": [0]}]}}},
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    out = import_checkpoint(tmp_path, tmp_path / "out", tag="global_step2")
+    import torch.distributed.checkpoint as dcp
+
+    got = {f"model.{n}": torch.zeros(s) for n, s in shapes.items()}
+    got |= {f"optim.exp_avg_sq.{n}": torch.zeros(s) for n, s in shapes.items()}
+    dcp.load(got, checkpoint_id=str(out), no_dist=True)
+    for n, t in full.items():
+        assert torch.equal(got[f"model.{n}"], t) and torch.equal(got[f"optim.exp_avg_sq.{n}"], t * 3)
