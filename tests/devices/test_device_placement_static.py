@@ -41,6 +41,10 @@ ALLOWED = {
     f"{FINETUNE}/data/resumable.py:*": "data order from a seeded host generator (identical on every rank)",
     f"{FINETUNE}/models/llama.py:Llama.init_weights":
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",
+    f"{FINETUNE}/models/lora.py:init_adapters":
+        "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",
+    f"{FINETUNE}/adapter_export.py:export_adapter":
+        "export builds the PEFT folder in host memory from the checkpoint files (no process group, no GPU)",
 }
 
 

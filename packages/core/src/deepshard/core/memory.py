@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
+from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.state_store import StateStore
 from deepshard.core.zero.stages import ZeroStage
 
@@ -75,23 +77,33 @@ def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelSta
     )
 
 
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = local_tensor(t)
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def module_buffer_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the modules' registered (non-parameter) buffers, each storage once."""
-    seen: dict[int, int] = {}
-    for m in modules:
-        for b in m.buffers():
-            if b.device.type != "meta":
-                seen[b.untyped_storage().data_ptr()] = b.untyped_storage().nbytes()
-    return sum(seen.values())
+    return _storage_bytes(b for m in modules for b in m.buffers())
+
+
+def frozen_param_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes of the parameters that do not train (a LoRA run's base weights), this rank's pieces."""
+    return _storage_bytes(p.data for m in modules for p in m.parameters() if not p.requires_grad)
 
 
 def measured_bytes(stage: ZeroStage, store: StateStore, modules: Iterable[nn.Module] = ()) -> ModelStateBytes:
     """Bytes the live tensors hold on this rank right now (call after backward to count grads)."""
     state = store.state_bytes()
     parts = {**stage.buffer_bytes(), **store.buffer_bytes()}
-    module_buffers = module_buffer_bytes(modules)
-    if module_buffers:
-        parts["module_buffers"] = module_buffers
+    modules = list(modules)
+    for name, n in (("module_buffers", module_buffer_bytes(modules)), ("frozen_params", frozen_param_bytes(modules))):
+        if n:
+            parts[name] = n
     return ModelStateBytes(params=stage.param_bytes(), grads=stage.grad_bytes(), optimizer=state["device"],
                            host=state["host"], nvme=state["nvme"], buffer_parts=parts)
 
