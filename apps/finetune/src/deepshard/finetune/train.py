@@ -264,6 +264,13 @@ def finish(run: Run, elapsed: float) -> dict:
 
 def train_worker(cfg: dict, run_dir: str) -> dict:
     """Train on this rank; returns the run's summary (identical on every rank)."""
-    run = start_run(cfg, run_dir)
-    elapsed = train_loop(run)
-    return finish(run, elapsed)
+    try:
+        run = start_run(cfg, run_dir)
+        elapsed = train_loop(run)
+        return finish(run, elapsed)
+    except BaseException:
+        # tear the process group down before the error leaves the worker: left to interpreter exit,
+        # gloo's threads can abort the process (SIGABRT), and a signal would then hide the real cause
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
