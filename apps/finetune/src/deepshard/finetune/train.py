@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.heartbeat import Heartbeat
+from deepshard.core.launch import worker_threads
 from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings, validate
@@ -127,6 +128,8 @@ def start_run(cfg: dict, run_dir: str) -> Run:
     # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     rank, world = init_distributed(timeout_s=settings.launcher.timeout_s)
+    if torch.cuda.is_available() and os.environ.get("OMP_NUM_THREADS") == "1":  # torchrun's default starves
+        torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cuda=True))  # host Adam
     beat = Heartbeat.from_env(rank)  # step and phase, for the launcher's hang watchdog
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
