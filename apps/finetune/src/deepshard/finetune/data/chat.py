@@ -15,12 +15,11 @@ when it starts inside such a span (character offsets of the fast tokenizer).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from deepshard.finetune.data.records import _utf8, expand
+from deepshard.finetune.data.records import json_lines
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,22 +55,8 @@ def _messages(obj: object, where: str) -> list[Message]:
 
 def chat_rows(path: str | None, **_: object) -> Iterator[tuple[str, list[Message]]]:
     """(``FILE:LINE``, messages) for each non-blank line of each JSON-lines file (ValueError naming both)."""
-    for file in expand(path):
-        count = 0
-        with open(file, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line = _utf8(raw, file, lineno)
-                if not line.strip():
-                    continue
-                where = f"{file}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                yield where, _messages(obj, where)
-                count += 1
-        if count == 0:
-            raise ValueError(f"{file}: empty file (no JSON lines)")
+    for where, obj in json_lines(path):
+        yield where, _messages(obj, where)
 
 
 def resolve_template(tokenizer, path: str | None = None, *, model_path: str | None = None) -> str:

@@ -61,9 +61,9 @@ def _utf8(raw: bytes, file: str, lineno: int) -> str:
                          f"save the file as UTF-8") from None
 
 
-def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: str = "prompt",
-                  response_field: str = "response", **_: object) -> Iterator[Record]:
-    """Each non-blank line of each file is one JSON object (blank lines are skipped)."""
+def json_lines(path: str | None) -> Iterator[tuple[str, object]]:
+    """(``FILE:LINE``, the parsed object) for each non-blank line of each JSON-lines file; a ValueError
+    naming file and line for text that is not UTF-8 or not JSON, and for a file with no JSON line."""
     for file in expand(path):
         count = 0
         with open(file, "rb") as f:
@@ -75,10 +75,17 @@ def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: s
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{file}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                yield _record(obj, f"{file}:{lineno}", text_field, prompt_field, response_field)
+                yield f"{file}:{lineno}", obj
                 count += 1
         if count == 0:
             raise ValueError(f"{file}: empty file (no JSON lines)")
+
+
+def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: str = "prompt",
+                  response_field: str = "response", **_: object) -> Iterator[Record]:
+    """Each non-blank line of each file is one JSON object (blank lines are skipped)."""
+    for where, obj in json_lines(path):
+        yield _record(obj, where, text_field, prompt_field, response_field)
 
 
 def text_records(path: str | None, *, text_unit: str = "file", **_: object) -> Iterator[Record]:
