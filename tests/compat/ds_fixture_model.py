@@ -45,3 +45,19 @@ def ds_config(stage: int, world: int = 2) -> dict:
                                                           "total_num_steps": 10}},
         "zero_optimization": {"stage": stage},
     }
+
+
+def train_steps(engine, steps: range, rank: int, world: int) -> list[float]:
+    """DeepSpeed's loop (ours through the compat layer, or DeepSpeed's own engine) over this rank's rows
+    of each global batch; the global mean loss per step."""
+    rows = 2 * MICRO // world
+    out = []
+    for step in steps:
+        tokens = global_batch(step)[rank * rows:(rank + 1) * rows].to(engine.device)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        out.append(mean.item() / world)
+    return out

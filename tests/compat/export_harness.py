@@ -7,21 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ds_fixture_model import MICRO, SAVE_STEP, TOTAL_STEPS, ds_config, global_batch, param_groups, tiny_model
-
-
-def _run(engine, steps: range, rank: int, world: int) -> list[float]:
-    rows = 2 * MICRO // world
-    out = []
-    for step in steps:
-        tokens = global_batch(step)[rank * rows:(rank + 1) * rows].to(engine.device)
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        out.append(mean.item() / world)
-    return out
+from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
 
 
 def export_worker(root: str, imported: str, stage: int) -> dict[str, list[float]]:
@@ -34,9 +20,9 @@ def export_worker(root: str, imported: str, stage: int) -> dict[str, list[float]
     rank, world = ours.comm.get_rank(), ours.comm.get_world_size()
     model = tiny_model()
     engine, *_ = ours.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, world))
-    _run(engine, range(SAVE_STEP), rank, world)
+    train_steps(engine, range(SAVE_STEP), rank, world)
     engine.save_checkpoint(f"{root}/ours")
-    ours_after = _run(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)
+    ours_after = train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)
     if rank == 0:
         export_checkpoint(f"{root}/ours/global_step{SAVE_STEP}", f"{root}/ds_from_ours", stage=stage, world=world)
         export_checkpoint(imported, f"{root}/ds_from_import", stage=stage, world=world)
@@ -53,5 +39,5 @@ def export_worker(root: str, imported: str, stage: int) -> dict[str, list[float]
         ds, *_ = deepspeed.initialize(model=m, model_parameters=param_groups(m), config=ds_config(stage, world))
         path, _ = ds.load_checkpoint(str(Path(root) / name))
         assert path is not None and ds.global_steps == SAVE_STEP
-        out[name] = _run(ds, range(SAVE_STEP, TOTAL_STEPS), rank, world)
+        out[name] = train_steps(ds, range(SAVE_STEP, TOTAL_STEPS), rank, world)
     return out
