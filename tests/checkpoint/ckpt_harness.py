@@ -7,19 +7,15 @@ see the same data and (in fp32) the same losses up to summation order.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from zero_harness import MICRO, SEQ, build_model, engine_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-
-from zero_harness import MICRO, SEQ, build_model, engine_config  # noqa: E402
-
-from deepshard.core import SchedulerConfig, initialize  # noqa: E402
-from deepshard.core.checkpoint import load_checkpoint, save_checkpoint, training_state  # noqa: E402
-from deepshard.core.mesh import local_device  # noqa: E402
+from deepshard.core import SchedulerConfig, initialize
+from deepshard.core.checkpoint import load_checkpoint, save_checkpoint, training_state
+from deepshard.core.mesh import local_device
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -97,7 +93,7 @@ def resume_worker(root: str) -> dict:
     bf16 = make_engine(1, dtype="bf16")
     run_steps(bf16, range(SPLIT))
     path = save(bf16, root / "bf16", SPLIT)
-    masters = {k: v.full_tensor() for k, v in training_state(bf16.optimizer, bf16.mesh["dp"])[0].items()
+    masters = {k: v.full_tensor() for k, v in training_state(bf16.optimizer, bf16.mesh["dp"]).items()
                if k.startswith("model.")}
     fp32 = make_engine(3)
     load(fp32, path)

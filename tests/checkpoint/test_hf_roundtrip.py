@@ -4,7 +4,6 @@ tiny Llama saved by transformers.  Logits agree within 1e-5 both ways."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -79,7 +78,6 @@ def test_unsupported_hf_configs_are_refused_by_key(tmp_path):
 
 
 def test_model_hf_composes_and_validates(tmp_path):
-    sys.path.insert(0, str(ROOT / "tests" / "app"))
     from test_config import _compose
 
     from deepshard.finetune.config import validate

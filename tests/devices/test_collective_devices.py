@@ -8,19 +8,16 @@ rejects it ("No backend type associated with device type cpu").  Meta stands in 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from device_recorder import CollectiveRecorder, fake_world
+from zero_harness import MICRO, build_model, engine_config
 
 from deepshard.core.mesh import ParallelDims, build_mesh, use_local_device
 from deepshard.core.optim import ZeroOptimizer, global_grad_sq_norm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from zero_harness import MICRO, build_model, engine_config  # noqa: E402
 
 META = torch.device("meta")
 

@@ -19,16 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+from app_harness import MAIN, TINY
+from malicious import poison_metadata
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "checkpoint"))
-sys.path.insert(0, str(ROOT / "tests" / "finetune_app"))
-
-from app_harness import MAIN, TINY  # noqa: E402
-from malicious import poison_metadata  # noqa: E402
-
-from deepshard.core.checkpoint_manifest import latest_good, step_dirs, temp_dirs, verify_checkpoint  # noqa: E402
-from deepshard.finetune.export import main as export_main  # noqa: E402
+from deepshard.core.checkpoint_manifest import latest_good, step_dirs, temp_dirs, verify_checkpoint
+from deepshard.finetune.export import main as export_main
 
 pytestmark = pytest.mark.slow
 PAUSED = "pausing this save for a fault-injection test"

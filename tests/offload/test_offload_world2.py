@@ -3,16 +3,11 @@ NVMe train exactly like the same run without offload (fp32: losses and parameter
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from zero_harness import distributed_run, engine_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from zero_harness import distributed_run, engine_config  # noqa: E402
-
-from deepshard.core.launch import launch_local  # noqa: E402
+from deepshard.core.launch import launch_local
 
 STEPS = 4
 
