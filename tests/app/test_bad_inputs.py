@@ -1,5 +1,7 @@
 """Bad input that used to surface inside the workers (a traceback wall, exit 1) is found by the launcher
-before any worker starts: exit 2 and one line naming the file, the line or the key."""
+before any worker starts: exit 2 and one line naming the file, the line or the key.
+
+Each case runs the launcher's checks in this process; two of them also go through the CLI for real."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prelaunch import prelaunch_error
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,9 +75,21 @@ def jsonl_not_utf8(tmp: Path) -> tuple[list[str], str]:
     return ["data=jsonl", f"data.path={f}"], f"error: {f}:2: not UTF-8 text (byte 0xe9 at column 14)"
 
 
-@pytest.mark.parametrize("case", [no_tokenizer, no_weights, config_missing_key, config_not_json,
-                                  micro_batch_over_dataset, too_few_documents_for_eval, jsonl_not_utf8])
+CASES = [no_tokenizer, no_weights, config_missing_key, config_not_json, micro_batch_over_dataset,
+         too_few_documents_for_eval, jsonl_not_utf8]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_before_any_worker(tmp_path, case, monkeypatch):
+    """Every case through the launcher's own checks, in this process (tests/app/prelaunch.py)."""
+    overrides, expected = case(tmp_path)
+    line = prelaunch_error([*TINY, *overrides], tmp_path / "run", monkeypatch)
+    assert line.startswith(expected), line
+
+
+@pytest.mark.parametrize("case", [no_tokenizer, micro_batch_over_dataset])
 def test_bad_input_exits_2_with_one_line_before_any_worker(tmp_path, case):
+    """The CLI for real: a model-file check and the last check before launch (the data fits the batch)."""
     overrides, expected = case(tmp_path)
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"],

@@ -123,24 +123,15 @@ def test_chat_dataset_builds_through_the_app_config(tmp_path):
     assert learned and len(learned) < len(row["labels"])
 
 
-@pytest.mark.slow
-def test_app_stops_before_any_work_on_a_bad_chat_row_or_template(tmp_path):
-    import subprocess
-    import sys
-
-    main = Path(__file__).resolve().parents[2] / "apps/finetune/main.py"
-
-    def run(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(main), *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+def test_app_stops_before_any_work_on_a_bad_chat_row_or_template(tmp_path, monkeypatch):
+    """The launcher's own checks, in this process (tests/app/prelaunch.py: no worker may start)."""
+    from prelaunch import prelaunch_error
 
     bad = _write(tmp_path, [{"messages": TWO_TURNS}, {"messages": [{"role": "robot", "content": "beep"}]}])
-    proc = run("data=chat", f"data.path={bad}", "+peft=lora")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (f"error: {bad}:2: message 0 has role 'robot'; valid roles are "
-                                                    f"['system', 'user', 'assistant', 'tool']")
+    line = prelaunch_error(["data=chat", f"data.path={bad}", "+peft=lora"], tmp_path / "run", monkeypatch)
+    assert line == (f"error: {bad}:2: message 0 has role 'robot'; valid roles are "
+                    f"['system', 'user', 'assistant', 'tool']")
     good = _write(tmp_path, [{"messages": TWO_TURNS}] * 4)
-    proc = run("data=chat", f"data.path={good}", "data.chat_template=missing.jinja")
-    assert proc.returncode == 2
-    assert "data.chat_template='missing.jinja': no such file" in proc.stderr.strip().splitlines()[-1]
-    assert not (tmp_path / "run" / "tensorboard").exists()  # no worker ever started
+    line = prelaunch_error(["data=chat", f"data.path={good}", "data.chat_template=missing.jinja"], tmp_path / "run",
+                           monkeypatch)
+    assert "data.chat_template='missing.jinja': no such file" in line
