@@ -44,8 +44,16 @@ class OffloadConfig:
     one pool buffer holds one sub-group of all three plus its fp32 gradient, so ``buffer_size``
     caps the largest sub-group (buffers are allocated at the largest group's size, 16 bytes per
     element, ``buffer_count`` of them).  ``params`` is the ZeRO-3 parameter-offload switch
-    (validated here, applied by core's ``initialize(offload_params=...)``; stores hold only
-    optimizer state).
+    (validated here, applied by core's ``initialize(offload_params=...)``): ``cpu`` rests the
+    sharded params in host memory, ``nvme`` (needs ``device='nvme'``) in swap files beside the
+    optimizer state (ZeRO-Infinity, :mod:`deepshard.offload.param_swap`).
+
+    Parameter swap (``params='nvme'``), DeepSpeed's ``offload_param`` keys: each FSDP unit (a
+    block, or the root's embeddings + head) is read from NVMe into one of ``param_buffer_count``
+    aligned buffers of ``param_buffer_size`` elements (>= the largest unit's shard) before its
+    all-gather, ``param_prefetch`` units ahead of use (forward order, reversed in backward);
+    ``max_in_cpu`` elements of used shards may stay resident instead of being re-read (0: every
+    shard is released right after its all-gather).
     """
 
     device: str = "none"
@@ -54,6 +62,10 @@ class OffloadConfig:
     sub_group_size: int = 2**24
     buffer_count: int = 3
     buffer_size: int = 2**24
+    param_prefetch: int = 2
+    param_buffer_count: int = 4
+    param_buffer_size: int = 2**24
+    max_in_cpu: int = 0
     aio: AioConfig = field(default_factory=AioConfig)
 
 
@@ -78,12 +90,20 @@ def validate_aio(aio: AioConfig) -> None:
             raise _bad(f"aio.{key}", getattr(aio, key), "expected true or false")
 
 
-def validate_offload(stage: int, device: str, params: str = "none") -> None:
-    """Offload needs sharded optimizer state (ZeRO >= 1); parameter offload needs ZeRO-3."""
+def _check_choices(device: str, params: str) -> None:
+    """The values ``device`` and ``params`` may take, and how they combine (no stage needed)."""
     if device not in ("none", "cpu", "nvme"):
         raise _bad("device", device, "expected one of 'none', 'cpu', 'nvme'")
-    if params not in ("none", "cpu"):
-        raise _bad("params", params, "expected one of 'none', 'cpu'")
+    if params not in ("none", "cpu", "nvme"):
+        raise _bad("params", params, "expected one of 'none', 'cpu', 'nvme'")
+    if params == "nvme" and device != "nvme":
+        raise _bad("params", params, f"parameter swap to NVMe needs the optimizer state there too: "
+                                     f"offload.device='nvme' (+offload=nvme), got offload.device={device!r}")
+
+
+def validate_offload(stage: int, device: str, params: str = "none") -> None:
+    """Offload needs sharded optimizer state (ZeRO >= 1); parameter offload needs ZeRO-3."""
+    _check_choices(device, params)
     if device != "none" and stage == 0:
         raise _bad("device", device, "optimizer offload needs ZeRO stage 1, 2 or 3 (zero.stage is 0)")
     if params != "none" and stage != 3:
@@ -94,9 +114,21 @@ def validate_config(config: OffloadConfig) -> None:
     """Checks that need no knowledge of the model: value ranges, aio knobs, the nvme_path."""
     # value checks only: the stage-dependent ones (offload needs ZeRO >= 1, params ZeRO-3) are the
     # caller's validate_offload(stage, ...), which knows the stage
-    validate_offload(3, config.device, config.params)
+    _check_choices(config.device, config.params)
     if config.device != "nvme":
         return
+    if config.params == "nvme":
+        _positive_int("param_buffer_count", config.param_buffer_count)
+        _positive_int("param_buffer_size", config.param_buffer_size)
+        if isinstance(config.param_prefetch, bool) or not isinstance(config.param_prefetch, int) \
+                or config.param_prefetch < 0:
+            raise _bad("param_prefetch", config.param_prefetch, "expected an integer >= 0 (units read ahead)")
+        if config.param_prefetch >= config.param_buffer_count:
+            raise _bad("param_prefetch", config.param_prefetch,
+                       f"must be < param_buffer_count={config.param_buffer_count} (one buffer per unit read "
+                       "ahead, one for the unit in use)")
+        if isinstance(config.max_in_cpu, bool) or not isinstance(config.max_in_cpu, int) or config.max_in_cpu < 0:
+            raise _bad("max_in_cpu", config.max_in_cpu, "expected an integer >= 0 (elements)")
     _positive_int("sub_group_size", config.sub_group_size)
     _positive_int("buffer_count", config.buffer_count)
     _positive_int("buffer_size", config.buffer_size)
@@ -110,6 +142,25 @@ def validate_config(config: OffloadConfig) -> None:
         tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
         raise _bad("nvme_path", path, f"the directory is not writable ({e.strerror})") from e
+
+
+def validate_param_swap(config: OffloadConfig, bytes_needed: int, largest_unit: int, largest_unit_name: str) -> None:
+    """Before a parameter swap starts: pool buffers hold the largest unit; the disk holds it all.
+
+    ``bytes_needed`` covers params, gradients and both Adam moments (16 bytes per element);
+    ``largest_unit`` is the largest FSDP unit's shard in elements, ``largest_unit_name`` names it.
+    """
+    validate_config(config)
+    for key in ("param_buffer_size", "buffer_size"):
+        if getattr(config, key) < largest_unit:
+            raise _bad(key, getattr(config, key),
+                       f"must be >= the largest block shard ({largest_unit} elements, {largest_unit_name!r}): "
+                       "one buffer holds one block's shard")
+    free = shutil.disk_usage(config.nvme_path).free
+    if bytes_needed > free:
+        raise _bad("nvme_path", config.nvme_path,
+                   f"needs {bytes_needed} bytes of swap space (params + grads + optimizer state) but only "
+                   f"{free} bytes are free")
 
 
 def validate_nvme(config: OffloadConfig, bytes_needed: int, largest_group: int | None = None) -> None:

@@ -8,7 +8,20 @@ from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
 
 from .config import OffloadConfig, validate_config
 from .cpu_store import CpuStateStore
+from .infinity_store import InfinityStore
 from .nvme_store import NvmeStateStore
+from .param_swap import ParamSwap
+
+
+class InfinityFactory:
+    """``offload.params=nvme``: the store factory and, as :attr:`param_swap`, the object core's
+    ``initialize(offload_params=...)`` hooks into the FSDP units (see :func:`param_offload`)."""
+
+    def __init__(self, config: OffloadConfig, rank: int, run_id: str) -> None:
+        self.param_swap = ParamSwap(config, rank=rank, run_id=run_id)
+
+    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> StateStore:
+        return InfinityStore(params, weight_decays, adamw, swap=self.param_swap)
 
 
 def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFactory:
@@ -23,8 +36,19 @@ def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFa
         return DeviceStateStore
     if config.device == "cpu":
         return CpuStateStore
+    if config.params == "nvme":
+        return InfinityFactory(config, rank, run_id)
 
     def nvme(params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> StateStore:
         return NvmeStateStore(params, weight_decays, adamw, config=config, rank=rank, run_id=run_id)
 
     return nvme
+
+
+def param_offload(config: OffloadConfig, store_factory: StoreFactory) -> bool | ParamSwap:
+    """What to pass as core's ``initialize(offload_params=...)``: False, True (``params=cpu``:
+    FSDP2's CPU offload) or the :class:`ParamSwap` of ``store_factory`` (``params=nvme``)."""
+    if config.params == "nvme":
+        assert isinstance(store_factory, InfinityFactory), "params=nvme needs make_store_factory's factory"
+        return store_factory.param_swap
+    return config.params == "cpu"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +36,7 @@ from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_nvme
+from .streaming import stream_groups
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
@@ -148,64 +148,16 @@ class NvmeStateStore(StateStore):
 
     def _stream(self, fn: Callable[[int, _Buffer], None], *, read: bool, write: bool,
                 assign: Callable[[int, _Buffer], None] | None = None) -> None:
-        """Run ``fn(g, buffer)`` for every group in order, with reads ahead and writes behind.
-
-        With ``overlap_events`` the read of group g+1 (up to ``buffer_count - 2`` groups ahead
-        when buffers are free) and the write of group g-1 are in flight while ``fn`` runs on g;
-        without it every request is waited for right away.  ``assign(g, buffer)`` runs when a
+        """Run ``fn(g, buffer)`` for every group in order, with reads ahead and writes behind
+        (:func:`~deepshard.offload.streaming.stream_groups`).  ``assign(g, buffer)`` runs when a
         buffer is handed to group g (with the read ahead): where the step starts its gradient copies.
         """
-        overlap = self.config.aio.overlap_events
-        ahead = max(1, len(self._buffers) - 2) if (overlap and read) else 0
-        free = list(self._buffers)
-        writes: deque[tuple[_Buffer, list[AioRequest]]] = deque()
-        reads: dict[int, tuple[_Buffer, list[AioRequest]]] = {}
-
-        def retire_write() -> None:
-            buf, reqs = writes.popleft()
-            for r in reqs:
-                r.wait()
-            free.append(buf)
-
-        def issue(g: int) -> None:
-            if not free:
-                retire_write()
-            buf = free.pop()
-            buf.wait_copies()  # the device copies of its previous group no longer touch it
-            reads[g] = (buf, self._io(g, buf, write=False) if read else [])
-            if assign is not None:
-                assign(g, buf)
-
-        try:
-            num_groups = len(self.groups)
-            for g in range(num_groups):
-                if g not in reads:
-                    issue(g)
-                for h in range(g + 1, min(num_groups, g + 1 + ahead)):
-                    if h not in reads:
-                        if not (free or (h == g + 1 and writes)):
-                            break
-                        issue(h)
-                buf, reqs = reads.pop(g)
-                for r in reqs:
-                    r.wait()
-                fn(g, buf)
-                if write:
-                    writes.append((buf, self._io(g, buf, write=True)))
-                    if overlap:
-                        continue
-                    retire_write()
-                else:
-                    free.append(buf)
-            while writes:
-                retire_write()
-        finally:  # on error: no request may still target a buffer or a file we are about to reuse
-            for _, reqs in list(writes) + list(reads.values()):
-                for r in reqs:
-                    try:
-                        r.wait()
-                    except OSError:
-                        pass
+        stream_groups(len(self.groups), self._buffers, fn,
+                      read_io=(lambda g, b: self._io(g, b, write=False)) if read else None,
+                      write_io=(lambda g, b: self._io(g, b, write=True)) if write else None,
+                      overlap=self.config.aio.overlap_events,
+                      before_reuse=lambda b: b.wait_copies(),  # its previous group's device copies are done
+                      assign=assign)
 
     # -- per-group work -------------------------------------------------------------------------
 

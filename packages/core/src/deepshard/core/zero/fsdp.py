@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -13,6 +15,20 @@ from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
 from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, trainable
 
 
+@runtime_checkable
+class ParamOffload(Protocol):
+    """A parameter swap (offload's ``ParamSwap``, ``offload.params=nvme``) passed as ``offload_params``:
+    it hooks the FSDP units, keeps gradients out of ``.grad`` and answers for them."""
+
+    def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None: ...
+    def grad_norms(self) -> list[torch.Tensor]: ...
+    def zero_grad(self) -> None: ...
+    def resident_bytes(self) -> int: ...
+
+
+_param_offloads: weakref.WeakKeyDictionary[nn.Module, ParamOffload] = weakref.WeakKeyDictionary()
+
+
 def apply_fsdp(
     model: nn.Module,
     blocks: Iterable[nn.Module],
@@ -21,7 +37,7 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
-    offload_params: bool = False,
+    offload_params: bool | ParamOffload = False,
     prefetch: int = 1,
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, head), torchtitan's order.
@@ -43,6 +59,9 @@ def apply_fsdp(
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
             block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - prefetch):i])))
+    if isinstance(offload_params, ParamOffload):
+        offload_params.attach(model, blocks)
+        _param_offloads[model] = offload_params
 
 
 class FullyShardedStage(ZeroStage):
@@ -53,11 +72,14 @@ class FullyShardedStage(ZeroStage):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.names, self.params = trainable(model)
+        self.param_offload = _param_offloads.get(model)
 
     def local_params(self) -> list[torch.Tensor]:
         return [local_tensor(p.data) for p in self.params]
 
     def local_grads(self) -> list[torch.Tensor]:
+        if self.param_offload is not None:  # gradients went to NVMe as reduced: their norms stand in
+            return self.param_offload.grad_norms()
         return param_grads(self.params)
 
     def replication(self) -> list[int]:
@@ -66,9 +88,13 @@ class FullyShardedStage(ZeroStage):
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.param_offload is not None:
+            self.param_offload.zero_grad()
 
     def grad_bytes(self) -> int:
         return held_grad_bytes(self.params)
 
     def param_bytes(self) -> int:
+        if self.param_offload is not None:  # shards in memory right now (the rest are on NVMe)
+            return self.param_offload.resident_bytes()
         return sum(local_tensor(p.data).nbytes for p in self.params)
