@@ -1,11 +1,12 @@
 """zero.Init (params never whole on a rank), GatheredParameters (full inside, modifier_rank's change
 kept and reaching the fp32 masters), DeepSpeed's checkpoint calls with the ``latest`` tag file and
-client_state, and save_16bit_model, on a real 2-rank gloo group at ZeRO-3."""
+client_state, the LR schedule's position across save/load (DeepSpeed's recorded rates), and
+save_16bit_model, on a real 2-rank gloo group at ZeRO-3."""
 
 from __future__ import annotations
 
 import pytest
-from compat_ckpt_harness import checkpoint_worker
+from compat_ckpt_harness import FIXTURE, LR_CASE, checkpoint_worker
 
 from deepshard.core.launch import launch_local
 
@@ -23,6 +24,11 @@ def test_init_gather_checkpoint_and_16bit_model(tmp_path):
         assert o["path"].startswith(str(tmp_path / "global_step2"))
         assert o["client"] == {"epoch": 3, "note": "hi"}
         assert o["resumed"] == pytest.approx(o["after"], abs=1e-6), f"rank {rank}"
-        assert o["lr"] == [1e-3]
+        # the LR schedule came back with the update count: DeepSpeed's own rates for this
+        # WarmupDecayLR (recorded straight through, and after its own save at update 2 and resume)
+        ds = FIXTURE["cases"][LR_CASE]["lrs"]
+        assert o["lrs"] == pytest.approx(ds[:4], rel=1e-12) and o["resumed_lrs"] == pytest.approx(ds[2:4], rel=1e-12)
+        assert o["resumed_lrs"] == pytest.approx(FIXTURE["resume"]["lrs_after"][:2], rel=1e-12)
+        assert o["lr"] == pytest.approx([ds[4]], rel=1e-12)
     assert outs[0]["saved_keys"] and outs[0]["saved_match"]
     assert outs[0]["first"] != outs[1]["first"]  # ranks saw different data

@@ -1,6 +1,6 @@
 """The ds_config through the app's one translation: errors name the file and its key, the batch
 hint says which change makes it consistent at this world size, DeepSpeed's defaults and its
-one-update-late LR schedule (no process group needed)."""
+LR schedule, one update late as its engine applies it (no process group needed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 import pytest
 
 from deepshard.compat.deepspeed.config import compat_config
-from deepshard.compat.deepspeed.schedule import deepspeed_lr_at
 from deepshard.core import SchedulerConfig
 from deepshard.core.schedules import LRSchedule
 
@@ -60,7 +59,8 @@ def test_fixture_translates_with_deepspeed_defaults():
 
 
 def _ds_rate(name: str, it: int, c: SchedulerConfig, base: float) -> float:
-    """deepspeed/runtime/lr_schedules.py's get_lr at last_batch_iteration ``it`` (written out)."""
+    """deepspeed/runtime/lr_schedules.py's get_lr at last_batch_iteration ``it`` (written out; the
+    recorded runs of tests/core/test_lr_schedule_vs_deepspeed.py check the engine's order)."""
     if it < 0:
         return 0.0 if name == "WarmupCosineLR" else c.warmup_min_lr
     if it < c.warmup_num_steps:
@@ -76,6 +76,18 @@ def _ds_rate(name: str, it: int, c: SchedulerConfig, base: float) -> float:
 def test_lr_of_update_k_is_deepspeeds_one_update_late(name):
     c = SchedulerConfig(name=name, warmup_min_lr=1e-5, warmup_max_lr=1e-3, warmup_num_steps=4,
                         warmup_type="log", total_num_steps=10)
-    lr_at = deepspeed_lr_at(LRSchedule(c, 1e-3).lr_at, c)
+    schedule = LRSchedule(c, 1e-3)  # core's own schedule: no adapter in the compat layer any more
     for k in range(12):  # DeepSpeed's engine steps its scheduler after the k-th update
-        assert lr_at(k) == pytest.approx(_ds_rate(name, k - 1, c, 1e-3), abs=1e-12)
+        assert schedule.lr_at(k) == pytest.approx(_ds_rate(name, k - 1, c, 1e-3), abs=1e-12)
+
+
+def test_warmup_lr_peaks_at_the_optimizers_lr_by_default():
+    """DeepSpeed's WarmupLR takes warmup_max_lr=None as the optimizer's lr (WarmupDecayLR: 0.001)."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 5e-3}}}
+    warm = compat_config({**ds, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}},
+                         dp=1, cuda=False, warn=False).engine.scheduler
+    assert warm.warmup_max_lr == 5e-3
+    decay = compat_config({**ds, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 9,
+                                                                                   "warmup_num_steps": 2}}},
+                          dp=1, cuda=False, warn=False).engine.scheduler
+    assert decay.warmup_max_lr == 1e-3

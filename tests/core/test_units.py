@@ -51,17 +51,24 @@ def test_loss_scaler_static_and_floor():
 
 
 def test_schedules_match_deepspeed_formulas():
+    """Update k runs at DeepSpeed's rate for iteration k-1 (its engine steps the scheduler after the
+    update); before its first step DeepSpeed's WarmupLR sits at warmup_min_lr, its cosine at ratio 0."""
     warm = LRSchedule(SchedulerConfig("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10), 1.0)
-    assert warm.lr_at(0) == 0.0 and warm.lr_at(5) == 0.5 and warm.lr_at(10) == 1.0 and warm.lr_at(99) == 1.0
+    assert warm.lr_at(0) == 0.0 and warm.lr_at(1) == 0.0 and warm.lr_at(6) == 0.5
+    assert warm.lr_at(10) == pytest.approx(0.9) and warm.lr_at(11) == 1.0 and warm.lr_at(99) == 1.0
     log = LRSchedule(SchedulerConfig("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="log"), 1.0)
-    assert log.lr_at(4) == pytest.approx(math.log(5) / math.log(10))
+    assert log.lr_at(5) == pytest.approx(math.log(5) / math.log(10))
     decay = LRSchedule(SchedulerConfig("WarmupDecayLR", warmup_max_lr=1.0, warmup_num_steps=10,
                                        total_num_steps=20), 1.0)
-    assert decay.lr_at(15) == pytest.approx(0.5) and decay.lr_at(20) == 0.0
+    assert decay.lr_at(16) == pytest.approx(0.5) and decay.lr_at(21) == 0.0
     cos = LRSchedule(SchedulerConfig("WarmupCosineLR", warmup_num_steps=10, total_num_steps=110,
                                      cos_min_ratio=0.0), 2.0)
-    assert cos.lr_at(5) == pytest.approx(1.0) and cos.lr_at(60) == pytest.approx(1.0)
+    assert cos.lr_at(0) == 0.0 and cos.lr_at(6) == pytest.approx(1.0) and cos.lr_at(60) == pytest.approx(1.0)
     assert cos.lr_at(110) == pytest.approx(0.0, abs=1e-12)
+    short = LRSchedule(SchedulerConfig("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=1), 1.0)
+    assert [short.lr_at(k) for k in range(4)] == [0.0, 0.0, 0.5, 1.0]  # DeepSpeed: max(2, warmup_num_steps)
+    none = LRSchedule(SchedulerConfig("WarmupDecayLR", warmup_max_lr=1.0, warmup_num_steps=0, total_num_steps=4), 1.0)
+    assert [none.lr_at(k) for k in range(6)] == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0]  # 0: no warm-up at all
 
 
 @pytest.mark.parametrize("rows,world", [(7, 2), (5, 4), (1, 4), (12, 3)])

@@ -24,7 +24,6 @@ from . import comm, zero
 from .comm import init_distributed
 from .config import CompatConfig, compat_config
 from .engine import DeepSpeedEngine
-from .schedule import deepspeed_lr_at
 
 __all__ = ["DeepSpeedEngine", "comm", "init_distributed", "initialize", "zero"]
 __version__ = "0.19.8+deepshard"
@@ -146,7 +145,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     store_factory, offload_params = _store(cfg, stage)
     engine = core_initialize(model, cfg.engine, blocks=find_blocks(model), store_factory=store_factory,
                              offload_params=offload_params, materialize=zero.materialize if on_meta else None)
-    engine.optimizer.lr_at = deepspeed_lr_at(engine.optimizer.lr_at, cfg.engine.scheduler)
     ds_engine = DeepSpeedEngine(engine, cfg)
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None

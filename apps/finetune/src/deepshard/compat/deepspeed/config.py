@@ -102,6 +102,8 @@ def engine_config_from_overrides(overrides: list[str], *, grad_accum: int) -> En
     optim = {**DS_OPTIM, **s["optim"]}
     optim["betas"] = tuple(optim["betas"])
     scheduler = {**DS_SCHEDULER, **s["scheduler"]} if s["scheduler"].get("name") else {}
+    if scheduler.get("name") == "WarmupLR" and "warmup_max_lr" not in s["scheduler"]:
+        scheduler["warmup_max_lr"] = optim["lr"]  # DeepSpeed's WarmupLR peaks at the optimizer's lr by default
     if scheduler.get("name") == "WarmupCosineLR":  # its warm-up is a ratio of the optimizer's lr
         scheduler = {k: v for k, v in scheduler.items() if k not in ("warmup_min_lr", "warmup_max_lr")}
     return EngineConfig(zero=ZeroConfig(**s["zero"]), precision=PrecisionConfig(**s["precision"]),
