@@ -113,7 +113,7 @@ def test_peak_rss_within_one_and_a_half_partition_files(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_resumes_our_checkpoints(imported, tmp_path, stage):
     """to_deepspeed: DeepSpeed resumes a checkpoint we wrote and continues with our losses; and an
     imported-then-exported fixture continues as DeepSpeed did from its own file (skipped without DeepSpeed)."""

@@ -1,14 +1,19 @@
 """``python -m deepshard.finetune.to_deepspeed CKPT OUT_DIR [--stage N] [--world W] [--tag TAG]``
 
 One of our checkpoints (a ``step-*`` directory, or a folder of them: the newest good one) as a
-DeepSpeed ZeRO-1/2 checkpoint that DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` resumes at
-data-parallel size W (default: the size it was saved at): ``OUT_DIR/latest``,
-``OUT_DIR/TAG/mp_rank_00_model_states.pt`` (the full fp32 weights, LR-scheduler position, step
-counters) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its slice of the flat
-fp32 masters and Adam moments).  DeepSpeed must build its engine with two parameter groups in
-model order, matrices first (decayed) then vectors (weight_decay 0): the AdamW of deepshard.
-Each rank file is built from one tensor at a time (core's checkpoint_stream).  ZeRO-3 output and
-the fp16 loss-scaler state are not written yet (DeepSpeed keeps its fresh scaler).
+DeepSpeed ZeRO-1/2/3 checkpoint that DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` resumes at
+data-parallel size W (default: the size it was saved at), in ``OUT_DIR/latest`` and ``OUT_DIR/TAG/``:
+
+- ZeRO-1/2: ``mp_rank_00_model_states.pt`` (the full fp32 weights, LR-scheduler position, step
+  counters) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its slice of the flat
+  fp32 masters and Adam moments, each group padded to a multiple of 2 x W).
+- ZeRO-3: per rank ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (shapes,
+  counters) and ``..._optim_states.pt`` holding its ceil(numel / W) piece of every parameter.
+
+DeepSpeed must build its engine with two parameter groups in model order, matrices first
+(decayed) then vectors (weight_decay 0): the AdamW of deepshard.  Each rank file is built from one
+tensor at a time (core's checkpoint_stream).  The fp16 dynamic loss-scaler state is not written:
+ZeRO-1/2 keep DeepSpeed's fresh scaler, ZeRO-3 gets a static one at the saved scale.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from typing import Any
 
 import torch
 
+from deepshard.compat.deepspeed.ds_files import DsLossScaler, save_for_deepspeed
 from deepshard.core.checkpoint_manifest import latest_good, read_manifest
 from deepshard.core.checkpoint_stream import TensorInfo, load_full_tensor, tensor_infos
 
 DS_VERSION = "0.19.8"
 PREFIXES = {"master": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
+DS_SUB_GROUP_SIZE = 10**9  # DeepSpeed's zero_optimization.stage3_sub_group_size default
 
 
 def _find(ckpt: Path) -> Path:
@@ -45,9 +52,11 @@ def groups(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
 
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, world: int | None = None,
-                      tag: str | None = None) -> Path:
-    if stage not in (1, 2):
-        raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1 or ZeRO-2 checkpoints (ZeRO-3: not yet)")
+                      tag: str | None = None, sub_group_size: int = DS_SUB_GROUP_SIZE) -> Path:
+    if stage not in (1, 2, 3):
+        raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1, -2 or -3 checkpoints (valid: 1, 2, 3)")
+    if sub_group_size < 1:
+        raise ValueError(f"--sub-group-size {sub_group_size}: must be >= 1 (DeepSpeed's stage3_sub_group_size)")
     path = _find(Path(ckpt))
     manifest = read_manifest(path)
     trainer = json.loads((path / "trainer.json").read_text())
@@ -61,14 +70,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     out = Path(out_dir) / tag
     out.mkdir(parents=True, exist_ok=False)
     shapes = [OrderedDict((i.key[6:], torch.Size(i.shape)) for i in g) for g in grouped]
+    if stage == 3:
+        export_zero3(path, out, trainer, grouped, model_states(shapes, steps, counters, world),
+                     world=world, steps=steps, sub_group_size=sub_group_size)
+        (Path(out_dir) / "latest").write_text(tag)
+        return out
     module = OrderedDict((i.key[6:], load_full_tensor(path, i)) for i in tensor_infos(path, "model."))
-    torch.save({"module": module, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
-                "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
-                "lr_scheduler": {"last_batch_iteration": steps - 1}, "data_sampler": None, "random_ltd": None,
-                "sparse_tensor_module_names": set(), "skipped_steps": int(counters.get("skipped_steps", 0)),
-                "global_steps": int(counters.get("global_steps", steps)),
-                "global_samples": int(counters.get("global_samples", 0)), "dp_world_size": world,
-                "mp_world_size": 1, "ds_config": {}, "ds_version": DS_VERSION}, out / "mp_rank_00_model_states.pt")
+    torch.save({"module": module, **model_states(shapes, steps, counters, world)}, out / "mp_rank_00_model_states.pt")
     del module
     align = 2 * world  # DeepSpeed pads each flat group to a multiple of 2 x dp size
     sizes = [math.ceil(sum(math.prod(i.shape) for i in g) / align) * align for g in grouped]
@@ -93,7 +101,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
         # torch's Adam keeps ``step`` as a tensor it increments in place (an int would stay put)
         state = {i: {"step": torch.tensor(float(steps)), "exp_avg": flats["exp_avg"][i], "exp_avg_sq": flats["exp_avg_sq"][i]}
                  for i in range(len(grouped))}
-        param_groups = [_group(trainer, i, decay=(i == 0)) for i in range(len(grouped))]
+        param_groups = [ds_group(trainer, i, decay=(i == 0)) for i in range(len(grouped))]
         osd: dict[str, Any] = {
             # no loss_scaler / clip_grad / dynamic_loss_scale keys: DeepSpeed keeps its own config's values
             "base_optimizer_state": {"state": state, "param_groups": param_groups},
@@ -106,7 +114,76 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     return out
 
 
-def _group(trainer: dict, index: int, *, decay: bool) -> dict[str, Any]:
+def sub_groups(group: list[TensorInfo], world: int, sub_group_size: int) -> list[list[TensorInfo]]:
+    """DeepSpeed ZeRO-3's sub-groups of a parameter group (stage3.py ``_create_fp16_sub_groups``):
+    consecutive parameters until their per-rank partitions reach ``sub_group_size`` elements."""
+    parts = [math.ceil(math.prod(i.shape) / world) for i in group]
+    if sub_group_size >= sum(parts):
+        return [group]
+    out, current, size = [], [], 0
+    for info, part in zip(group, parts):
+        current.append(info)
+        size += part
+        if size >= sub_group_size or info is group[-1]:
+            out.append(current)
+            current, size = [], 0
+    return out
+
+
+def export_zero3(path: Path, out: Path, trainer: dict, grouped: list[list[TensorInfo]], states: dict[str, Any], *,
+                 world: int, steps: int, sub_group_size: int) -> None:
+    """ZeRO-3: every parameter split into ceil(numel / W) pieces, rank r holding piece r (the last
+    padded with zeros); a rank's flat partition of a sub-group is its pieces in order.  The Adam state
+    is indexed by sub-group, each parameter group listing its sub-groups."""
+    subs = [sub_groups(g, world, sub_group_size) for g in grouped]
+    flat_subs = [sg for g in subs for sg in g]
+    groups_out, first = [], 0
+    for gi, g in enumerate(subs):
+        groups_out.append({**ds_group(trainer, gi, decay=(gi == 0)), "params": list(range(first, first + len(g)))})
+        first += len(g)
+    scale = float(trainer.get("scaler", {}).get("scale", 1.0))
+    for rank in range(world):
+        flats: dict[str, list[torch.Tensor]] = {k: [] for k in PREFIXES}
+        for sg in flat_subs:
+            for kind, prefix in PREFIXES.items():
+                pieces = []
+                for info in sg:
+                    n = math.prod(info.shape)
+                    part = math.ceil(n / world)
+                    piece = torch.zeros(part, dtype=torch.float32)
+                    lo, hi = rank * part, min((rank + 1) * part, n)
+                    if hi > lo:
+                        t = load_full_tensor(path, TensorInfo(prefix + info.key[6:], info.shape, torch.float32))
+                        piece[:hi - lo] = t.reshape(-1)[lo:hi]
+                        del t
+                    pieces.append(piece)
+                flats[kind].append(torch.cat(pieces))
+        state = {i: {"step": steps, "exp_avg": flats["exp_avg"][i],  # an int, as DeepSpeed's ZeRO-3 saves it
+                     "exp_avg_sq": flats["exp_avg_sq"][i]} for i in range(len(flat_subs))}
+        osd = {"zero_stage": 3, "loss_scaler": DsLossScaler(scale), "dynamic_loss_scale": False, "overflow": False,
+               "partition_count": world, "optimizer_state_dict": {"state": state, "param_groups": groups_out},
+               "fp32_flat_groups": flats["master"]}
+        save_for_deepspeed({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION},
+                           out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        del flats, state, osd
+        module = OrderedDict((i.key[6:], torch.empty(0)) for g in grouped for i in g)  # weights live in the optim files
+        torch.save({"module": module, **states, "frozen_param_shapes": OrderedDict(),
+                    "frozen_param_fragments": OrderedDict()}, out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
+def model_states(shapes: list[OrderedDict], steps: int, counters: dict, world: int) -> dict[str, Any]:
+    """The model-states file's entries other than ``module``: shapes, LR-scheduler position, counters.
+    DeepSpeed's scheduler stands at ``last_batch_iteration = updates - 1`` (it starts at -1)."""
+    return {"buffer_names": [], "optimizer": None, "param_shapes": shapes,
+            "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+            "lr_scheduler": {"last_batch_iteration": steps - 1}, "data_sampler": None, "random_ltd": None,
+            "sparse_tensor_module_names": set(), "skipped_steps": int(counters.get("skipped_steps", 0)),
+            "global_steps": int(counters.get("global_steps", steps)),
+            "global_samples": int(counters.get("global_samples", 0)), "dp_world_size": world,
+            "mp_world_size": 1, "ds_config": {}, "ds_version": DS_VERSION}
+
+
+def ds_group(trainer: dict, index: int, *, decay: bool) -> dict[str, Any]:
     """DeepSpeed's Adam param_group.  DeepSpeed restores every hyper-parameter from it, and the lr
     is the one its next update uses (its scheduler only moves after that update)."""
     app = trainer["app"] if isinstance(trainer["app"], dict) else {}
@@ -126,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.to_deepspeed")
     ap.add_argument("ckpt")
     ap.add_argument("out_dir")
-    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1 or 2)")
+    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1, 2 or 3)")
+    ap.add_argument("--sub-group-size", type=int, default=DS_SUB_GROUP_SIZE,
+                    help="ZeRO-3: the resuming run's zero_optimization.stage3_sub_group_size (DeepSpeed's default)")
     ap.add_argument("--world", type=int, default=None, help="its data-parallel size (default: as saved)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     try:
-        print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag))
+        print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag,
+                                sub_group_size=args.sub_group_size))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import enum
 import os
+import pickle
 import re
+import types
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,38 @@ ALLOWED = [
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
 ]
+
+
+_DS_NAMES = {cls: name.rsplit(".", 1) for cls, name in ALLOWED}
+
+
+class _DsPickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be overridden
+    """Writes the stand-ins under DeepSpeed's own names, so DeepSpeed (which unpickles its files with
+    weights_only=False) gets its real classes back; DeepSpeed need not be installed to write them."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj not in _DS_NAMES:
+            return super().save_global(obj, name)
+        module, qualname = _DS_NAMES[obj]
+        assert self.proto < 4, "torch.save pickles with protocol 2"
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+_DS_PICKLE = types.ModuleType("deepshard_ds_pickle")
+_DS_PICKLE.Pickler = _DsPickler  # type: ignore[attr-defined]
+
+
+def DsLossScaler(scale: float) -> LossScaler:  # noqa: N802 - it stands for DeepSpeed's class
+    """What DeepSpeed's ``LossScaler(scale)`` (a static scale) pickles as: ``cur_scale``, ``dynamic``."""
+    out = LossScaler()
+    out.__setstate__({"cur_scale": float(scale), "dynamic": False})
+    return out
+
+
+def save_for_deepspeed(obj: dict[str, Any], path: str | os.PathLike) -> None:
+    """``torch.save`` for a file DeepSpeed will load, the stand-ins in it named as DeepSpeed's classes."""
+    torch.save(obj, path, pickle_module=_DS_PICKLE)
 
 
 def load_ds_file(path: str | os.PathLike) -> dict[str, Any]:
