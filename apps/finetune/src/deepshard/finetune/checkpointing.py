@@ -212,16 +212,25 @@ class RunCheckpoints:
             return found, True
         return path, False
 
-    def resume(self) -> int:
+    def resume(self, *, micro_batches_per_step: int = 1) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
         path, verified = self._resolve()
         step = 0
         if path is not None:
             from deepshard.finetune.adapter_export import check_lora_resume
+            from deepshard.finetune.from_deepspeed import ImportedRun
 
             check_lora_resume(path, self.meta)  # LoRA into LoRA on the same base, full into full
             dp = self.engine.mesh["dp"]
-            app = load_checkpoint(path, self.engine.optimizer, dp, model=self.model, verify=not verified)
+            imported = ImportedRun.of(path)  # made by from_deepspeed: DeepSpeed's names, no app state of ours
+            if imported is not None:
+                imported.match_names(self.engine.optimizer.stage.names)
+            app = load_checkpoint(path, self.engine.optimizer, dp, model=self.model, verify=not verified,
+                                  rename=imported.rename if imported is not None else None)
+            if imported is not None:
+                app = imported.app_state(self.data, micro_batches_per_step=micro_batches_per_step,
+                                         tokens_per_step=self.tokens_per_step)
+                log.info("%s", imported.describe())
             self.data.load_state_dict(app["data"])
             self.tokens_seen = int(app["tokens_seen"])
             step = self.saved_step = int(app["step"])
@@ -315,4 +324,4 @@ def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, eng
         meta["base"] = {"model": settings.model_name, "path": settings.model_path, "seed": t.seed}
     ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,
                           tokens_per_step=tokens_per_step, meta=meta, tokenizer=tokenizer)
-    return ckpt, data, ckpt.resume()
+    return ckpt, data, ckpt.resume(micro_batches_per_step=settings.micro_batches_per_step)

@@ -30,14 +30,18 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from deepshard.compat.deepspeed.ds_files import load_ds_file, rank_files, resolve_tag_dir
-from deepshard.core.checkpoint_extra import TRAINER, write_json
+from deepshard.core.checkpoint import clean_name
+from deepshard.core.checkpoint_extra import TRAINER, read_trainer, write_json
 from deepshard.core.checkpoint_manifest import (
     FORMAT,
+    CheckpointError,
     describe_files,
     list_files,
     step_dir_name,
     write_manifest,
 )
+from deepshard.core.checkpoint_stream import tensor_infos
+from deepshard.finetune.models.hf import to_hf_name
 
 KINDS = {"model.": "master", "optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}
 
@@ -231,6 +235,65 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+class ImportedRun:
+    """A checkpoint this importer wrote, as the app resumes it (``checkpoint.resume=OUT_DIR``): DeepSpeed's
+    module names mapped to ours, and the app state DeepSpeed has none of (our data position, tokens seen)."""
+
+    def __init__(self, path: Path, trainer: dict[str, Any]) -> None:
+        self.path = path
+        self.step = int(trainer["num_updates"])
+        self.record = trainer["app"]["deepspeed"]
+        self.scale = float(trainer["scaler"]["scale"])
+        self.hf_names = False
+
+    @staticmethod
+    def of(path: str | Path) -> ImportedRun | None:
+        """The import record of ``path``, or None for a checkpoint this importer did not write."""
+        trainer = read_trainer(path)
+        app = trainer["app"]
+        imported = isinstance(app, dict) and "deepspeed" in app and "data" not in app
+        return ImportedRun(Path(path), trainer) if imported else None
+
+    def match_names(self, names: list[str]) -> None:
+        """Our parameter names against the checkpoint's, as saved or as HF names (``model.`` + ours,
+        ``lm_head.`` as is); CheckpointError naming the first one found neither way."""
+        saved = {i.key for i in tensor_infos(self.path, "model.")}
+        ours = [f"model.{clean_name(n)}" for n in names]
+        if all(k in saved for k in ours):
+            return
+        self.hf_names = True
+        missing = [k for k in ours if self.rename(k) not in saved]
+        if missing:
+            raise CheckpointError(f"checkpoint.resume={str(self.path)!r}: imported from DeepSpeed, but it has no tensor "
+                             f"{self.rename(missing[0])!r} (this run's {missing[0]!r}; {len(missing)} missing in all): "
+                             f"a different model than this run's model= settings")
+
+    def rename(self, key: str) -> str:
+        """Our checkpoint key -> the imported one (``model.layers.0...`` -> ``model.model.layers.0...``)."""
+        if not self.hf_names:
+            return key
+        for prefix in KINDS:
+            if key.startswith(prefix):
+                return prefix + to_hf_name(key[len(prefix):])
+        return key
+
+    def app_state(self, data: Any, *, micro_batches_per_step: int, tokens_per_step: int) -> dict[str, Any]:
+        """This run's data stream placed after ``step`` steps of its own data, as if it had trained them."""
+        state = data.state_dict()
+        done = self.step * micro_batches_per_step
+        per_epoch = state["num_samples"] // data.global_batch
+        state.update(epoch=done // per_epoch, consumed=(done % per_epoch) * data.global_batch)
+        return {"step": self.step, "tokens_seen": self.step * tokens_per_step, "data": state}
+
+    def describe(self) -> str:
+        r = self.record
+        names = "HF names mapped to ours" if self.hf_names else "names as ours"
+        return (f"checkpoint: imported from DeepSpeed {r['version']} (ZeRO-{r['zero_stage']}, dp {r['dp_world_size']}, "
+                f"tag {r['tag']}): fp32 weights and Adam moments ({names}), Adam and the LR schedule at update "
+                f"{self.step}, loss scale {self.scale:g}; this run's data starts at step {self.step} (DeepSpeed "
+                f"saves no data position or RNG); this run's optim/scheduler settings apply")
 
 
 def main(argv: list[str] | None = None) -> int:

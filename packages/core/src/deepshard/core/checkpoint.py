@@ -276,8 +276,12 @@ def load_checkpoint(
     *,
     model: nn.Module | None = None,
     verify: bool = True,
+    rename: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimizer state, update count, loss scaler and RNG from ``path``.
+
+    ``rename``: the checkpoint's key for each of ours (``model.<name>``, ``optim.exp_avg.<name>``...),
+    for a checkpoint written under other parameter names (one imported from DeepSpeed has HF names).
 
     Works at any world size and stage.  RNG states come back only when the world size matches
     (otherwise each rank keeps its own).  Returns the ``app_state`` given to the save.  Nothing in
@@ -298,8 +302,11 @@ def load_checkpoint(
     saved_world = manifest["world"]["world_size"]
     rng = read_json(path, rng_file(rank)) if saved_world == world else None
     state, store_state = training_state(optimizer, dp_mesh, model)
+    saved_keys = {k: rename(k) if rename is not None else k for k in state}
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        loading = {saved_keys[k]: v for k, v in state.items()}
+        dcp.load(loading, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        state = {k: loading[saved_keys[k]] for k in state}
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the checkpoint and cause
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     loaded = {kind: [] for kind, _ in KINDS}

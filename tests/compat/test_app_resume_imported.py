@@ -1,0 +1,50 @@
+"""``checkpoint.resume=OUT_DIR`` in the app, of a real DeepSpeed 0.19.8 checkpoint imported by
+from_deepspeed (HF parameter names, no data position of ours): the app's own engine, data stream and
+RunCheckpoints map the names, start the data at DeepSpeed's step, say in one log line what was
+imported, and the next steps' losses equal DeepSpeed's recorded continuation (fixtures' continuation
+.json) to 1e-5, at world 2 (the saved stages) and world 1 (other stages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from app_resume_harness import app_resume_worker
+from ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
+
+from deepshard.core.launch import launch_local
+from deepshard.core.schedules import LRSchedule, SchedulerConfig
+from deepshard.finetune.from_deepspeed import import_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+OUR_STAGE = {2: {1: 1, 2: 2, 3: 3}, 1: {1: 0, 2: 3, 3: 2}}  # world -> DeepSpeed's stage -> ours
+
+
+def _record(ds_stage: int) -> dict:
+    return json.loads((FIXTURES / f"ds_zero{ds_stage}" / "continuation.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 1])
+def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
+    runs = []
+    for ds_stage, ours in OUR_STAGE[world].items():
+        imported = import_checkpoint(FIXTURES / f"ds_zero{ds_stage}" / "checkpoint", tmp_path / f"imported{ds_stage}")
+        runs.append((ours, str(imported.parent), str(tmp_path / f"run{ds_stage}")))  # resume= the folder
+    outs = launch_local(app_resume_worker, world, runs)
+    params = _record(1)["config"]["scheduler"]["params"]
+    rates = [LRSchedule(SchedulerConfig(name="WarmupDecayLR", **params), 1e-2).lr_at(k)
+             for k in range(SAVE_STEP, TOTAL_STEPS)]
+    for rank, out in enumerate(outs):
+        for (ds_stage, ours), r in zip(OUR_STAGE[world].items(), out):
+            where = f"DeepSpeed ZeRO-{ds_stage} -> ours ZeRO-{ours} at world {world}, rank {rank}"
+            assert r["start"] == SAVE_STEP, where
+            assert r["position"]["epoch"] == 0 and r["position"]["consumed"] == SAVE_STEP * 2 * MICRO, where
+            assert r["tokens_seen"] == SAVE_STEP * 2 * MICRO * (SEQ - 1), where  # as if this run had trained them
+            assert r["losses"] == pytest.approx(_record(ds_stage)["losses_after_resume"], abs=1e-5), where
+            assert r["lrs"] == pytest.approx(rates, rel=1e-12), where
+            if rank == 0:
+                assert len(r["log"]) == 1 and r["log"][0].startswith(
+                    f"checkpoint: imported from DeepSpeed 0.19.8 (ZeRO-{ds_stage}, dp 2, tag global_step3): fp32 "
+                    f"weights and Adam moments (HF names mapped to ours), Adam and the LR schedule at update 3"), r
