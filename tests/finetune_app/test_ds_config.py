@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from app_harness import FIXTURES, ROOT
+from app_harness import FIXTURES
 
 from deepshard.finetune.ds_config import main, merge_argv, translate
 from deepshard.finetune.runtime import fp16_fallback, resolve_batch
@@ -22,7 +22,7 @@ def test_zero2_fp16_fixture_maps_every_key():
         "train.global_batch_size=16", "train.micro_batch_size=4", "train.grad_accum=0",
         "optim.betas=[0.8,0.999]", "optim.lr=0.001", "optim.eps=1e-08", "optim.weight_decay=3e-07",
         "scheduler=warmup", "scheduler.warmup_min_lr=0", "scheduler.warmup_max_lr=0.001",
-        "scheduler.warmup_num_steps=2", "precision=fp16", "precision.loss_scale=0",
+        "scheduler.warmup_num_steps=2", "scheduler.warmup_type=log", "precision=fp16", "precision.loss_scale=0",
         "precision.initial_scale_power=16", "precision.loss_scale_window=1000", "precision.hysteresis=2",
         "precision.consecutive_hysteresis=false", "precision.min_loss_scale=1", "+zero=stage2", "zero.allgather_bucket_size=500000000",
         "zero.overlap_comm=true", "zero.reduce_bucket_size=500000000", "optim.grad_clip=1", "train.log_every=2",
@@ -65,13 +65,12 @@ def test_unsupported_keys_in_one_warning_strict_errors_and_command_line_wins(tmp
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
                                 "fp16": {"enabled": True}, "prescale_gradients": True, "amp": {"enabled": True},
                                 "steps_per_print": 5}))
-    argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "+zero=stage3", "train.log_every=7"],
-                         conf_dir=ROOT / "conf")
+    argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "+zero=stage3", "train.log_every=7"])
     assert argv == ["main.py", "precision=fp16", "zero.reduce_bucket_size=1000", "+zero=stage3", "train.log_every=7"]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: deepspeed={path}: not supported, ignored: prescale_gradients, amp"]
     with pytest.raises(ValueError, match=r"not supported, ignored: prescale_gradients, amp \(deepspeed\.strict"):
-        merge_argv(["main.py", f"+deepspeed={path}", "deepspeed.strict=true"], conf_dir=ROOT / "conf")
+        merge_argv(["main.py", f"+deepspeed={path}", "deepspeed.strict=true"])
     assert merge_argv(["main.py", "x=1"])[0] == ["main.py", "x=1"]
 
 

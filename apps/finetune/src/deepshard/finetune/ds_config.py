@@ -25,6 +25,13 @@ SCHEDULER_PARAMS = {
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
     "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
 }
+# DeepSpeed's defaults for the keys a file leaves out (deepspeed/runtime/lr_schedules.py), where the app's
+# scheduler group files differ; WarmupLR's warmup_max_lr defaults to the optimizer's lr, as ours does
+SCHEDULER_DEFAULTS = {
+    "WarmupLR": {"warmup_min_lr": 0, "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupDecayLR": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupCosineLR": {"warmup_min_ratio": 0, "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"},
+}
 FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "consecutive_hysteresis")
 COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
@@ -121,8 +128,9 @@ def translate(ds: dict) -> Translation:
         kind = ds["scheduler"].get("type")
         if kind in SCHEDULERS:
             t.overrides.append(f"scheduler={SCHEDULERS[kind]}")
-            tr.copy(ds["scheduler"].get("params", {}), "scheduler.params",
-                    {k: f"scheduler.{k}" for k in SCHEDULER_PARAMS[kind]})
+            params = ds["scheduler"].get("params", {})
+            tr.copy(params, "scheduler.params", {k: f"scheduler.{k}" for k in SCHEDULER_PARAMS[kind]})
+            t.overrides += [f"scheduler.{k}={_value(v)}" for k, v in SCHEDULER_DEFAULTS[kind].items() if k not in params]
         else:
             t.unsupported.append(f"scheduler.type={kind}")
 
@@ -273,11 +281,10 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def merge_argv(argv: list[str], *, conf_dir: Path | None = None) -> tuple[list[str], Translation | None]:
+def merge_argv(argv: list[str]) -> tuple[list[str], Translation | None]:
     """``argv`` with ``+deepspeed=FILE`` replaced by its overrides, ahead of the user's own.
 
-    A key or group the user sets is dropped from the translation (the user wins); offload overrides
-    are dropped, and named as unsupported, while ``conf/offload`` does not exist yet.
+    A key or group the user sets is dropped from the translation (the user wins).
     """
     rest, path, strict = [], None, False
     for arg in argv:
@@ -292,10 +299,6 @@ def merge_argv(argv: list[str], *, conf_dir: Path | None = None) -> tuple[list[s
         return argv, None
     tr = translate(load(path))
     user = {_key(a) for a in rest if "=" in a and not a.startswith("-")}
-    if conf_dir is not None and not (conf_dir / "offload").is_dir():
-        dropped = [o for o in tr.overrides if _key(o) == "offload" or _key(o).startswith("offload.")]
-        tr.overrides = [o for o in tr.overrides if o not in dropped]
-        tr.unsupported += [f"{o} (no offload config group in this build)" for o in dropped]
     tr.overrides = [o for o in tr.overrides if _key(o) not in user]
     if tr.unsupported:
         message = f"deepspeed={path}: not supported, ignored: {', '.join(tr.unsupported)}"
