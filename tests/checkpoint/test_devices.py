@@ -77,7 +77,7 @@ def test_host_state_is_checkpointed_in_host_memory(fake_world2, stage):
         params = [torch.empty(s, device="meta") for s in full]
     local = [(6 if stage == 0 else 3, 4), (5 if stage == 0 else 3,)]
     store_state = {k: [torch.randn(shape) for shape in local] for k in ("master", "exp_avg", "exp_avg_sq")}
-    state, _ = training_state(_optimizer(stage, params, store_state), mesh)
+    state = training_state(_optimizer(stage, params, store_state), mesh)
     for i in range(2):
         for kind, prefix in (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq.")):
             d = state[f"{prefix}w{i}"]

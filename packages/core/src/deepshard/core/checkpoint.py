@@ -127,9 +127,8 @@ def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: D
                               shape=param.shape, stride=param.stride())
 
 
-def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh,
-                   model: nn.Module | None = None) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
-    """The DCP state dict (DTensor views of the store's tensors) and the store's own lists.
+def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Module | None = None) -> dict[str, Any]:
+    """The DCP state dict: DTensor views of the store's tensors (a load writes into them in place).
 
     Params outside the optimizer (frozen weights, persistent buffers) of ``model`` are added as
     they are, so a partly frozen model still round-trips.
@@ -146,7 +145,7 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh,
         for name, t in model.state_dict().items():
             if clean_name(name) not in trained:
                 out["model." + clean_name(name)] = t
-    return out, store_state
+    return out
 
 
 def checkpoint_bytes(state: dict[str, Any]) -> int:
@@ -191,7 +190,7 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{_agree(uuid.uuid4().hex[:8])}"
     start = time.perf_counter()
-    state, _ = training_state(optimizer, dp_mesh, model)
+    state = training_state(optimizer, dp_mesh, model)
     needed = checkpoint_bytes(state) + MARGIN_BYTES
     trainer = {"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(), "app": app_state or {},
                "world_size": world, "zero_stage": optimizer.stage.stage}
@@ -301,7 +300,7 @@ def load_checkpoint(
     trainer = read_trainer(path)
     saved_world = manifest["world"]["world_size"]
     rng = read_json(path, rng_file(rank)) if saved_world == world else None
-    state, store_state = training_state(optimizer, dp_mesh, model)
+    state = training_state(optimizer, dp_mesh, model)
     saved_keys = {k: rename(k) if rename is not None else k for k in state}
     try:
         loading = {saved_keys[k]: v for k, v in state.items()}
@@ -322,7 +321,6 @@ def load_checkpoint(
         set_rng_state(rng)
     log.info("checkpoint: loaded %s (saved at world %d, stage %d; now world %d, stage %d) in %.2fs", path,
              saved_world, manifest["world"]["zero_stage"], world, stage.stage, time.perf_counter() - start)
-    del store_state
     return dict(trainer["app"])
 
 
