@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
-        sys.argv = merge_argv(sys.argv, conf_dir=Path(__file__).resolve().parents[2] / "conf")[0]
+        sys.argv = merge_argv(sys.argv)[0]
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -17,7 +17,7 @@ TRAIN_TWICE = textwrap.dedent("""
     import json, sys
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from deepshard.finetune.config import register
+    from deepshard.finetune.config import register, validate
     from deepshard.finetune.train import train_worker
     register()
     out = {}
@@ -26,7 +26,7 @@ TRAIN_TWICE = textwrap.dedent("""
             cfg = compose(config_name="config", overrides=[
                 f"kernels={kernels}", "train.max_steps=3", "train.micro_batch_size=2", "data.seq_len=32",
                 "data.num_docs=200", "model.n_layers=2", "scheduler=constant", "launcher.nproc_per_node=1"])
-        out[kernels] = train_worker(OmegaConf.to_container(cfg, resolve=True), sys.argv[2] + "/" + kernels)["losses"]
+        out[kernels] = train_worker(validate(OmegaConf.to_container(cfg, resolve=True)), sys.argv[2] + "/" + kernels)["losses"]
     print("RESULT" + json.dumps(out))
 """)
 

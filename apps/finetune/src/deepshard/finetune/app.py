@@ -12,15 +12,14 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from deepshard.core.launch import JobFailed, launch_local
 from deepshard.core.precision import LossScaleAtMinimum
-from deepshard.finetune.config import resolve_nproc, validate
+from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.divergence import TrainingDiverged
-from deepshard.finetune.runtime import check_data_fits, check_model_files, prepare
+from deepshard.finetune.runtime import check_data_fits, check_inputs, under_torchrun
 from deepshard.finetune.train import train_worker
 from deepshard.offload import remove_scratch
 
@@ -45,10 +44,10 @@ def _log_tracebacks(run_dir: str, traces: dict[int, str]) -> str:
     return str(path)
 
 
-def _inline(cfg: dict, run_dir: str) -> dict:
+def _inline(settings: Settings, run_dir: str) -> dict:
     """This process is the worker (one rank, or a torchrun rank): its errors become one line too."""
     try:
-        return train_worker(cfg, run_dir)
+        return train_worker(settings, run_dir)
     except DIVERGED as err:
         raise RunFailed(str(err), 1) from None
     except ValueError:
@@ -70,31 +69,18 @@ def _failed(err: JobFailed, run_dir: str) -> RunFailed:
     return RunFailed(str(err), 1)
 
 
-def under_torchrun() -> bool:
-    """torchrun (any node count) already started one process per rank and set the environment."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    prepare(container)  # the batch triple for this world size, fp16 on a CPU host, user data read once
-    settings = validate(container)
-    check_model_files(settings)
-    if under_torchrun():
-        settings.parallel.resolve(int(os.environ["WORLD_SIZE"]))
-        return _inline(container, run_dir)
-    nproc = resolve_nproc(settings.nproc_per_node, torch.cuda.device_count())
-    dims = settings.parallel.resolve(nproc)
-    if nproc == 1:
-        return _inline(container, run_dir)
-    check_data_fits(settings, dims.dp)  # tokenizer, documents, batch: fail here, not in every worker
-    threshold = int(container["launcher"].get("malloc_mmap_threshold", 0))
-    if threshold:  # read by glibc at the workers' start
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
+    check_inputs(settings)  # user data read through once, model=hf's files
+    if under_torchrun() or settings.world_size == 1:
+        return _inline(settings, run_dir)
+    check_data_fits(settings)  # tokenizer, documents, batch: fail here, not in every worker
+    if settings.launcher.malloc_mmap_threshold:  # read by glibc at the workers' start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(settings.launcher.malloc_mmap_threshold)
     run_id = f"run{os.getpid()}"
     try:
-        return launch_local(train_worker, nproc, container, run_dir, run_id=run_id,
+        return launch_local(train_worker, settings.world_size, settings, run_dir, run_id=run_id,
                             heartbeat_dir=os.path.join(run_dir, "heartbeat"), hang_s=settings.launcher.hang_s,
                             log_file=os.path.join(run_dir, "launcher.log"))[0]
     except JobFailed as err:

@@ -311,15 +311,17 @@ class RunCheckpoints:
         self.preemption.exit_when_done()
 
 
-def start_checkpointing(settings: Any, cfg: dict[str, Any], *, run_dir: str, engine: Trainer, dataset: Any,
+def start_checkpointing(settings: Any, *, run_dir: str, engine: Trainer, dataset: Any,
                         tokenizer: Any) -> tuple[RunCheckpoints, ResumableStream, int]:
-    """The resumable batch stream and the checkpointer, resumed; returns them and the steps already done."""
+    """The resumable batch stream and the checkpointer, resumed; returns them and the steps already done.
+
+    ``settings`` is the app's ``config.Settings``; the manifest's ``meta.config`` is its ``asdict``."""
     dp, t = engine.mesh["dp"], settings.train
     data = ResumableStream(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
                            micro_batch_size=t.micro_batch_size, seed=t.seed)
-    tokens_per_step = t.micro_batch_size * settings.micro_batches_per_step * settings.data.seq_len * dp.size()
-    meta = {"model": dataclasses.asdict(settings.model), "config": cfg}
-    if getattr(settings, "peft", None) is not None:  # a LoRA checkpoint: the adapters, and the base by reference
+    tokens_per_step = settings.tokens_per_step(dp.size())
+    meta = {"model": dataclasses.asdict(settings.model), "config": dataclasses.asdict(settings)}
+    if settings.peft is not None:  # a LoRA checkpoint: the adapters, and the base by reference
         meta["peft"] = dataclasses.asdict(settings.peft)
         meta["base"] = {"model": settings.model_name, "path": settings.model_path, "seed": t.seed}
     ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,

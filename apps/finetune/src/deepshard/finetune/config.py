@@ -1,9 +1,15 @@
 """The app's typed config: dataclasses registered in Hydra's ConfigStore, and their validation.
 
-Library configs (core's ``ZeroConfig``, ``OptimConfig``, ...) are frozen and validate themselves;
-Hydra needs mutable twins with the same fields, made here so the two can never drift apart.
-``validate`` turns a composed config into typed settings, raising one ValueError that names the
-key, the value and what is valid, before any process is started.
+Library configs (core's ``ZeroConfig``, ``OptimConfig``, ``LlamaConfig``, ``LoraSettings``, ...) are
+frozen and validate themselves; Hydra needs mutable twins with the same fields, made here so the two
+can never drift apart.  Every default lives in one place: these dataclasses (a twin's are its library
+config's); a file under conf/ sets only what its choice changes (``+zero=stage3`` sets ``stage: 3``).
+The dataclasses win over the YAML because the library configs need defaults anyway, for users who
+call ``deepshard.core.initialize`` without Hydra.
+
+``validate`` turns a composed config into one frozen ``Settings``, in the launcher, before any
+worker starts, raising one ValueError that names the key, the value and what is valid; the workers
+receive that object.
 """
 
 from __future__ import annotations
@@ -15,27 +21,30 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
-from deepshard.core.config import AC_MODES, EngineConfig
+from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
-from deepshard.finetune.models.lora import LORA_TARGETS, LoraSettings, lora_settings
+from deepshard.finetune.models.lora import LoraSettings, lora_settings
+from deepshard.finetune.runtime import host_dtype, host_world_size, resolve_batch, resolve_nproc
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 
 
-def hydra_twin(cls: type, name: str) -> type:
+def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
     """A mutable dataclass with ``cls``'s fields and defaults (tuples become lists for OmegaConf)."""
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if dataclasses.is_dataclass(tp):  # nested config: its own mutable twin
             twin = hydra_twin(tp, f"{tp.__name__}Schema")
             fields.append((f.name, twin, field(default_factory=twin)))
-        elif typing.get_origin(tp) is tuple:
+        elif typing.get_origin(tp) is tuple:  # tuple[float, float] or tuple[str, ...]
             tp = list[typing.get_args(tp)[0]]
             fields.append((f.name, tp, field(default_factory=lambda d=default: list(d))))
         else:
@@ -54,20 +63,11 @@ ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
 
 
-@dataclass
-class ModelSchema:
-    name: str = "tiny"  # tiny | small | hf
-    path: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional
-    vocab_size: int = 2048
-    dim: int = 256
-    n_layers: int = 6
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_hidden: int = 704
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: materialize logits
+# the architecture's defaults are LlamaConfig's (the tiny preset); ``kernels`` is the top-level key
+ModelSchema = dataclasses.make_dataclass(
+    "ModelSchema", [("name", str, field(default="tiny")),  # tiny | small | hf
+                    ("path", typing.Optional[str], field(default=None))],  # noqa: UP045 - OmegaConf needs Optional
+    bases=(hydra_twin(LlamaConfig, "LlamaTwin", exclude=("kernels",)),))
 
 
 @dataclass
@@ -114,17 +114,11 @@ class PipelineSchema:
     virtual_stages: int = 0  # stages per rank for the interleaved schedules; 0: the schedule's default
 
 
-@dataclass
-class PeftSchema:
-    """``+peft=lora``: LoRA adapters on a frozen base (models/lora.py); name none trains every weight."""
-
-    name: str = "none"  # none | lora
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    modules_to_save: list[str] = field(default_factory=list)
-    init_from: typing.Optional[str] = None  # noqa: UP045 - a PEFT adapter folder to continue from
+# ``+peft=lora``: LoRA adapters on a frozen base (models/lora.py), defaults LoraSettings'; name none trains
+# every weight
+PeftSchema = dataclasses.make_dataclass(
+    "PeftSchema", [("name", str, field(default="none"))],  # none | lora
+    bases=(hydra_twin(LoraSettings, "LoraTwin"),))
 
 
 @dataclass
@@ -180,17 +174,17 @@ def register() -> None:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a worker needs, typed and validated."""
+    """Everything a worker needs, typed and validated once, before any worker starts (it pickles)."""
 
     engine: EngineConfig
     model: LlamaConfig
     model_name: str
     model_path: str | None
-    parallel: ParallelDims
+    world_size: int  # torchrun's, or the local workers the app starts
+    parallel: ParallelDims  # resolved for world_size: dp is never -1 here
     offload: OffloadConfig
-    train: TrainSchema
+    train: TrainSchema  # the batch triple resolved for the data-parallel size
     data: DataSchema
-    nproc_per_node: str
     profile: ProfileSchema = field(default_factory=ProfileSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     pipeline: PipelineSchema = field(default_factory=PipelineSchema)
@@ -238,52 +232,77 @@ def _positive(key: str, value: int) -> None:
         raise ValueError(f"{key}={value}: must be a positive integer")
 
 
-def resolve_nproc(value: str, cuda_devices: int) -> int:
-    """``auto``: every local GPU, or 2 workers on a CPU-only host (so the default run really shards)."""
-    if str(value) == "auto":
-        return cuda_devices or 2
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
-    if 0 < cuda_devices < n:
-        raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
-                         f"rank; use at most {cuda_devices} (or 'auto')")
-    return n
-
-
-def _validate_extras(d: dict, t: dict, prof: dict) -> None:
-    """The data sources, the held-out split, eval/sample and profiler keys."""
-    from deepshard.finetune.data.sources import SOURCES
-
-    if d["name"] not in SOURCES:
-        raise ValueError(f"data.name={d['name']!r}: valid values are {sorted(SOURCES)}")
-    if not 0 <= d.get("eval_fraction", 0.0) < 1:
-        raise ValueError(f"data.eval_fraction={d['eval_fraction']}: must be in [0, 1)")
-    if d.get("text_unit", "file") not in ("file", "paragraph", "line"):
-        raise ValueError(f"data.text_unit={d['text_unit']!r}: valid values are ['file', 'paragraph', 'line']")
-    for key in ("eval_every", "global_batch_size"):
-        if t.get(key, 0) < 0:
-            raise ValueError(f"train.{key}={t[key]}: must be >= 0")
-    if t.get("sample_tokens", 1) < 1:
-        raise ValueError(f"train.sample_tokens={t['sample_tokens']}: must be a positive integer")
-    if prof.get("peak_tflops", 0.0) < 0:
-        raise ValueError(f"profile.peak_tflops={prof['peak_tflops']}: must be >= 0 (0: from the device table)")
-    if any(s < 1 for s in prof.get("trace_steps", [])):
-        raise ValueError(f"profile.trace_steps={prof['trace_steps']}: steps count from 1")
+def _at_least(key: str, value: float, low: float, note: str = "") -> None:
+    if value < low:
+        raise ValueError(f"{key}={value}: must be >= {low}{note}")
 
 
 def _validate_launcher(c: dict) -> LauncherSchema:
     """Timeouts: a positive collective timeout; a hang limit >= 0 (0: off).  A hang limit at or above
     the collective timeout never fires first: the waiting rank's collective times out instead."""
     s = LauncherSchema(**c)
+    s.nproc_per_node = str(s.nproc_per_node)
+    resolve_nproc(s.nproc_per_node, 0)  # the value's form; the GPU count is checked with the world size
+    _at_least("launcher.malloc_mmap_threshold", s.malloc_mmap_threshold, 0, " bytes (0: glibc's default)")
     if not s.timeout_s > 0:
         raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be > 0 seconds")
-    if s.hang_s < 0:
-        raise ValueError(f"launcher.hang_s={s.hang_s}: must be >= 0 seconds (0: no hang watchdog)")
+    _at_least("launcher.hang_s", s.hang_s, 0, " seconds (0: no hang watchdog)")
     return s
+
+
+def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainSchema:
+    """The batch triple resolved for the data-parallel size (``train.global_batch_size``), then checked."""
+    c = dict(c)
+    if c["global_batch_size"]:
+        resolve_batch(c, parallel.resolve(world).dp)
+    t = TrainSchema(**c)
+    for key in ("max_steps", "micro_batch_size", "log_every", "sample_tokens", "max_bad_steps"):
+        _positive(f"train.{key}", getattr(t, key))  # grad_accum: EngineConfig checks it
+    for key in ("eval_every", "global_batch_size"):
+        _at_least(f"train.{key}", getattr(t, key), 0)
+    return t
+
+
+def _validate_data(c: dict) -> DataSchema:
+    """The data source, the window, the held-out split."""
+    from deepshard.finetune.data.sources import SOURCES
+
+    d = DataSchema(**c)
+    if d.name not in SOURCES:
+        raise ValueError(f"data.name={d.name!r}: valid values are {sorted(SOURCES)}")
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.num_docs", d.num_docs)
+    if not 0 <= d.eval_fraction < 1:
+        raise ValueError(f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
+    if d.text_unit not in ("file", "paragraph", "line"):
+        raise ValueError(f"data.text_unit={d.text_unit!r}: valid values are ['file', 'paragraph', 'line']")
+    return d
+
+
+def _validate_profile(c: dict) -> ProfileSchema:
+    p = ProfileSchema(**c)
+    _at_least("profile.peak_tflops", p.peak_tflops, 0, " (0: from the device table)")
+    if any(s < 1 for s in p.trace_steps):
+        raise ValueError(f"profile.trace_steps={p.trace_steps}: steps count from 1")
+    return p
+
+
+def _validate_model(c: dict, kernels: str, seq_len: int) -> LlamaConfig:
+    """The architecture: a preset's keys (LlamaConfig checks the head split), or model=hf's config.json."""
+    if c["name"] not in ("tiny", "small", "hf"):
+        raise ValueError(f"model.name={c['name']!r}: valid values are ['tiny', 'small', 'hf']")
+    if c["name"] == "hf":
+        if not c["path"]:
+            raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
+        model = llama_config_from_hf(c["path"])
+    else:
+        arch = {k: v for k, v in c.items() if k not in ("name", "path")}
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            _positive(f"model.{key}", arch[key])
+        model = LlamaConfig(**arch)
+    if seq_len > model.max_seq_len:
+        raise ValueError(f"data.seq_len={seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
+    return dataclasses.replace(model, kernels=_kernels_backend(kernels))
 
 
 def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
@@ -295,10 +314,15 @@ def resolve_dtype(dtype: str, *, cuda_available: bool) -> str:
     return "bf16" if cuda_available else "fp32"
 
 
-def _resolve_precision(p: dict) -> dict:
+def _validate_precision(c: dict) -> PrecisionConfig:
+    """The compute dtype for this host: ``auto`` resolved, fp16 on a CPU-only host -> fp32 (a notice)."""
     import torch
 
-    return {**p, "dtype": resolve_dtype(p.get("dtype", "fp32"), cuda_available=torch.cuda.is_available())}
+    c = dict(c)
+    force = c.pop("force_fp16_on_cpu")
+    cuda = torch.cuda.is_available()
+    dtype = host_dtype(resolve_dtype(c["dtype"], cuda_available=cuda), force_fp16_on_cpu=force, cuda=cuda)
+    return PrecisionConfig(**{**c, "dtype": dtype})
 
 
 def _kernels_backend(name: str) -> str:
@@ -311,59 +335,44 @@ def _kernels_backend(name: str) -> str:
         raise ValueError(f"kernels={name!r}: {err}; or use kernels=torch") from err
 
 
-def validate(cfg: dict) -> Settings:
-    """Typed settings from a composed config (a plain dict); ValueError naming the first bad key."""
-    t, d, m = cfg["train"], cfg["data"], cfg["model"]
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "log_every"):
-        _positive(f"train.{key}", t[key])
-    _positive("data.seq_len", d["seq_len"])
-    _positive("data.num_docs", d["num_docs"])
-    _validate_extras(d, t, cfg.get("profile") or {})
-    if m["name"] not in ("tiny", "small", "hf"):
-        raise ValueError(f"model.name={m['name']!r}: valid values are ['tiny', 'small', 'hf']")
-    if m["name"] == "hf" and not m.get("path"):
-        raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
-    arch = {k: v for k, v in m.items() if k not in ("name", "path")}
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
-        _positive(f"model.{key}", arch[key])
-    model = llama_config_from_hf(m["path"]) if m["name"] == "hf" else LlamaConfig(**arch)
-    model = dataclasses.replace(model, kernels=_kernels_backend(cfg.get("kernels", "auto")))
-    if d["seq_len"] > model.max_seq_len:
-        raise ValueError(f"data.seq_len={d['seq_len']}: must be <= model.max_seq_len={model.max_seq_len}")
-    if cfg["ac"] not in AC_MODES:
-        raise ValueError(f"ac={cfg['ac']!r}: valid values are {list(AC_MODES)}")
+def _validate_offload(c: dict, stage: int) -> OffloadConfig:
+    offload = OffloadConfig(**{**c, "aio": AioConfig(**c["aio"])})
+    validate_offload(stage, offload.device, offload.params)
+    validate_config(offload)
+    return offload
+
+
+def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
+    """The typed settings of a composed config (a plain dict, left as it is), for ``world_size`` ranks
+    (default: torchrun's, or the workers the app starts on this host); ValueError naming the first bad key.
+
+    Every key has its default in one place, the schema's dataclasses above (or the library config they
+    twin); each value is checked once, here or by the typed config it lands in.
+    """
+    launcher = _validate_launcher(cfg["launcher"])
+    world = world_size or host_world_size(launcher.nproc_per_node)
+    parallel = ParallelDims(**cfg["parallel"])
+    train = _validate_train(cfg["train"], parallel, world)
+    data = _validate_data(cfg["data"])
+    model = _validate_model(cfg["model"], cfg["kernels"], data.seq_len)
     o = dict(cfg["optim"])
     o["betas"] = tuple(o["betas"])
-    engine = EngineConfig(
-        zero=ZeroConfig(**cfg["zero"]),
-        precision=PrecisionConfig(**_resolve_precision(
-            {k: v for k, v in cfg["precision"].items() if k != "force_fp16_on_cpu"})),
-        optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
-        grad_accum=t["grad_accum"], ac=cfg["ac"],
-    )
-    parallel = ParallelDims(**cfg["parallel"])
-    off = dict(cfg["offload"])
-    offload = OffloadConfig(**{**off, "aio": AioConfig(**off["aio"])})
-    validate_offload(engine.zero.stage, offload.device, offload.params)
-    validate_config(offload)
-    nproc = str(cfg["launcher"]["nproc_per_node"])
-    resolve_nproc(nproc, 0)
-    threshold = cfg["launcher"].get("malloc_mmap_threshold", 0)
-    if threshold < 0:
-        raise ValueError(f"launcher.malloc_mmap_threshold={threshold}: must be >= 0 bytes (0: glibc's default)")
-    launcher = _validate_launcher(cfg["launcher"])
-    _positive("train.max_bad_steps", t.get("max_bad_steps", 3))
-    settings = Settings(engine=engine, model=model, model_name=m["name"], model_path=m.get("path"),
-                        parallel=parallel, offload=offload, train=TrainSchema(**t), data=DataSchema(**d),
-                        nproc_per_node=nproc, profile=ProfileSchema(**(cfg.get("profile") or {})),
-                        checkpoint=validate_checkpoint(cfg.get("checkpoint") or {}),
-                        pipeline=PipelineSchema(**(cfg.get("pipeline") or {})), launcher=launcher,
-                        peft=lora_settings(cfg.get("peft")))
+    engine = EngineConfig(zero=ZeroConfig(**cfg["zero"]), precision=_validate_precision(cfg["precision"]),
+                          optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
+                          grad_accum=train.grad_accum, ac=cfg["ac"])
+    settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
+                        world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
+                        train=train, data=data, profile=_validate_profile(cfg["profile"]),
+                        checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineSchema(**cfg["pipeline"]),
+                        launcher=launcher, peft=lora_settings(cfg["peft"]))
     if settings.peft is not None and settings.uses_pipeline:
         raise ValueError(f"+peft=lora with parallel.pp={parallel.pp} parallel.tp={parallel.tp}: LoRA adapters are "
                          f"not supported with pipeline/tensor parallelism yet (tp would have to split A of the "
                          f"row-parallel and B of the column-parallel projections); use parallel.pp=1 parallel.tp=1 "
                          f"with any zero stage")
+    if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
+        raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
+                         "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
     if settings.uses_pipeline:
         _validate_pipeline(settings)
-    return settings
+    return dataclasses.replace(settings, parallel=parallel.resolve(world))

@@ -1,7 +1,7 @@
 """``python -m deepshard.finetune.estimate [overrides]``: per-rank memory for model states, before a run.
 
 Like DeepSpeed's ``estimate_zero2_model_states_mem_needs_all_live`` / ``..._zero3_...``, but for our
-layouts (core's ``memory.expected_bytes``, the table in design.md) and the app's own overrides:
+layouts (core's ``memory.expected_bytes``, the README's ZeRO table) and the app's own overrides:
 ``model=small``, ``precision=bf16``, ``launcher.nproc_per_node=8``, ``parallel.tp=2``, ``+offload=cpu``.
 Parameters are counted on the meta device (no memory, any size).  Activations and temporary
 buffers (gathered ZeRO-3 blocks, communication buckets) are not model states and not counted.
@@ -120,7 +120,7 @@ def compose(overrides: list[str]) -> dict:
     from deepshard.finetune.ds_config import merge_argv
 
     register()
-    overrides = merge_argv(["estimate", *overrides], conf_dir=conf_dir())[0][1:]
+    overrides = merge_argv(["estimate", *overrides])[0][1:]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True)
@@ -135,19 +135,15 @@ def _fmt(n: int) -> str:
 
 def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     """The printed table, the estimates, the parameter count per rank and the dp size."""
-    from deepshard.core.mesh import ParallelDims
     from deepshard.finetune.config import validate
-    from deepshard.finetune.runtime import world_size
 
     settings = validate(cfg)
-    world = world_size(cfg)
-    dims = ParallelDims(**cfg["parallel"]).resolve(world)
+    world, dims = settings.world_size, settings.parallel
     total = count_params(settings.model, settings.peft)
     frozen = count_frozen(settings.model, settings.peft)
     per_rank = total // (dims.tp * dims.pp)
     dtype = settings.engine.precision.dtype
-    off = cfg.get("offload") or {}
-    buffers = int(off.get("buffer_count", 0)) * int(off.get("buffer_size", 0)) * 16
+    buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
              f"{(total + frozen) / 1e6:.2f}M params ({settings.model_name}), world size {world} "

@@ -1,21 +1,23 @@
-"""Decisions that need the world size or the host, taken once before any worker starts.
+"""Decisions that need the world size or the host, and the checks that read user files.
 
 DeepSpeed's batch arithmetic (train_batch_size = micro batch x grad accumulation x dp size), the
-fp16-on-CPU fallback, and reading user data through once so bad records fail before training;
-the model directory's files and the built datasets are checked here too, before workers start.
+number of ranks (torchrun's, or the workers the app starts) and the fp16-on-CPU fallback are pure
+functions that ``config.validate`` applies once; the checks below read user data, the model
+directory and the built datasets, before any worker starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-
-from deepshard.core.mesh import ParallelDims
-from deepshard.finetune.config import resolve_nproc
 from deepshard.finetune.data.records import check_records
 from deepshard.finetune.data.resumable import check_fits
+
+if TYPE_CHECKING:
+    from deepshard.finetune.config import Settings
 
 
 def resolve_batch(train: dict, dp: int) -> None:
@@ -43,49 +45,71 @@ def resolve_batch(train: dict, dp: int) -> None:
     train["micro_batch_size"], train["grad_accum"] = m, a
 
 
-def fp16_fallback(cfg: dict, cuda: bool) -> bool:
-    """fp16 needs a GPU to be worth it: on a CPU-only host the run trains in fp32 (returns True then)."""
-    if cfg["precision"]["dtype"] != "fp16" or cuda:
-        return False
-    if cfg["precision"].get("force_fp16_on_cpu"):
+def host_dtype(dtype: str, *, force_fp16_on_cpu: bool, cuda: bool) -> str:
+    """fp16 needs a GPU to be worth it: on a CPU-only host the run trains in fp32, with a notice."""
+    if dtype != "fp16" or cuda:
+        return dtype
+    if force_fp16_on_cpu:
         print("notice: precision.force_fp16_on_cpu=true: real fp16 on this CPU-only host (emulated, slow)",
               file=sys.stderr)
-        return False
-    cfg["precision"]["dtype"] = "fp32"
+        return dtype
     print("notice: precision=fp16 needs a CUDA device; this CPU-only host trains in fp32 instead "
           "(loss scale stays 1)", file=sys.stderr)
-    return True
+    return "fp32"
 
 
-def world_size(cfg: dict) -> int:
+def fp16_fallback(cfg: dict, cuda: bool) -> bool:
+    """:func:`host_dtype` on ``cfg["precision"]`` in place (for the DeepSpeed-config translation); True
+    when the run falls back to fp32."""
+    p = cfg["precision"]
+    dtype = host_dtype(p["dtype"], force_fp16_on_cpu=bool(p.get("force_fp16_on_cpu")), cuda=cuda)
+    fell_back, p["dtype"] = dtype != p["dtype"], dtype
+    return fell_back
+
+
+def resolve_nproc(value: str, cuda_devices: int) -> int:
+    """``auto``: every local GPU, or 2 workers on a CPU-only host (so the default run really shards)."""
+    if str(value) == "auto":
+        return cuda_devices or 2
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
+    if 0 < cuda_devices < n:
+        raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
+                         f"rank; use at most {cuda_devices} (or 'auto')")
+    return n
+
+
+def under_torchrun() -> bool:
+    """torchrun (any node count) already started one process per rank and set the environment."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def host_world_size(nproc_per_node: str) -> int:
     """torchrun's WORLD_SIZE, or the number of local workers the app will start."""
-    if "WORLD_SIZE" in os.environ and ("TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ):
+    import torch
+
+    if "WORLD_SIZE" in os.environ and under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    return resolve_nproc(str(cfg["launcher"]["nproc_per_node"]), torch.cuda.device_count())
+    return resolve_nproc(nproc_per_node, torch.cuda.device_count())
 
 
-def prepare(cfg: dict) -> None:
-    """Resolve the batch triple and the precision for this host, and check user data (in place)."""
-    dims = ParallelDims(**cfg["parallel"]).resolve(world_size(cfg))
-    resolve_batch(cfg["train"], dims.dp)
-    fp16_fallback(cfg, torch.cuda.is_available())
-    check_records(cfg["data"]["name"], cfg["data"])
-
-
-def check_model_files(settings) -> None:
-    """model=hf: config.json was read by validate(); here the tokenizer and the weights' headers."""
-    if settings.model_name == "hf":
-        import dataclasses
-
+def check_inputs(settings: Settings) -> None:
+    """User data read through once (ValueError naming file and line), and model=hf's files."""
+    check_records(settings.data.name, dataclasses.asdict(settings.data))
+    if settings.model_name == "hf":  # config.json was read by validate(); here the tokenizer and weights' headers
         from deepshard.finetune.models.hf import check_hf_dir
 
         check_hf_dir(settings.model_path, dataclasses.replace(settings.model, kernels="torch"))
 
 
-def check_data_fits(settings, dp: int) -> None:
+def check_data_fits(settings: Settings) -> None:
     """The tokenizer loads, the documents tokenize and split, and one global batch fits (ValueErrors)."""
     from deepshard.finetune.data.build import build_datasets
     from deepshard.finetune.data.tokenizer import load_tokenizer
 
     train, _ = build_datasets(settings.data, load_tokenizer(settings.model_path), settings.model.vocab_size)
-    check_fits(len(train), dp_size=dp, micro_batch_size=settings.train.micro_batch_size)
+    check_fits(len(train), dp_size=settings.parallel.dp, micro_batch_size=settings.train.micro_batch_size)

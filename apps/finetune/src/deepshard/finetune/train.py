@@ -18,7 +18,7 @@ from deepshard.core.heartbeat import Heartbeat
 from deepshard.core.launch import worker_threads
 from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
-from deepshard.finetune.config import Settings, validate
+from deepshard.finetune.config import Settings
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.chat import resolve_template
 from deepshard.finetune.data.tokenizer import load_tokenizer
@@ -122,9 +122,8 @@ class Run:
         return self.stepper.engine
 
 
-def start_run(cfg: dict, run_dir: str) -> Run:
+def start_run(settings: Settings, run_dir: str) -> Run:
     """Process group, mesh, model + ZeRO (or the pipeline), data, and the resume from the newest checkpoint."""
-    settings = validate(cfg)
     # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     rank, world = init_distributed(timeout_s=settings.launcher.timeout_s)
@@ -142,7 +141,7 @@ def start_run(cfg: dict, run_dir: str) -> Run:
     dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
     # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
-    ckpt, batches, start_step = start_checkpointing(settings, cfg, run_dir=run_dir, engine=engine, dataset=dataset,
+    ckpt, batches, start_step = start_checkpointing(settings, run_dir=run_dir, engine=engine, dataset=dataset,
                                                     tokenizer=tokenizer)
     logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, initial_step=start_step,
                        tb_dir=t.tensorboard_dir)
@@ -164,7 +163,7 @@ def header(run: Run) -> str:
     s, world = run.settings, run.world
     off = s.offload
     offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
-    par = s.parallel.resolve(world)
+    par = s.parallel
     layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if s.uses_pipeline else ""
     params_scope = " per pp/tp rank" if s.uses_pipeline else ""  # each pp/tp rank holds a part
     return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
@@ -265,10 +264,10 @@ def finish(run: Run, elapsed: float) -> dict:
     return summary
 
 
-def train_worker(cfg: dict, run_dir: str) -> dict:
+def train_worker(settings: Settings, run_dir: str) -> dict:
     """Train on this rank; returns the run's summary (identical on every rank)."""
     try:
-        run = start_run(cfg, run_dir)
+        run = start_run(settings, run_dir)
         elapsed = train_loop(run)
         return finish(run, elapsed)
     except BaseException:

@@ -14,8 +14,7 @@ def apply_ac(blocks: nn.Module, mode: str) -> None:
     ``blocks`` is a ModuleList, or a pipeline stage's ModuleDict keyed by the original layer index
     (so ``every_2`` picks the same layers whatever the split).
     """
-    if mode not in AC_MODES:
-        raise ValueError(f"ac={mode!r}: valid values are {list(AC_MODES)}")
+    assert mode in AC_MODES, mode  # a user's value was checked where it entered: EngineConfig
     if mode == "none":
         return
     every = 1 if mode == "full" else 2

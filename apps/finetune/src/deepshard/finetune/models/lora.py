@@ -185,13 +185,13 @@ def peft_key(name: str) -> str:
 
 def lora_settings(c: dict | None) -> LoraSettings | None:
     """``peft.*`` of a composed config -> LoraSettings (None without ``+peft=lora``)."""
-    if not c or c.get("name", "none") == "none":
+    if not c or c["name"] == "none":
         return None
     if c["name"] != "lora":
         raise ValueError(f"peft.name={c['name']!r}: valid values are ['lora'] (or leave +peft out)")
-    lora = LoraSettings(r=c.get("r", 8), alpha=float(c.get("alpha", 16.0)), dropout=float(c.get("dropout", 0.0)),
-                        target_modules=tuple(c.get("target_modules") or ()),
-                        modules_to_save=tuple(c.get("modules_to_save") or ()), init_from=c.get("init_from"))
+    lora = LoraSettings(r=c["r"], alpha=float(c["alpha"]), dropout=float(c["dropout"]),
+                        target_modules=tuple(c["target_modules"]), modules_to_save=tuple(c["modules_to_save"]),
+                        init_from=c["init_from"])
     if lora.init_from:
         from deepshard.finetune.adapter_export import check_init_from
 
