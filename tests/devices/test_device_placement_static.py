@@ -47,6 +47,8 @@ ALLOWED = {
         "the DeepSpeed importer assembles each tensor in host memory from the rank files (no GPU, no group)",
     f"{FINETUNE}/to_deepspeed.py:export_checkpoint":
         "the DeepSpeed exporter writes DeepSpeed's files from host tensors (no GPU, no process group)",
+    f"{FINETUNE}/to_deepspeed.py:export_zero3":
+        "the ZeRO-3 exporter writes DeepSpeed's per-rank files from host tensors (no GPU, no process group)",
     f"{FINETUNE}/adapter_export.py:export_adapter":
         "export builds the PEFT folder in host memory from the checkpoint files (no process group, no GPU)",
 }
