@@ -31,7 +31,7 @@ class EngineStepper:
     """Per step: count the valid label tokens of all its micro-batches (one all-reduce over dp), then
     ``engine(batch, reduction="sum")`` and ``engine.backward(loss_sum, num_items=count)`` per micro-batch,
     then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
-    the global valid-token count, whatever the micro-batch and rank layout (design.md, "The loss of a step")."""
+    the global valid-token count, whatever the micro-batch and rank layout (the README's "The loss of a step")."""
 
     def __init__(self, engine, *, grad_accum: int, device: torch.device) -> None:
         self.engine = engine

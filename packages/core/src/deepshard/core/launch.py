@@ -100,7 +100,7 @@ def worker_threads(nproc: int, *, cuda: bool, cpus: int | None = None) -> int:
     """OpenMP threads per local worker.  With GPUs each rank gets its share of the cores this
     process may use (``sched_getaffinity``): the host AdamW of CPU/NVMe offload, the host-side
     casts and the data pipeline run there, and one thread starves them.  On a CPU-only host 1: the
-    ranks' compute already contends for the same cores (torch-cpu-facts), and a fixed count keeps
+    ranks' compute already contends for the same cores, and a fixed count keeps
     CPU results independent of the host's core count."""
     if not cuda:
         return 1

@@ -1,6 +1,6 @@
 """Asynchronous file I/O with stdlib O_DIRECT preadv/pwritev on a thread pool.
 
-Measured here (torch-cpu-facts.md) this matched fio/libaio/io_uring with the least CPU: the
+Measured on this project's CPU host, this matched fio/libaio/io_uring with the least CPU: the
 syscalls release the GIL, so a few threads keep the disk busy while the main thread runs Adam.
 O_DIRECT needs 4096-aligned buffer addresses, lengths and offsets: :func:`aligned_empty` gives
 such buffers and the swap layout keeps every offset and length a multiple of 4096.

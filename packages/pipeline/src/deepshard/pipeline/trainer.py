@@ -169,7 +169,7 @@ class PipelineTrainer:
         return sum(local_tensor(q.data).numel() for m in self.pipeline.modules for q in m.parameters())
 
     def _rank_param_count(self) -> int:
-        """Ψ of design.md for this rank: its stages' parameters after TP, before dp sharding."""
+        """Ψ of the README's ZeRO table for this rank: its stages' parameters after TP, before dp sharding."""
         n = sum(local_tensor(q.data).numel() for q in self.zero.params)
         return n * self.dp_size if self.zero.stage == 3 else n
 

@@ -4,9 +4,10 @@ Its norm, rotary, SwiGLU and loss run through ``deepshard.kernels``: ``kernels="
 every one of them to the fused Triton kernels, ``"torch"`` to their exact PyTorch paths (the loss
 is the chunked linear + cross-entropy either way, so the [tokens, vocab] logits never exist).
 
-It knows nothing of distribution: ZeRO, TP and pipelining are applied to it by functions.  Its
-init writes weights through core's ``copy_global``, so a ZeRO-3 model built on the meta device
-(each rank holding only its shards) gets exactly the single-process weights.
+Its forward knows nothing of distribution: ZeRO, TP and pipelining are applied to it from outside,
+by functions.  One thing is distribution-aware on purpose, its init: it writes each weight through
+core's ``copy_global`` (a DTensor gets its own shard of the global tensor), so a ZeRO-3 or TP model
+built on the meta device (each rank holding only its shards) gets exactly the single-process weights.
 Module names follow HF Llama (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...), so HF
 checkpoints map onto it by adding or removing the ``model.`` prefix.
 """
@@ -175,6 +176,6 @@ class Llama(nn.Module):
 
 
 PRESETS = {
-    "tiny": LlamaConfig(),  # ~5.3M parameters
+    "tiny": LlamaConfig(),  # ~5.5M parameters
     "small": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2816),  # ~100M
 }

@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2: params stay replicated; gradients and optimizer state follow design.md's table.
+"""ZeRO stages 0-2: params stay replicated; gradients and optimizer state follow the README's ZeRO table.
 
 Every stage answers the same few questions for the optimizer glue (which local tensors to update,
 with which local gradients, how many ranks hold identical copies of each) and never knows where
