@@ -48,3 +48,40 @@ def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
                 assert len(r["log"]) == 1 and r["log"][0].startswith(
                     f"checkpoint: imported from DeepSpeed 0.19.8 (ZeRO-{ds_stage}, dp 2, tag global_step3): fp32 "
                     f"weights and Adam moments (HF names mapped to ours), Adam and the LR schedule at update 3"), r
+
+
+def test_imported_run_maps_names_places_data_and_refuses_another_model(tmp_path):
+    """DeepSpeed-free: the pieces of the app's resume of an imported checkpoint, on the ZeRO-2 fixture."""
+    from deepshard.core.checkpoint_manifest import CheckpointError
+    from deepshard.finetune.from_deepspeed import ImportedRun
+
+    path = import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", tmp_path / "imported")
+    run = ImportedRun.of(path)
+    assert run is not None and run.step == SAVE_STEP
+    ours = ["embed_tokens.weight", "norm.weight", "lm_head.weight"] + [
+        f"layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                              "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+    run.match_names(ours)
+    assert run.rename("model.layers.1.mlp.up_proj.weight") == "model.model.layers.1.mlp.up_proj.weight"
+    assert run.rename("optim.exp_avg_sq.lm_head.weight") == "optim.exp_avg_sq.lm_head.weight"
+    assert run.rename("optim.exp_avg.norm.weight") == "optim.exp_avg.model.norm.weight"
+
+    class Stream:  # what RunCheckpoints hands over: ResumableStream's state and global batch
+        global_batch = 4
+
+        def state_dict(self):
+            return {"epoch": 0, "consumed": 0, "seed": 7, "num_samples": 10}
+
+    state = run.app_state(Stream(), micro_batches_per_step=2, tokens_per_step=88)
+    # 3 steps x 2 micro-batches of 4 rows over epochs of 10 // 4 = 2 batches: epoch 3, none consumed
+    assert state == {"step": 3, "tokens_seen": 264, "data": {"epoch": 3, "consumed": 0, "seed": 7, "num_samples": 10}}
+    other = ImportedRun.of(path)
+    with pytest.raises(CheckpointError, match=r"imported from DeepSpeed, but it has no tensor "
+                                              r"'model.model.layers.2.mlp.up_proj.weight' \(this run's "
+                                              r"'model.layers.2.mlp.up_proj.weight'; 1 missing in all\)"):
+        other.match_names(ours + ["layers.2.mlp.up_proj.weight"])
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "trainer.json").write_text(json.dumps({"num_updates": 1, "scaler": {}, "app": {
+        "step": 1, "data": {}, "tokens_seen": 0}}))
+    assert ImportedRun.of(tmp_path / "ours") is None  # one of ours: resumed as usual

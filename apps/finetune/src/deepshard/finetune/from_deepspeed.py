@@ -250,8 +250,12 @@ class ImportedRun:
 
     @staticmethod
     def of(path: str | Path) -> ImportedRun | None:
-        """The import record of ``path``, or None for a checkpoint this importer did not write."""
-        trainer = read_trainer(path)
+        """The import record of ``path``, or None for a checkpoint this importer did not write (or one
+        whose trainer.json cannot be read: load_checkpoint's verification then names what is wrong)."""
+        try:
+            trainer = read_trainer(path)
+        except (CheckpointError, OSError, ValueError):
+            return None
         app = trainer["app"]
         imported = isinstance(app, dict) and "deepspeed" in app and "data" not in app
         return ImportedRun(Path(path), trainer) if imported else None
