@@ -6,6 +6,10 @@ never a dependency of our packages) it trains the same model and batches at the 
 run, and the JSON adds our/DeepSpeed ratios.
 
     python bench/zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
+    python bench/zero.py --hf [--rounds 2] [--steps 13] [--engines ddp fsdp2 ours1 ...] [--bucket N]
+
+``--hf``: HF ``LlamaForCausalLM`` through the public API beside DDP, raw FSDP2 and DeepSpeed, world 2,
+fp32, every engine in one launch, interleaved rounds (see bench/zero_hf.py); prints JSON and the table.
 
 On CUDA each rank needs its own GPU (nccl): choose worlds up to the GPU count (``--worlds 1`` on one).
 """
@@ -131,7 +135,15 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="HF LlamaForCausalLM vs DDP / FSDP2 / DeepSpeed")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--engines", nargs="+", default=None)
+    ap.add_argument("--bucket", type=int, default=None, help="zero.{reduce,allgather}_bucket_size (default: ours)")
     args = ap.parse_args()
+    if args.hf:
+        return hf_main(args)
     # find, not import: importing DeepSpeed prints its accelerator banner to stdout
     have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
     out = {"model": {"dim": args.dim, "layers": args.layers, "seq": SEQ, "micro_batch": MBS}, "worlds": {}}
@@ -165,6 +177,24 @@ def main() -> None:
         out["worlds"][world] = rows
     out["deepspeed"] = "compared" if have_ds else "not installed: pip install -r bench/requirements.txt"
     print(json.dumps(out, indent=2))
+
+
+def hf_main(args: argparse.Namespace) -> None:
+    import zero_hf
+
+    have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
+    names = args.engines or ["ddp", "fsdp2", "ours1", "ours2", "ours3"] + (["ds1", "ds2", "ds3"] if have_ds else [])
+    zero_kwargs = {} if args.bucket is None else {"reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
+    steps = 13 if args.steps == 6 else args.steps  # 13: the issue's run
+    res = launch_local(zero_hf.worker, 2, names, args.dim, args.layers, args.vocab, steps, args.warmup,
+                       args.rounds, zero_kwargs)
+    rows = zero_hf.summarize(res, names)
+    print(json.dumps({"model": {"hf": "LlamaForCausalLM", "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
+                                "params": res[0][names[0]][0]["num_params"], "seq": zero_hf.SEQ,
+                                "micro_batch": zero_hf.MBS, "world": 2, "steps": steps, "rounds": args.rounds,
+                                "zero": zero_kwargs or "library defaults"},
+                      "engines": rows}, indent=2))
+    print(zero_hf.table(rows))
 
 
 if __name__ == "__main__":

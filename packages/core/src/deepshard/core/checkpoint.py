@@ -91,7 +91,7 @@ def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
     """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
     stages 1-2 would need a strided dp-over-tp placement that is not built here."""
     stage = optimizer.stage
-    if 0 < stage.stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
+    if 0 < stage.zero_stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
         return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
     return None
 
@@ -139,7 +139,7 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     for i, (name, p) in enumerate(zip(stage.names, stage.params)):
         key = clean_name(name)
         for kind, prefix in KINDS:
-            out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.stage, dp_mesh)
+            out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
     if model is not None:
         trained = {clean_name(n) for n in stage.names}
         for name, t in model.state_dict().items():
@@ -193,7 +193,7 @@ def save_checkpoint(
     state = training_state(optimizer, dp_mesh, model)
     needed = checkpoint_bytes(state) + MARGIN_BYTES
     trainer = {"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(), "app": app_state or {},
-               "world_size": world, "zero_stage": optimizer.stage.stage}
+               "world_size": world, "zero_stage": optimizer.stage.zero_stage}
 
     def begin() -> None:
         if rank == 0:
@@ -218,7 +218,7 @@ def save_checkpoint(
                 files.update(p)
             write_manifest(tmp, {
                 "format": FORMAT, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "world": {"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.stage},
+                "world": {"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.zero_stage},
                 "num_params": len(optimizer.stage.names), "meta": meta or {}, "checksum": "crc32", "files": files,
             })
             publish(tmp, final)
@@ -320,7 +320,7 @@ def load_checkpoint(
     if rng is not None:
         set_rng_state(rng)
     log.info("checkpoint: loaded %s (saved at world %d, stage %d; now world %d, stage %d) in %.2fs", path,
-             saved_world, manifest["world"]["zero_stage"], world, stage.stage, time.perf_counter() - start)
+             saved_world, manifest["world"]["zero_stage"], world, stage.zero_stage, time.perf_counter() - start)
     return dict(trainer["app"])
 
 

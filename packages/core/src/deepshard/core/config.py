@@ -19,6 +19,11 @@ class ZeroConfig:
     reduce_bucket_size: int = 50_000_000
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = True
+    # stages 1-2: the all-gather of updated params runs inside the next forward, bucket k+1 while
+    # bucket k's layers compute (forward pre-hooks; ``state_dict()`` and the next step wait for the
+    # rest).  A direct read of a param's values between ``step()`` and the next forward must call
+    # ``engine.gather_params()`` first; off, the gather completes inside ``step()``.
+    overlap_allgather: bool = False
     reshard_after_forward: bool = True
     prefetch: int = 1
     # the dtype gradients are reduced in at every stage (DeepSpeed's communication_data_type); they are

@@ -106,6 +106,11 @@ class Engine:
         self.last_stats = self.optimizer.step()
         return self.last_stats
 
+    def gather_params(self) -> None:
+        """Every parameter holds its updated value (``zero.overlap_allgather`` leaves the all-gather of
+        stages 1-2 running into the next forward: call this before reading params directly)."""
+        self.stage.gather_params()
+
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes."""
         return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=self.mesh["dp"].size(),

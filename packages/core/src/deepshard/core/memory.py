@@ -112,4 +112,4 @@ def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, 
                        modules: Iterable[nn.Module] = ()) -> dict[str, ModelStateBytes]:
     """``{"measured": ..., "expected": ...}`` per-rank model-state bytes (what ``memory()`` returns)."""
     return {"measured": measured_bytes(stage, store, modules),
-            "expected": expected_bytes(stage.stage, num_params, dp, dtype)}
+            "expected": expected_bytes(stage.zero_stage, num_params, dp, dtype)}

@@ -72,6 +72,7 @@ class ZeroOptimizer:
         self.comm_wait_s["backward"] += time.perf_counter() - t0
 
     def step(self) -> StepStats:
+        self.stage.gather_params()  # an all-gather still running into the forward ends before shards change
         grads = self.stage.local_grads()
         handed_over = self.stage.handed_over()
         for i, g in enumerate(grads):

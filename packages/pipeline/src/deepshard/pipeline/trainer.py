@@ -44,9 +44,9 @@ class CompositeStage(ZeroStage):
     """Several ZeRO stages (one per virtual pipeline stage on this rank) seen as one by the optimizer."""
 
     def __init__(self, parts: list[ZeroStage]) -> None:
-        assert parts and len({p.stage for p in parts}) == 1, "all parts share one ZeRO stage"
+        assert parts and len({p.zero_stage for p in parts}) == 1, "all parts share one ZeRO stage"
         self.parts = parts
-        self.stage = parts[0].stage
+        self.zero_stage = parts[0].zero_stage
         self.params = [p for part in parts for p in part.params]
         self.names = [n for part in parts for n in part.names]
 
@@ -78,6 +78,10 @@ class CompositeStage(ZeroStage):
     def after_step(self) -> None:
         for p in self.parts:
             p.after_step()
+
+    def gather_params(self) -> None:
+        for p in self.parts:
+            p.gather_params()
 
     def zero_grad(self) -> None:
         for p in self.parts:

@@ -62,5 +62,7 @@ def apply_zero(
         return ReplicatedStage(names, params, reducer=reducer)
     gatherer = ShardGatherer([local_tensor(p.data) for p in params], group,
                              allgather_bucket_size=config.allgather_bucket_size)
+    if config.overlap_allgather:
+        gatherer.hook_forward(model, params)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
-    return cls(names, params, reducer=reducer, gatherer=gatherer)
+    return cls(names, params, reducer=reducer, gatherer=gatherer, gather_in_forward=config.overlap_allgather)

@@ -67,7 +67,7 @@ def apply_fsdp(
 class FullyShardedStage(ZeroStage):
     """Stage 3: the sharded fp32 params *are* the master weights; FSDP2 reduce-scatters grads."""
 
-    stage = 3
+    zero_stage = 3
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -1,10 +1,27 @@
 """ZeRO 1-2 after the optimizer step: all-gather each rank's updated Shard(0) chunks back into the
-replicated parameters, in buckets of ``zero.allgather_bucket_size`` elements, double-buffered."""
+replicated parameters, in buckets of ``zero.allgather_bucket_size`` elements.
+
+One reusable buffer of ``world x segment`` elements (the largest bucket) serves every bucket: this
+rank packs its chunks into its own segment and the all-gather runs in place, so the gather costs one
+bucket of memory.  Two ways to run it:
+
+- ``gather()`` (the plain path): every bucket, right after the step.
+- ``start()`` + forward pre-hooks (``zero.overlap_allgather``): the step launches bucket 0 only; the
+  forward pre-hook of a module whose parameters sit in bucket k waits for bucket k, writes it into
+  the params and launches bucket k+1, which so travels while bucket k's layers compute (FSDP's and
+  DeepSpeed's prefetch, applied to stages 1-2).  Every parameter is current when a module uses it;
+  ``finish()`` completes the rest (the engine calls it before the next optimizer step, from
+  ``state_dict()`` and from ``Engine.gather_params()``: a direct read of a parameter's values between
+  ``step()`` and the next forward must call that first).
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
 
@@ -21,36 +38,89 @@ class ShardGatherer:
         self.rank = dist.get_rank(group)
         groups = group_into_buckets([p.numel() for p in params], [p.dtype for p in params], allgather_bucket_size)
         self.buckets = [(idx, BucketLayout(idx, [params[i].shape for i in idx], self.world)) for idx in groups]
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._next = len(self.buckets)  # the next bucket to launch
+        self._inflight: tuple[int, dist.Work, torch.Tensor] | None = None
+        self.num_waits_in_forward = 0  # buckets completed by a forward pre-hook (overlap, observable)
 
-        self._buffers: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def _pair(self, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two reusable (send, recv) pairs, alternating: bucket k+1 gathers while k unpacks."""
-        if dtype not in self._buffers:
+    def _buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        if key not in self._buffers:
             seg = max(layout.segment for _, layout in self.buckets)
-            self._buffers[dtype] = [(torch.empty(seg, dtype=dtype, device=device),
-                                     torch.empty(self.world * seg, dtype=dtype, device=device)) for _ in range(2)]
-        return self._buffers[dtype][k % 2]
+            self._buffers[key] = torch.empty(self.world * seg, dtype=dtype, device=device)
+        return self._buffers[key]
+
+    def _launch_next(self) -> None:
+        if self._next >= len(self.buckets):
+            return
+        k = self._next
+        self._next += 1
+        idx, layout = self.buckets[k]
+        first = self.params[idx[0]]
+        seg = layout.segment
+        buf = self._buffer(first.dtype, first.device)[:self.world * seg]
+        send = buf[self.rank * seg:(self.rank + 1) * seg]
+        layout.pack_local([local_shard(self.params[i], self.world, self.rank) for i in idx], send)
+        self._inflight = (k, dist.all_gather_single(buf, send, group=self.group, async_op=True), buf)
+
+    def start(self) -> None:
+        """Launch bucket 0 of a new gather (after the step: the local shards are updated)."""
+        assert self._inflight is None and self._next == len(self.buckets), "the previous gather is unfinished"
+        self._next = 0
+        self._launch_next()
+
+    def ensure(self, bucket: int) -> None:
+        """Buckets up to ``bucket`` written into the params; the next one launched (prefetch)."""
+        while self._inflight is not None and self._inflight[0] <= bucket:
+            k, work, buf = self._inflight
+            self._inflight = None
+            work.wait()
+            idx, layout = self.buckets[k]
+            layout.unpack_full(buf, [self.params[i] for i in idx])
+            self._launch_next()
+
+    def finish(self) -> None:
+        """Every bucket of the current gather written into the params (no-op when none is running)."""
+        self.ensure(len(self.buckets))
 
     def gather(self) -> None:
-        pending = None
-        for k, (idx, layout) in enumerate(self.buckets):
-            full = [self.params[i] for i in idx]
-            send, recv = self._pair(k, full[0].dtype, full[0].device)
-            send, recv = send[:layout.segment], recv[:self.world * layout.segment]
-            layout.pack_local([local_shard(t, self.world, self.rank) for t in full], send)
-            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
-            if pending is not None:
-                self._unpack(*pending)
-            pending = (work, layout, recv, full)
-        if pending is not None:
-            self._unpack(*pending)
+        """The plain path: all buckets now."""
+        self.start()
+        self.finish()
 
-    @staticmethod
-    def _unpack(work: dist.Work, layout: BucketLayout, recv: torch.Tensor, full: list[torch.Tensor]) -> None:
-        work.wait()
-        layout.unpack_full(recv, full)
+    def hook_forward(self, model: nn.Module, params: list[nn.Parameter]) -> None:
+        """``overlap_allgather``: forward pre-hooks complete a module's buckets before it computes, and a
+        ``model.state_dict()`` completes the whole gather first.  ``params[i]`` is the parameter whose
+        local tensor is ``self.params[i]``."""
+        bucket_of = {id(params[i]): b for b, (idx, _) in enumerate(self.buckets) for i in idx}
+        ref = weakref.ref(self)  # weakly: a module -> hook -> gatherer -> params cycle would never be freed
+        for module in model.modules():
+            owned = [bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of]
+            if owned:
+                module.register_forward_pre_hook(_ForwardWait(ref, max(owned)))
+        model.register_state_dict_pre_hook(_StateDictWait(ref))
 
     def buffer_bytes(self) -> int:
-        """Bytes of the reusable send/receive buffers (allocated on the first gather)."""
-        return sum(t.nbytes for pairs in self._buffers.values() for pair in pairs for t in pair)
+        """Bytes of the reusable gather buffer (allocated on the first gather)."""
+        return sum(t.nbytes for t in self._buffers.values())
+
+
+class _ForwardWait:
+    def __init__(self, ref: weakref.ref, bucket: int) -> None:
+        self.ref, self.bucket = ref, bucket
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        gatherer = self.ref()
+        if gatherer is not None and gatherer._inflight is not None and gatherer._inflight[0] <= self.bucket:
+            gatherer.num_waits_in_forward += 1
+            gatherer.ensure(self.bucket)
+
+
+class _StateDictWait:
+    def __init__(self, ref: weakref.ref) -> None:
+        self.ref = ref
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        gatherer = self.ref()
+        if gatherer is not None:
+            gatherer.finish()

@@ -89,13 +89,15 @@ class BucketLayout:
                 flat[lo:lo + n].copy_(seg[r, slot.offset:slot.offset + n])
 
 
-def group_into_buckets(numels: list[int], dtypes: list[torch.dtype], max_numel: int) -> list[list[int]]:
-    """Consecutive indices grouped into buckets of at most ``max_numel`` elements and one dtype."""
+def group_into_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_size: int) -> list[list[int]]:
+    """Consecutive indices grouped into buckets of at most ``bucket_size`` elements (one larger
+    tensor makes a bucket of its own) and one dtype: ``zero.reduce_bucket_size`` or
+    ``zero.allgather_bucket_size``, the config's names."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i, (n, dt) in enumerate(zip(numels, dtypes)):
-        if current and (size + n > max_numel or dtypes[current[0]] != dt):
+        if current and (size + n > bucket_size or dtypes[current[0]] != dt):
             buckets.append(current)
             current, size = [], 0
         current.append(i)

@@ -11,6 +11,8 @@ the small ones); the wire dtype is ``reduce_dtype`` (DeepSpeed's ``communication
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,7 +44,16 @@ class _HookedReducer:
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._pending: list[tuple[int, torch.Tensor, dist.Work | None]] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # the hooks hold the reducer weakly: a param -> hook -> reducer -> params cycle through a
+        # tensor's hook dict is never collected (a dropped engine kept its whole model state alive)
+        ref = weakref.ref(self)
+
+        def on_grad(p: torch.Tensor) -> None:
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad(p)
+
+        self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -166,13 +177,16 @@ class AllReduceReducer(_HookedReducer):
 class ReduceScatterReducer(_HookedReducer):
     """ZeRO-2: each rank keeps the averaged Shard(0) chunk of every gradient, nothing more.
 
-    Packing goes through a small pool of reusable buffers (DeepSpeed's double ``ipg`` buffers):
-    when the pool runs dry the oldest reduction is completed during backward, so transient memory
-    stays at ``num_buffers`` buckets however large the model.
+    Packing goes through one reusable buffer of ``world x segment`` elements (the largest bucket:
+    about ``reduce_bucket_size``), reduce-scattered in place (this rank's result lands in its own
+    segment of the buffer), so the model state is the ZeRO formula plus one bucket.  Bucket k is
+    completed (waited for, folded into the fp32 shard accumulators) when bucket k+1 is ready to
+    pack: its reduction overlaps the backward of bucket k+1's layers.  ``num_buffers=2`` keeps two
+    buffers in flight (DeepSpeed's double ``ipg`` buffers), for links slower than one bucket's backward.
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, reduce_bucket_size: int,
-                 overlap: bool, reduce_dtype: torch.dtype = torch.float32, num_buffers: int = 2,
+                 overlap: bool, reduce_dtype: torch.dtype = torch.float32, num_buffers: int = 1,
                  handoff: GradHandoff | None = None) -> None:
         super().__init__(params, group, reduce_bucket_size=reduce_bucket_size, overlap=overlap,
                          reduce_dtype=reduce_dtype)
@@ -181,21 +195,19 @@ class ReduceScatterReducer(_HookedReducer):
         self.handoff = handoff
         self.final = True
         self.num_buffers = num_buffers
-        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._in_use: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._free: list[torch.Tensor] = []
+        self._in_use: dict[int, torch.Tensor] = {}
 
-    def _buffers(self, b: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A (packed input, reduced output) pair big enough for bucket ``b``."""
+    def _buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A packing buffer big enough for any bucket; completes the oldest reduction when none is free."""
         while not self._free and len(self._in_use) >= self.num_buffers and self._pending:
             self._complete_oldest()
-        seg = self.layouts[b].segment
-        for k, (flat, out) in enumerate(self._free):
-            if flat.dtype == dtype and flat.numel() >= self.world * seg:
+        for k, flat in enumerate(self._free):
+            if flat.dtype == dtype:
                 del self._free[k]
-                return flat, out
+                return flat
         size = max(layout.segment for layout in self.layouts)
-        return (torch.empty(self.world * size, dtype=dtype, device=device),
-                torch.empty(size, dtype=dtype, device=device))
+        return torch.empty(self.world * size, dtype=dtype, device=device)
 
     def _complete_oldest(self) -> None:
         b, buf, work = self._pending.pop(0)
@@ -211,15 +223,15 @@ class ReduceScatterReducer(_HookedReducer):
     def _launch(self, b: int) -> None:
         self._launched[b] = True
         idx = self.buckets[b]
-        layout = self.layouts[b]
+        seg = self.layouts[b].segment
         grads = [self._grad_or_zeros(i) for i in idx]
-        flat_all, out_all = self._buffers(b, self.reduce_dtype, grads[0].device)
-        flat = flat_all[:self.world * layout.segment]
-        out = out_all[:layout.segment]
-        layout.pack_full(grads, flat)
+        flat_all = self._buffer(self.reduce_dtype, grads[0].device)
+        flat = flat_all[:self.world * seg]
+        self.layouts[b].pack_full(grads, flat)
         for i in idx:  # the full gradient is gone as soon as it is packed
             self.params[i].grad = None
-        self._in_use[b] = (flat_all, out_all)
+        self._in_use[b] = flat_all
+        out = flat[self.rank * seg:(self.rank + 1) * seg]  # in place: this rank's segment
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=self.overlap)
         self._pending.append((b, out, work if self.overlap else None))
 
@@ -236,9 +248,8 @@ class ReduceScatterReducer(_HookedReducer):
         self._free.append(self._in_use.pop(b))
 
     def pool_bytes(self) -> int:
-        """Bytes of the reusable (packed input, reduced output) buffer pairs."""
-        pairs = self._free + list(self._in_use.values())
-        return sum(t.nbytes for pair in pairs for t in pair)
+        """Bytes of the reusable packing buffers (reduced in place)."""
+        return sum(t.nbytes for t in self._free + list(self._in_use.values()))
 
     def shard_grad(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s averaged fp32 Shard(0) gradient (zeros where backward left none)."""

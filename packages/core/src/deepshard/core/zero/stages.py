@@ -24,7 +24,7 @@ from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
 class ZeroStage(ABC):
     """What the optimizer glue needs from a stage."""
 
-    stage: int
+    zero_stage: int
     params: list[nn.Parameter]
     names: list[str]
 
@@ -56,6 +56,10 @@ class ZeroStage(ABC):
 
     def after_step(self) -> None:  # noqa: B027
         """Make the updated shards visible where the model computes (all-gather for stages 1-2)."""
+
+    def gather_params(self) -> None:  # noqa: B027
+        """Finish an all-gather of updated params still running into the next forward (stages 1-2
+        with ``zero.overlap_allgather``): after it every parameter holds its updated value."""
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -117,7 +121,7 @@ class _BucketedStage(ZeroStage):
 class ReplicatedStage(_BucketedStage):
     """Stage 0 (DDP): replicated params, all-reduced grads, replicated optimizer state."""
 
-    stage = 0
+    zero_stage = 0
 
     def __init__(self, names: list[str], params: list[nn.Parameter], *, reducer: AllReduceReducer) -> None:
         super().__init__(names, params, reducer)
@@ -135,44 +139,58 @@ class ReplicatedStage(_BucketedStage):
         return [self.world * dtensor_replication(p) for p in self.params]
 
 
-class ShardedOptimizerStage(_BucketedStage):
-    """Stage 1: grads all-reduced as in stage 0; each rank updates only its Shard(0) chunk."""
+class _GatheringStage(_BucketedStage):
+    """Stages 1-2: each rank updates only its Shard(0) chunk of every param; a gatherer all-gathers
+    the updated chunks back into the replicated params, right after the step or, with
+    ``gather_in_forward`` (``zero.overlap_allgather``), bucket by bucket inside the next forward."""
 
-    stage = 1
-
-    def __init__(self, names: list[str], params: list[nn.Parameter], *, reducer: AllReduceReducer,
-                 gatherer: ShardGatherer) -> None:
+    def __init__(self, names: list[str], params: list[nn.Parameter], *,
+                 reducer: AllReduceReducer | ReduceScatterReducer, gatherer: ShardGatherer,
+                 gather_in_forward: bool = False) -> None:
         super().__init__(names, params, reducer)
-        self.gatherer = gatherer
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        self.reducer.sync = enabled
+        self.gatherer, self.gather_in_forward = gatherer, gather_in_forward
 
     def local_params(self) -> list[torch.Tensor]:
         return self._sharded_params()
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [local_shard(self.reducer.grad(i), self.world, self.rank) for i in range(len(self.params))]
 
     def replication(self) -> list[int]:
         return [dtensor_replication(p) for p in self.params]
 
     def after_step(self) -> None:
-        self.gatherer.gather()
+        if self.gather_in_forward:  # bucket 0 now; the forward pre-hooks take it from there
+            self.gatherer.start()
+        else:
+            self.gatherer.gather()
+
+    def gather_params(self) -> None:
+        self.gatherer.finish()
+
+    def finish_backward(self) -> None:
+        self.gatherer.finish()  # a forward that skipped some modules left buckets in flight
+        self.reducer.finish()
 
     def buffer_bytes(self) -> dict[str, int]:
         return {"allgather": self.gatherer.buffer_bytes()}
 
 
-class ShardedGradStage(_BucketedStage):
+class ShardedOptimizerStage(_GatheringStage):
+    """Stage 1: grads all-reduced as in stage 0; each rank updates only its Shard(0) chunk."""
+
+    zero_stage = 1
+    reducer: AllReduceReducer
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self.reducer.sync = enabled
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local_shard(self.reducer.grad(i), self.world, self.rank) for i in range(len(self.params))]
+
+
+class ShardedGradStage(_GatheringStage):
     """Stage 2: grads reduce-scattered into Shard(0) buckets as backward runs; full grads never kept."""
 
-    stage = 2
-
-    def __init__(self, names: list[str], params: list[nn.Parameter], *, reducer: ReduceScatterReducer,
-                 gatherer: ShardGatherer) -> None:
-        super().__init__(names, params, reducer)
-        self.gatherer = gatherer
+    zero_stage = 2
+    reducer: ReduceScatterReducer
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Stage 2 reduces every micro-step (holding unreduced full grads would defeat it); ``enabled``
@@ -182,17 +200,8 @@ class ShardedGradStage(_BucketedStage):
     def grad_handoffs(self) -> list[tuple[GradHandoff, int]]:
         return [(self.reducer.handoff, 0)] if self.reducer.handoff is not None else []
 
-    def local_params(self) -> list[torch.Tensor]:
-        return self._sharded_params()
-
     def local_grads(self) -> list[torch.Tensor]:
         return [self.reducer.shard_grad(i) for i in range(len(self.params))]
 
-    def replication(self) -> list[int]:
-        return [dtensor_replication(p) for p in self.params]
-
-    def after_step(self) -> None:
-        self.gatherer.gather()
-
     def buffer_bytes(self) -> dict[str, int]:
-        return {"reduce_scatter": self.reducer.pool_bytes(), "allgather": self.gatherer.buffer_bytes()}
+        return {"reduce_scatter": self.reducer.pool_bytes(), **super().buffer_bytes()}
