@@ -175,7 +175,7 @@ class PipelineTrainer:
     def _rank_param_count(self) -> int:
         """Ψ of the README's ZeRO table for this rank: its stages' parameters after TP, before dp sharding."""
         n = sum(local_tensor(q.data).numel() for q in self.zero.params)
-        return n * self.dp_size if self.zero.stage == 3 else n
+        return n * self.dp_size if self.zero.zero_stage == 3 else n
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes (as ``Engine.memory``)."""
