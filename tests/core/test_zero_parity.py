@@ -42,8 +42,8 @@ def _grad_ready_timing():
     from deepshard.core import DeviceStateStore, initialize
 
     class Recording(DeviceStateStore):
-        def __init__(self, *args):
-            super().__init__(*args)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             self.calls = []
 
         def grad_ready(self, index, grad):

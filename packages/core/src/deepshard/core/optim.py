@@ -114,9 +114,6 @@ def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: St
     """
     oc = config.optim
     adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
-    store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), adamw)
-    if fp32_masters is not None:
-        store.load_state_dict({"master": fp32_masters, "exp_avg": [torch.zeros_like(t) for t in fp32_masters],
-                               "exp_avg_sq": [torch.zeros_like(t) for t in fp32_masters]})
+    store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), adamw, masters=fp32_masters)
     schedule = LRSchedule(config.scheduler, oc.lr)
     return ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)

@@ -9,8 +9,8 @@ on where the state lives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.optim.adamw import adamw
@@ -75,8 +75,16 @@ class StateStore(ABC):
         """Release files and buffers (stores with scratch files remove them here)."""
 
 
-StoreFactory = Callable[[list[torch.Tensor], list[float], AdamWConfig], StateStore]
-"""What decides where optimizer state lives: built with (params, weight_decays, adamw)."""
+class StoreFactory(Protocol):
+    """What decides where optimizer state lives: a store class, or a function that builds one.
+
+    ``masters`` (fp32, one per param, shaped like it) are the values the fp32 master weights start
+    from, taken before the params were cast to a 16-bit compute dtype (``apply_mixed_precision``);
+    None: the params themselves.  A store is built from them directly, never patched afterwards.
+    """
+
+    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+                 masters: list[torch.Tensor] | None = None) -> StateStore: ...
 
 
 def adamw_update(
@@ -135,13 +143,19 @@ def adamw_update(
 
 
 class DeviceStateStore(StateStore):
-    """State beside the params.  With fp32 params the master *is* the param: no extra bytes."""
+    """State beside the params.  With fp32 params the master *is* the param: no extra bytes.
+    ``masters`` (see :class:`StoreFactory`) become the store's own: it keeps them, no copy."""
 
-    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> None:
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+                 masters: list[torch.Tensor] | None = None) -> None:
         super().__init__(params, weight_decays, adamw)
         self.aliased = all(p.dtype == torch.float32 for p in params)
         if self.aliased:
+            assert masters is None, "fp32 params are their own masters"
             self.masters = list(params)
+        elif masters is not None:
+            assert all(m.dtype == torch.float32 and m.shape == p.shape for m, p in zip(masters, params, strict=True))
+            self.masters = list(masters)
         else:
             self.masters = [p.detach().float().clone() for p in params]
         self.exp_avgs = [torch.zeros_like(m) for m in self.masters]

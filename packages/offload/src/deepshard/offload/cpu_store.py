@@ -41,7 +41,8 @@ def _offsets(shapes: list[torch.Size]) -> list[int]:
 class CpuStateStore(StateStore):
     """fp32 master + exp_avg + exp_avg_sq in host memory; params updated in place after each step."""
 
-    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> None:
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+                 masters: list[torch.Tensor] | None = None) -> None:
         super().__init__(params, weight_decays, adamw)
         self.pin = torch.cuda.is_available()  # pinning without an accelerator raises
         shapes = [p.shape for p in params]
@@ -64,9 +65,10 @@ class CpuStateStore(StateStore):
         staging = self._flat["grad"].view(torch.uint8).view(low.pop()) if low else None
         self._staging = [None if p.dtype == torch.float32 else staging[o:o + p.numel()].view(p.shape)
                          for p, o in zip(params, _offsets(shapes))]
-        if not self.aliased:
-            for m, p in zip(self.masters, params):
-                m.copy_(p.detach())
+        assert masters is None or not self.aliased, "fp32 host params are their own masters"
+        if not self.aliased:  # the masters start from the fp32 values taken before the cast (or the params)
+            for m, src in zip(self.masters, params if masters is None else masters, strict=True):
+                m.copy_(src.detach())
         self._flat["exp_avg"].zero_()
         self._flat["exp_avg_sq"].zero_()
         self._ready = [False] * len(params)

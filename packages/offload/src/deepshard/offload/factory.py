@@ -20,7 +20,9 @@ class InfinityFactory:
     def __init__(self, config: OffloadConfig, rank: int, run_id: str) -> None:
         self.param_swap = ParamSwap(config, rank=rank, run_id=run_id)
 
-    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> StateStore:
+    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+                 masters: list[torch.Tensor] | None = None) -> StateStore:
+        assert masters is None, "ZeRO-3 params are never cast before sharding: they are their own masters"
         return InfinityStore(params, weight_decays, adamw, swap=self.param_swap)
 
 
@@ -39,8 +41,9 @@ def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFa
     if config.params == "nvme":
         return InfinityFactory(config, rank, run_id)
 
-    def nvme(params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig) -> StateStore:
-        return NvmeStateStore(params, weight_decays, adamw, config=config, rank=rank, run_id=run_id)
+    def nvme(params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+             masters: list[torch.Tensor] | None = None) -> StateStore:
+        return NvmeStateStore(params, weight_decays, adamw, config=config, rank=rank, run_id=run_id, masters=masters)
 
     return nvme
 

@@ -106,8 +106,10 @@ class NvmeStateStore(StateStore):
     """fp32 master + AdamW moments in per-rank swap files under ``config.nvme_path``."""
 
     def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
-                 config: OffloadConfig, rank: int = 0, run_id: str | None = None) -> None:
+                 config: OffloadConfig, rank: int = 0, run_id: str | None = None,
+                 masters: list[torch.Tensor] | None = None) -> None:
         super().__init__(params, weight_decays, adamw)
+        self._initial = params if masters is None else masters  # what the swap files start from
         for i, p in enumerate(params):
             assert p.is_contiguous(), f"param {i} is not contiguous: the store updates it through a flat view"
         self.config = config
@@ -134,6 +136,7 @@ class NvmeStateStore(StateStore):
             num_buffers = min(config.buffer_count, max(len(self.groups), 1))
             self._buffers = [_Buffer(self.largest, pin) for _ in range(num_buffers)]
             self._stream(self._fill_initial, read=False, write=True)
+            del self._initial
         except BaseException:
             self.close()
             raise
@@ -163,7 +166,7 @@ class NvmeStateStore(StateStore):
 
     def _fill_initial(self, g: int, buf: _Buffer) -> None:
         for pi, po, go, k in self.groups[g]:
-            buf.f32["master"][go:go + k].copy_(self.params[pi].detach().reshape(-1)[po:po + k])
+            buf.f32["master"][go:go + k].copy_(self._initial[pi].detach().reshape(-1)[po:po + k])
         n = self.group_numels[g]
         buf.f32["exp_avg"][:n].zero_()
         buf.f32["exp_avg_sq"][:n].zero_()
