@@ -1,6 +1,7 @@
 """Checkpoint faults injected into the real app (world 2, tiny model), each bounded in time: SIGTERM
-mid-save, kill -9 mid-save then resume=auto, a full checkpoint dir, keep_last=1 after a fallback past
-a corrupt checkpoint, and a crafted ``.metadata`` on resume=PATH and on export.
+mid-save, a full checkpoint dir, kill -9 mid-save, then (on copies of what that run left) resume=auto
+past its partial save and a corrupt checkpoint with keep_last=1, and a crafted ``.metadata`` on
+resume=PATH and on export.
 
 "Mid-save" is made exact by ``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS``: the save of STEP pauses with
 its shards written and its manifest not yet, and says so in the log; the test signals then.
@@ -109,26 +110,6 @@ def test_sigterm_mid_save_completes_the_save_and_exits_cleanly(tmp_path):
     assert temp_dirs(root) == []
 
 
-def test_kill_9_mid_save_then_resume_auto_uses_the_good_one(tmp_path):
-    run = tmp_path / "run"
-    app = Live(tmp_path, run, "checkpoint.every_steps=2", "train.max_steps=200", env={
-        "DEEPSHARD_FAULT_SAVE_STALL": "4:120"})
-    app.wait_for(PAUSED, timeout=120)
-    app.kill(signal.SIGKILL)  # the whole job, as when a node dies
-    app.finish(timeout=30)
-    root = run / "checkpoints"
-    (partial,) = [p for p, _, _ in temp_dirs(root)]
-    assert partial.name.startswith("step-00000004.tmp-") and (partial / ".metadata").is_file()
-    assert _steps(root) == [2]
-
-    code, out = _run(tmp_path, run, "train.max_steps=5")
-    assert code == 0, out[-3000:]
-    assert f"{partial.name} is an unfinished save of a dead run" in out and "skipped and removed" in out
-    assert f"resumed from {root / 'step-00000002'} at step 2" in out
-    assert not partial.exists() and temp_dirs(root) == []
-    assert latest_good(root)[0] == root / "step-00000005"
-
-
 @pytest.fixture
 def small_tmpfs(mount_tmpfs):
     """A 1 MB tmpfs (tests/conftest.py's mount_tmpfs)."""
@@ -151,41 +132,62 @@ def test_a_full_checkpoint_dir_stops_or_continues_as_asked(tmp_path, small_tmpfs
 
 
 @pytest.fixture(scope="module")
-def three_checkpoints(tmp_path_factory):
-    """A run that saved steps 5, 10 and 15."""
-    tmp = tmp_path_factory.mktemp("three")
-    code, out = _run(tmp, tmp / "run", "checkpoint.every_steps=5", "checkpoint.keep_last=0", "train.max_steps=15")
-    assert code == 0, out[-3000:]
-    root = tmp / "run" / "checkpoints"
-    assert _steps(root) == [15, 10, 5]
-    return root
+def killed_mid_save(tmp_path_factory):
+    """A run killed with -9 (the whole job, as when a node dies) while it saved step 6: steps 2 and 4
+    are good checkpoints, step 6 has its shards written and no manifest.  One launch serves the tests
+    below; each works on a copy."""
+    tmp = tmp_path_factory.mktemp("killed")
+    run = tmp / "run"
+    app = Live(tmp, run, "checkpoint.every_steps=2", "checkpoint.keep_last=0", "train.max_steps=200", env={
+        "DEEPSHARD_FAULT_SAVE_STALL": "6:120"})
+    app.wait_for(PAUSED, timeout=120)
+    app.kill(signal.SIGKILL)
+    app.finish(timeout=30)
+    return run / "checkpoints"
 
 
-def test_keep_last_1_after_a_fallback_past_a_corrupt_checkpoint_keeps_the_good_one(tmp_path, three_checkpoints):
+def test_kill_9_mid_save_leaves_the_good_checkpoints_and_one_partial(killed_mid_save):
+    root = killed_mid_save
+    (partial,) = [p for p, _, _ in temp_dirs(root)]
+    assert partial.name.startswith("step-00000006.tmp-") and (partial / ".metadata").is_file()
+    assert _steps(root) == [4, 2]
+    for c in step_dirs(root):
+        verify_checkpoint(c.path)
+
+
+def test_resume_auto_past_a_partial_and_a_corrupt_checkpoint_then_keep_last_1(tmp_path, killed_mid_save):
+    """resume=auto skips (and removes) the dead run's unfinished save, falls back past step 4, whose
+    shard fails its checksum, to step 2, sets step 4 aside as an abandoned branch, and keep_last=1
+    then keeps only the newest good one of this run."""
     run = tmp_path / "run"
-    shutil.copytree(three_checkpoints, run / "checkpoints")
+    shutil.copytree(killed_mid_save, run / "checkpoints")
     root = run / "checkpoints"
-    shard = sorted((root / "step-00000015").glob("__*.distcp"))[0]
+    (partial,) = [p for p, _, _ in temp_dirs(root)]
+    shard = sorted((root / "step-00000004").glob("__*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    code, out = _run(tmp_path, run, "checkpoint.keep_last=1", "checkpoint.every_steps=2", "train.max_steps=12")
+    code, out = _run(tmp_path, run, "checkpoint.keep_last=1", "checkpoint.every_steps=2", "train.max_steps=5")
     assert code == 0, out[-3000:]
-    assert "fails its crc32 checksum" in out and f"resumed from {root / 'step-00000010'} at step 10" in out
+    assert f"{partial.name} is an unfinished save of a dead run" in out and "skipped and removed" in out
+    assert not partial.exists() and temp_dirs(root) == []
+    assert "fails its crc32 checksum" in out and f"resumed from {root / 'step-00000002'} at step 2" in out
     assert "a branch this run abandons" in out
-    assert _steps(root) == [12]  # the one just written survives retention; the corrupt 15 never counted
-    verify_checkpoint(root / "step-00000012")
-    assert latest_good(root)[0] == root / "step-00000012"  # what the next resume=auto takes
-    assert [p.name[:len("abandoned-step-00000015")] for p in root.iterdir() if p.name.startswith("abandoned-")] == [
-        "abandoned-step-00000015"]
+    assert _steps(root) == [5]  # the newest survives retention (step 4 of this run went); the corrupt 4 never counted
+    verify_checkpoint(root / "step-00000005")
+    assert latest_good(root)[0] == root / "step-00000005"  # what the next resume=auto takes
+    assert [p.name[:len("abandoned-step-00000004")] for p in root.iterdir() if p.name.startswith("abandoned-")] == [
+        "abandoned-step-00000004"]
 
 
-def test_a_crafted_metadata_is_refused_on_resume_and_export_and_runs_nothing(tmp_path, three_checkpoints):
-    ckpt = tmp_path / "step-00000005"
-    shutil.copytree(three_checkpoints / "step-00000005", ckpt)
+def test_a_crafted_metadata_is_refused_on_resume_and_export_and_runs_nothing(tmp_path, killed_mid_save):
+    """At world 1 (the refusal is each rank's own load, before any collective)."""
+    ckpt = tmp_path / "step-00000002"
+    shutil.copytree(killed_mid_save / "step-00000002", ckpt)
     marker = tmp_path / "pwned"
     poison_metadata(ckpt, marker)
-    code, out = _run(tmp_path, tmp_path / "run", f"checkpoint.resume={ckpt}", "train.max_steps=6")
+    code, out = _run(tmp_path, tmp_path / "run", f"checkpoint.resume={ckpt}", "train.max_steps=3",
+                     "launcher.nproc_per_node=1")
     assert code != 0
     assert f"'{ckpt / '.metadata'}' asks to load posix.system, which is not part of DCP's metadata" in out, out[-3000:]
     assert not marker.exists()
