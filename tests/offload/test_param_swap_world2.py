@@ -20,10 +20,11 @@ from zero_harness import MICRO, batches, engine_config  # noqa: E402
 from deepshard.core.launch import launch_local  # noqa: E402
 
 STEPS = 5
-CASES = {"plain": (1, "none", True), "accum_ac": (2, "full", False)}  # grad_accum, ac, reshard_after_forward
+# grad_accum, ac, reshard_after_forward, init through the swap's materializer (unit by unit to NVMe)
+CASES = {"plain": (1, "none", True, False), "accum_ac": (2, "full", False, True)}
 
 
-def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool):
+def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool):
     import torch.distributed as dist
 
     from deepshard.core import initialize
@@ -37,10 +38,15 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool):
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=nvme_path, params="nvme" if on else "none",
                         buffer_count=2, param_buffer_count=3, param_prefetch=2)
     factory = make_store_factory(off, rank, "paramswap")
+    swap = getattr(factory, "param_swap", None)
     with torch.device("meta"):
         model = Llama(MICRO)
+
+    def init(m):
+        m.init_weights(0)
+
     engine = initialize(model, cfg, store_factory=factory, offload_params=param_offload(off, factory),
-                        materialize=lambda m: m.init_weights(0))
+                        materialize=swap.materializer(init) if swap is not None and unit_init else init)
     data = batches(STEPS, world, grad_accum)
     losses, held = [], {}
     for step in range(STEPS):
@@ -56,7 +62,6 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool):
         engine.step()
         dist.all_reduce(total)
         losses.append(total.item() / (world * grad_accum))
-    swap = getattr(factory, "param_swap", None)
     with swap.resident() if swap is not None else contextlib.nullcontext():
         full = {n.replace("_checkpoint_wrapped_module.", ""): p.data.full_tensor().clone()
                 for n, p in engine.model.named_parameters()}

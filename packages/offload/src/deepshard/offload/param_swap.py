@@ -25,16 +25,18 @@ sharded params are the fp32 masters).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
@@ -70,10 +72,50 @@ class Unit:
     resident: bool = True  # materialized params start in memory (written to the file on open)
     pending: tuple[torch.Tensor, list[AioRequest]] | None = None  # a read in flight into a pool buffer
     grad_written: bool = False  # this step's gradient (so far) is in the grad file
+    written: set[int] = field(default_factory=set)  # slots the materializer saw written
 
     @property
     def nbytes(self) -> int:
         return align_up(self.numel * 4)
+
+
+class _InitWatch(TorchDispatchMode):
+    """During initialization: refill a released unit before an op writes into it again, and flush
+    a unit to NVMe once every one of its shards has been written."""
+
+    def __init__(self, swap: ParamSwap) -> None:
+        super().__init__()
+        self.swap = swap
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        target = None
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            t = getattr(args[0], "_local_tensor", args[0])
+            target = self.swap._by_storage.get(t.untyped_storage()._cdata)
+            if target is not None and not target[0].resident:
+                self.swap._ensure(target[0])
+        out = func(*args, **(kwargs or {}))
+        if target is not None:
+            unit, slot = target
+            unit.written.add(slot.offset)
+            if len(unit.written) == len(unit.slots):
+                self.swap._flush(unit, release=True)
+        return out
+
+
+MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _fixed_mmap_threshold() -> None:
+    """Freed shards must go back to the OS: glibc's *dynamic* mmap threshold rises to the size of
+    the largest chunk freed, after which shard-sized blocks come from the heap and stay resident
+    when freed, so the process would grow to the model's size.  A fixed threshold (what
+    ``MALLOC_MMAP_THRESHOLD_`` sets; respected when given) maps every large block separately."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None:
@@ -107,6 +149,7 @@ class ParamSwap:
         self._pool: list[torch.Tensor] = []
         self._writes: deque[tuple[torch.Tensor, list[AioRequest]]] = deque()
         self._norms: list[torch.Tensor] = []
+        self._by_storage: dict[int, tuple[Unit, Slot]] = {}
         self.reads = {"demand": 0, "prefetched": 0}  # unit refills: waited for at use / read ahead
 
     # -- wiring ---------------------------------------------------------------------------------
@@ -114,6 +157,7 @@ class ParamSwap:
     def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Hook the FSDP units of ``model`` (after ``fully_shard``): the root first, then ``blocks``
         in forward order.  Params may still be on the meta device; the files open in :meth:`open`."""
+        _fixed_mmap_threshold()
         for name, module in [("root", model)] + [(f"block{i}", b) for i, b in enumerate(blocks)]:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
@@ -130,11 +174,9 @@ class ParamSwap:
                 raise ValueError("offload.params='nvme' does not support frozen parameters yet (+peft=lora): "
                                  "use offload.params=cpu or none")
 
-    def open(self, params: list[torch.Tensor]) -> None:
-        """Lay out the (now materialized) shards, check space and buffers, write them to the files.
-
-        ``params`` are the store's tensors (each a local shard); their order is the optimizer's."""
-        by_storage = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+    def _layout(self) -> None:
+        """Place the (materialized, maybe still untouched) shards; check space and buffers; create
+        the files (fresh: unwritten preallocated blocks read as zeros, the moments' initial value)."""
         offset = 0
         for unit in self.units:
             pos = 0
@@ -143,42 +185,80 @@ class ParamSwap:
                 assert data.dtype == torch.float32, f"{fp}: sharded params must be fp32 masters, got {data.dtype}"
                 assert data.storage_offset() == 0 and data.untyped_storage().nbytes() == data.numel() * 4, \
                     f"{fp}: the shard does not own its storage; it cannot be swapped"
-                index = by_storage.get(data.untyped_storage().data_ptr())
-                assert index is not None, f"{fp}: not among the optimizer's params"
                 pos = -(-pos // VEC) * VEC
-                unit.slots.append(Slot(fp, pos, data.numel(), params[index].numel(), index))
+                unit.slots.append(Slot(fp, pos, data.numel(), fp.sharded_param._local_tensor.numel(), -1))
                 pos += data.numel()
             unit.numel = pos
             unit.offset = offset
             offset += unit.nbytes
-        assert sorted(s.index for u in self.units for s in u.slots) == list(range(len(params)))
-        self.num_params = len(params)
-        self._norms = [torch.zeros(1) for _ in params]
+        self._by_storage = {s.data.untyped_storage()._cdata: (u, s) for u in self.units for s in u.slots}
         largest = max(self.units, key=lambda u: u.numel)
         validate_param_swap(self.config, len(FILES) * max(offset, 1), largest.numel, largest.name)
         self.dir = scratch.make_store_dir(self.config.nvme_path, self.run_id, self.rank)
         try:
             for k in FILES:
-                self.files[k] = SwapFile(str(self.dir / f"{k}.swp"), max(offset, 1))
+                path = self.dir / f"{k}.swp"
+                path.unlink(missing_ok=True)
+                self.files[k] = SwapFile(str(path), max(offset, 1))
             self.engine = AioEngine(self.config.aio)
             self._pool = [aligned_empty(largest.nbytes, pin=torch.cuda.is_available())
                           for _ in range(self.config.param_buffer_count)]
-            self._write_initial()
         except BaseException:
             self.close()
             raise
 
-    def _write_initial(self) -> None:
-        """Params to the param file, zeros to both moment files (one pool buffer at a time)."""
-        buf = self._pool[0]
-        for unit in self.units:
-            f32 = buf[:unit.nbytes].view(torch.float32)
-            f32.zero_()
-            for k in ("exp_avg", "exp_avg_sq"):
-                self._io(unit, k, buf, write=True).wait()
-            for s in unit.slots:
-                f32[s.offset:s.offset + s.numel].copy_(s.data)
-            self._io(unit, "param", buf, write=True).wait()
+    def open(self, params: list[torch.Tensor]) -> None:
+        """Bind the store's tensors (each a local shard; their order is the optimizer's) to the slots.
+
+        Without :meth:`materializer` the shards are laid out and written to the file here."""
+        if self.engine is None:
+            self._layout()
+            try:
+                for unit in self.units:
+                    self._flush(unit, release=False)
+            except BaseException:
+                self.close()
+                raise
+        for i, p in enumerate(params):
+            found = self._by_storage.get(p.untyped_storage()._cdata)
+            assert found is not None, f"param {i} of the optimizer is not a swapped shard"
+            found[1].index = i
+        assert sorted(s.index for u in self.units for s in u.slots) == list(range(len(params)))
+        self.num_params = len(params)
+        self._norms = [torch.zeros(1) for _ in params]
+
+    def _flush(self, unit: Unit, *, release: bool) -> None:
+        """The unit's shards -> the param file (through a pool buffer); then free them if ``release``."""
+        buf = self._free_buffer(wait=True)
+        assert buf is not None
+        f32 = buf[:unit.nbytes].view(torch.float32)
+        f32.zero_()
+        for s in unit.slots:
+            f32[s.offset:s.offset + s.numel].copy_(s.data)
+        self._io(unit, "param", buf, write=True).wait()
+        if release:
+            self._release(unit, force=True)
+
+    def materializer(self, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        """Wrap a sharded model's ``materialize(model)`` (core's ``initialize(materialize=...)``) so no
+        more than a unit or two is ever initialized in memory: each unit is written to the param file
+        and freed as soon as ``init_fn`` has written all its shards (a dispatch mode watches the
+        in-place writes; untouched shard memory costs nothing until written)."""
+
+        def materialize(model: nn.Module) -> None:
+            model._get_fsdp_state()._lazy_init()  # FSDP re-pads shards at lazy init: do it while they exist
+            self._layout()
+            try:
+                with _InitWatch(self):
+                    init_fn(model)
+                for unit in self.units:
+                    if unit.resident:
+                        self._flush(unit, release=True)
+            except BaseException:
+                self.close()
+                raise
+
+        return materialize
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
@@ -249,6 +329,7 @@ class ParamSwap:
         for s in unit.slots:
             s.data.untyped_storage().resize_(0)
         unit.resident = False
+        unit.written = set()
 
     def resident_numel(self) -> int:
         return sum(u.numel for u in self.units if u.resident)

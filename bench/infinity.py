@@ -1,0 +1,271 @@
+"""ZeRO-Infinity headline: inside a memory cgroup of limit L, the largest Llama that trains with
+``offload.params=nvme`` + ``offload.device=nvme`` (ZeRO-3, world 1), JSON out.
+
+For each size (largest first) 3 steps run in a fresh process confined to a cgroup v1 memory group
+of ``--limit-mib``; the first that finishes is reported with model-state bytes (16 per param) / L
+(goal >= 4), its step time, and the read/write bandwidth of the param + optimizer swapping next to a
+plain O_DIRECT stream of the same bytes on the same path, measured in the same process right after
+(goal >= 0.8).  Then, at the largest size that still trains in L *without* offload (searched the
+same way), the step time of params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by
+prefetch).  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
+
+    python bench/infinity.py [--limit-mib 1024] [--nvme-path /var/tmp] [--sizes 400,300,200,150,100]
+
+Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory.  ``worker`` is the
+confined process's entry point (also used by tests/offload/test_param_swap_memory.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+M = 1_000_000
+
+
+def cgroup_available() -> bool:
+    return os.geteuid() == 0 and (CGROUP_ROOT / "memory.limit_in_bytes").exists() and os.access(CGROUP_ROOT, os.W_OK)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A fresh cgroup v1 memory group with ``limit_bytes`` (no swap here); removed after."""
+    path = CGROUP_ROOT / f"deepshard-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    try:
+        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        yield path
+    finally:
+        for _ in range(50):  # the group can be removed once its last task is gone
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def llama_spec(params_m: float, *, dim: int = 256, vocab: int = 512) -> dict:
+    """A Llama of about ``params_m`` million parameters: width fixed, depth chosen (units stay small)."""
+    ffn = int(dim * 8 / 3) // 16 * 16
+    kv = dim // 2
+    per_block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim
+    root = 2 * vocab * dim + dim
+    n_layers = max(1, round((params_m * M - root) / per_block))
+    return {"vocab_size": vocab, "dim": dim, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2,
+            "ffn_hidden": ffn, "max_seq_len": 64}
+
+
+def run_worker(spec: dict, *, limit_bytes: int | None, timeout_s: float = 900) -> dict:
+    """``spec`` trained in a fresh process (inside a memory cgroup when ``limit_bytes``); its JSON,
+    plus ``peak_bytes`` (the group's max usage) and ``ok`` (False: killed, e.g. by the OOM killer)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "worker", json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    with contextlib.ExitStack() as stack:
+        group = stack.enter_context(memory_cgroup(limit_bytes)) if limit_bytes else None
+        if group is not None:  # join the group before exec: everything the worker maps is charged
+            cmd = ["sh", "-c", f'echo $$ > {group}/tasks && exec "$@"', "sh", *cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        peak = int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
+    out = {"ok": proc.returncode == 0, "returncode": proc.returncode, "peak_bytes": peak}
+    if proc.returncode == 0:
+        out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    else:
+        out["stderr_tail"] = proc.stderr[-1500:]
+    return out
+
+
+# -- the confined process ---------------------------------------------------------------------------
+
+def _plain_stream(path: str, nbytes: int, aio: dict) -> dict:
+    """Write then read ``nbytes`` sequentially with O_DIRECT through the same engine and knobs."""
+    from deepshard.offload import AioConfig, AioEngine, SwapFile
+    from deepshard.offload.aio import align_up, aligned_empty, as_buffer
+
+    chunk = 64 * 2**20
+    nbytes = max(align_up(nbytes), chunk)
+    buf = aligned_empty(chunk)
+    buf.fill_(7)
+    engine = AioEngine(AioConfig(**aio))
+    f = SwapFile(path, nbytes)
+    out = {}
+    try:
+        for name, op in (("write", engine.write), ("read", engine.read)):
+            t0 = time.perf_counter()
+            reqs = [op(f.fd, as_buffer(buf), off) for off in range(0, nbytes - chunk + 1, chunk)]
+            for r in reqs:
+                r.wait()
+            out[f"{name}_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        f.close()
+        engine.close()
+        os.unlink(path)
+    return out
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident bytes (what a memory cgroup cannot reclaim without swap)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        PrecisionConfig,
+        ZeroConfig,
+        init_distributed,
+        initialize,
+    )
+    from deepshard.finetune.models.llama import Llama, LlamaConfig
+    from deepshard.offload import AioConfig, OffloadConfig, make_store_factory, param_offload
+
+    init_distributed()
+    torch.manual_seed(0)
+    cfg = EngineConfig(zero=ZeroConfig(stage=3, reshard_after_forward=spec.get("reshard", True)),
+                       precision=PrecisionConfig(dtype="fp32"),
+                       optim=OptimConfig(lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=1.0),
+                       ac=spec.get("ac", "full"))  # activations of every block would outgrow a small L
+    on = spec["offload"]
+    aio = spec.get("aio", {})
+    off = OffloadConfig(device="nvme" if on else "none", nvme_path=spec.get("nvme_path") if on else None,
+                        params="nvme" if on else "none", buffer_count=spec.get("buffer_count", 3),
+                        param_buffer_count=spec.get("param_buffer_count", 4),
+                        param_prefetch=spec.get("param_prefetch", 2), aio=AioConfig(**aio))
+    factory = make_store_factory(off, 0, f"infinity{os.getpid()}")
+    swap = getattr(factory, "param_swap", None)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(**spec["model"]))
+    num_params = sum(p.numel() for p in model.parameters())
+
+    def init(m: torch.nn.Module) -> None:
+        m.init_weights(seed=0)
+
+    t0 = time.perf_counter()
+    engine = initialize(model, cfg, store_factory=factory, offload_params=param_offload(off, factory),
+                        materialize=swap.materializer(init) if swap is not None else init)
+    init_s = time.perf_counter() - t0
+    anon = {"after_init": rss_anon()}
+    g = torch.Generator().manual_seed(1)
+    seq, batch = spec.get("seq", 32), spec.get("batch", 2)
+    vocab = spec["model"]["vocab_size"]
+    losses, step_s, io = [], [], []
+    for _ in range(spec.get("steps", 3)):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        if swap is not None:
+            swap.reset_io_stats()
+        t0 = time.perf_counter()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        anon["after_forward"] = max(anon.get("after_forward", 0), rss_anon())
+        engine.backward(loss)
+        anon["after_backward"] = max(anon.get("after_backward", 0), rss_anon())
+        engine.step()
+        anon["after_step"] = max(anon.get("after_step", 0), rss_anon())
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if swap is not None:
+            io.append(swap.io_stats())
+    out = {"num_params": num_params, "model_state_bytes": 16 * num_params, "losses": losses, "step_s": step_s,
+           "init_s": init_s, "rss_anon": anon}
+    if swap is not None:
+        last = io[-1]
+        out["swap"] = {"read_bytes": last["read_bytes"], "write_bytes": last["write_bytes"],
+                       "read_GBps": last["read_bytes"] / max(last["read_busy_s"], 1e-9) / 1e9,
+                       "write_GBps": last["write_bytes"] / max(last["write_busy_s"], 1e-9) / 1e9,
+                       "param_reads_prefetched": last["prefetched"], "param_reads_on_demand": last["demand"]}
+        engine.store.close()
+        out["plain"] = _plain_stream(os.path.join(spec["nvme_path"], f"plain{os.getpid()}.dat"),
+                                     max(last["read_bytes"], last["write_bytes"]), aio)
+    return out
+
+
+# -- the search -------------------------------------------------------------------------------------
+
+def search(sizes: list[float], *, offload: bool, limit: int, base: dict) -> tuple[float | None, dict | None, list]:
+    tried = []
+    for size in sizes:
+        spec = {**base, "model": llama_spec(size), "offload": offload}
+        res = run_worker(spec, limit_bytes=limit)
+        tried.append({"size_m": size, "ok": res["ok"], "peak_bytes": res["peak_bytes"]})
+        if res["ok"]:
+            return size, res, tried
+    return None, None, tried
+
+
+def deepspeed_note() -> str:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("DeepSpeed's NVMe offload (offload_param/offload_optimizer device=nvme) not run: ZeRO-3's "
+                    "partitioned-param swapper needs a CUDA device (it swaps into pinned buffers for GPU params) "
+                    "and this host has none")
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible():
+            return "DeepSpeed's async_io op cannot be built here (libaio headers missing)"
+        return "DeepSpeed's NVMe offload could run here: not compared in this version of the bench"
+    except Exception as e:  # noqa: BLE001 - any import/build failure is the answer
+        return f"DeepSpeed's NVMe offload not run: {type(e).__name__}: {e}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--limit-mib", type=int, default=768)
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--sizes", default="400,300,200,150,100", help="millions of params, largest first")
+    ap.add_argument("--plain-sizes", default="60,40,30,20,10", help="sizes for the no-offload search")
+    args = ap.parse_args()
+    if not cgroup_available():
+        sys.exit("bench/infinity.py: needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    limit = args.limit_mib * 2**20
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
+        base = {"nvme_path": nvme, "steps": 3}
+        sizes = [float(s) for s in args.sizes.split(",")]
+        size, res, tried = search(sizes, offload=True, limit=limit, base=base)
+        report: dict = {"limit_bytes": limit, "tried_infinity": tried}
+        if res is not None:
+            sw, pl = res["swap"], res["plain"]
+            report["infinity"] = {
+                "size_m": size, "num_params": res["num_params"],
+                "model_state_over_limit": res["model_state_bytes"] / limit,
+                "peak_over_limit": res["peak_bytes"] / limit, "step_s": res["step_s"][-1], "init_s": res["init_s"],
+                "swap_read_GBps": sw["read_GBps"], "swap_write_GBps": sw["write_GBps"],
+                "plain_read_GBps": pl["read_GBps"], "plain_write_GBps": pl["write_GBps"],
+                "read_vs_plain": sw["read_GBps"] / pl["read_GBps"], "write_vs_plain": sw["write_GBps"] / pl["write_GBps"],
+                "param_reads_prefetched": sw["param_reads_prefetched"],
+                "param_reads_on_demand": sw["param_reads_on_demand"],
+            }
+        psize, pres, ptried = search([float(s) for s in args.plain_sizes.split(",")], offload=False,
+                                     limit=limit, base=base)
+        report["tried_no_offload"] = ptried
+        if pres is not None:
+            inf = run_worker({**base, "model": llama_spec(psize), "offload": True}, limit_bytes=limit)
+            report["at_largest_without_offload"] = {
+                "size_m": psize, "step_s_no_offload": pres["step_s"][-1],
+                "step_s_infinity": inf["step_s"][-1] if inf["ok"] else None,
+                "slowdown": inf["step_s"][-1] / pres["step_s"][-1] if inf["ok"] else None,
+                "losses_equal": inf["ok"] and inf["losses"] == pres["losses"],
+            }
+        report["deepspeed"] = deepspeed_note()
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+    else:
+        main()

@@ -1,0 +1,32 @@
+"""Bounded memory, as a test: confined to a cgroup v1 memory group of limit L, ZeRO-3 with
+``offload.params=nvme`` + ``offload.device=nvme`` trains a Llama whose fp32 model states (16 bytes per
+parameter) are more than twice L, for 3 steps, with the same losses as the run without offload
+outside the group (which itself needs more anonymous memory than L).  World 1: one process, so the
+limit is the whole job's.  Needs root and the memory controller (skipped otherwise)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
+
+LIMIT = 352 * 2**20  # torch + gloo alone take ~200 MiB of it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
+def test_model_states_twice_the_limit_train_in_it(tmp_path):
+    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(48, dim=256), "ac": "full",
+            "buffer_count": 2, "param_buffer_count": 3, "param_prefetch": 2}
+    confined = run_worker({**spec, "offload": True}, limit_bytes=LIMIT)
+    assert confined["ok"], confined.get("stderr_tail")
+    assert confined["model_state_bytes"] >= 2 * LIMIT
+    assert confined["peak_bytes"] <= LIMIT
+    assert not any(tmp_path.iterdir()), "swap files left behind"
+    free = run_worker({**spec, "offload": False}, limit_bytes=None)
+    assert free["rss_anon"]["after_backward"] > LIMIT  # the same run without offload would not fit
+    assert confined["losses"] == pytest.approx(free["losses"], rel=1e-6)
