@@ -373,6 +373,9 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
         raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
                          "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
+    if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
+        raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
+                         "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     return dataclasses.replace(settings, parallel=parallel.resolve(world))

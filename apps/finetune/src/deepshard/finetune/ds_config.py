@@ -253,13 +253,17 @@ def _zero(z: dict, tr: _Translator) -> None:
                 tr.set("offload.aio.overlap_events", any(overlap))
             tr.copy(section, path, {"nvme_path": "offload.nvme_path", "buffer_count": "offload.buffer_count"})
         else:
-            if device == "cpu":
-                t.overrides.append("offload.params=cpu")
+            if device in ("cpu", "nvme"):
+                t.overrides.append(f"offload.params={device}")
             elif device not in ("none", None):
                 t.unsupported.append(f"{path}.device={device}")
             if device == "cpu":  # the swap knobs only matter for parameter swapping to NVMe
                 section = {k: v for k, v in section.items() if k not in ("buffer_count", "buffer_size", "max_in_cpu")}
-            tr.copy(section, path, {})
+            if section.get("nvme_path") is not None and f"offload.nvme_path={_value(section['nvme_path'])}" in t.overrides:
+                section.pop("nvme_path")  # one swap directory for both: the optimizer's already set it
+            tr.copy(section, path, {"nvme_path": "offload.nvme_path", "buffer_count": "offload.param_buffer_count",
+                                    "buffer_size": "offload.param_buffer_size", "max_in_cpu": "offload.max_in_cpu"}
+                    if device == "nvme" else {})
     keys = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
     tr.copy(z, "zero_optimization", {k: f"zero.{k}" for k in keys})
 

@@ -32,7 +32,7 @@ from deepshard.finetune.models.lora import apply_lora, init_adapters
 from deepshard.finetune.profiling import build_profiler
 from deepshard.finetune.sample import greedy_sample
 from deepshard.finetune.steppers import EngineStepper, PipelineStepper, StepOutput
-from deepshard.offload import make_store_factory
+from deepshard.offload import make_store_factory, param_offload
 
 log = logging.getLogger("deepshard.finetune")
 
@@ -69,11 +69,18 @@ def build_model(s: Settings, device: torch.device, *, materialize: bool = True) 
     return model
 
 
+def _materializer(s: Settings, offload_params: object):
+    """The ZeRO-3 init; with offload.params=nvme through the swap, which writes each block to NVMe
+    as soon as it is initialized (the model is never whole in memory)."""
+    init = lambda m: init_model(m, s)  # noqa: E731
+    return offload_params.materializer(init) if hasattr(offload_params, "materializer") else init
+
+
 def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineStepper:
     """The engine (data parallel) or the pipeline trainer (pp/tp > 1), wrapped as a stepper."""
     device = local_device()
     store_factory = make_store_factory(s.offload, rank, run_id())
-    offload_params = s.offload.params == "cpu"
+    offload_params = param_offload(s.offload, store_factory)  # False, True (cpu) or the NVMe param swap
     if s.uses_pipeline:
         from deepshard.finetune.models.parallelize import llama_stage_init, pipeline_llama
 
@@ -90,7 +97,7 @@ def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineSt
     sharded_init = s.engine.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
     engine = initialize(build_model(s, device, materialize=not sharded_init), s.engine, mesh=mesh,
                         store_factory=store_factory, offload_params=offload_params,
-                        materialize=(lambda m: init_model(m, s)) if sharded_init else None)
+                        materialize=_materializer(s, offload_params) if sharded_init else None)
     return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
 
 

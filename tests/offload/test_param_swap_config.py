@@ -1,0 +1,53 @@
+"""offload.params=nvme: bad settings stop before any worker with the key, the value and what is valid,
+and DeepSpeed's ``offload_param`` (device nvme and its buffer keys) maps onto ours."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepshard.finetune.ds_config import translate
+from deepshard.offload import OffloadConfig, validate_config
+from deepshard.offload.config import validate_param_swap
+
+
+def _nvme(tmp_path, **kw) -> OffloadConfig:
+    return OffloadConfig(device="nvme", nvme_path=str(tmp_path), params="nvme", **kw)
+
+
+def test_param_swap_needs_the_optimizer_state_on_nvme(tmp_path):
+    with pytest.raises(ValueError, match=r"offload.params='nvme' .*offload.device='nvme'.*got offload.device='cpu'"):
+        validate_config(OffloadConfig(device="cpu", params="nvme"))
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"param_buffer_count": 0}, r"offload.param_buffer_count=0 .*>= 1"),
+    ({"param_buffer_size": -1}, r"offload.param_buffer_size=-1 .*>= 1"),
+    ({"param_prefetch": -1}, r"offload.param_prefetch=-1 .*>= 0"),
+    ({"param_prefetch": 4, "param_buffer_count": 4}, r"offload.param_prefetch=4 .*< param_buffer_count=4"),
+    ({"max_in_cpu": -5}, r"offload.max_in_cpu=-5 .*>= 0"),
+])
+def test_pool_keys_are_checked(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        validate_config(_nvme(tmp_path, **kw))
+
+
+def test_buffer_smaller_than_a_block_and_too_little_disk_are_named(tmp_path):
+    cfg = _nvme(tmp_path, param_buffer_size=1000)
+    with pytest.raises(ValueError, match=r"offload.param_buffer_size=1000 .*largest block shard \(5000 elements, 'block3'\)"):
+        validate_param_swap(cfg, 16 * 5000, 5000, "block3")
+    with pytest.raises(ValueError, match=r"offload.nvme_path=.*needs \d+ bytes of swap space \(params \+ grads"):
+        validate_param_swap(_nvme(tmp_path), 2**62, 10, "root")
+
+
+def test_deepspeed_offload_param_nvme_maps_to_ours():
+    ds = {"zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9, "pin_memory": True}}}
+    t = translate(ds)
+    assert t.unsupported == []
+    for o in ("+zero=stage3", "+offload=nvme", "offload.nvme_path=/local_nvme", "offload.params=nvme",
+              "offload.param_buffer_count=5", "offload.param_buffer_size=100000000", "offload.max_in_cpu=1000000000"):
+        assert o in t.overrides, (o, t.overrides)
+    assert sum(o.startswith("offload.nvme_path=") for o in t.overrides) == 1  # one swap directory
