@@ -51,3 +51,14 @@ def test_deepspeed_offload_param_nvme_maps_to_ours():
               "offload.param_buffer_count=5", "offload.param_buffer_size=100000000", "offload.max_in_cpu=1000000000"):
         assert o in t.overrides, (o, t.overrides)
     assert sum(o.startswith("offload.nvme_path=") for o in t.overrides) == 1  # one swap directory
+
+
+def test_estimator_knows_the_infinity_layout():
+    from deepshard.finetune.estimate import all_estimates, estimate
+
+    e = estimate(10_000, stage=3, dp=2, dtype="bf16", offload="nvme", offload_params="nvme", param_buffer_bytes=640)
+    assert (e.device, e.host, e.nvme) == (0, 640, 16 * 10_000 // 2)  # params = fp32 masters, grads, 2 moments
+    assert e.options == "+zero=stage3 +offload=nvme offload.params=nvme"
+    rows = [r.options for r in all_estimates(10_000, dp=2, dtype="fp32")]
+    assert rows.count("+zero=stage3 +offload=nvme offload.params=nvme") == 1
+    assert not any("offload.params=nvme" in r for r in rows if "stage3 +offload=nvme" not in r)

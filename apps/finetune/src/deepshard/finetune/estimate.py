@@ -26,7 +26,7 @@ class Estimate:
 
     stage: int
     offload: str
-    offload_params: bool
+    offload_params: bool | str  # False/'none', True/'cpu' (FSDP2 CPU offload), 'nvme' (ZeRO-Infinity)
     device: int
     host: int
     nvme: int
@@ -36,7 +36,8 @@ class Estimate:
         out = f"+zero=stage{self.stage}"
         if self.offload != "none":
             out += f" +offload={self.offload}"
-        return out + (" offload.params=cpu" if self.offload_params else "")
+        params = {True: "cpu", False: "none"}.get(self.offload_params, self.offload_params)
+        return out + (f" offload.params={params}" if params != "none" else "")
 
 
 def count_params(model_cfg, lora=None) -> int:
@@ -50,6 +51,16 @@ def count_params(model_cfg, lora=None) -> int:
     if lora is not None:
         return count_lora_params(model, lora)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def largest_unit(model_cfg) -> int:
+    """Parameters of the largest ZeRO-3 unit: one block, or the root (embeddings, final norm, head)."""
+    from deepshard.finetune.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    block = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
+    return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block)
 
 
 def count_frozen(model_cfg, lora) -> int:
@@ -67,9 +78,11 @@ def count_frozen(model_cfg, lora) -> int:
 
 
 def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
-             offload_params: bool = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0) -> Estimate:
+             offload_params: bool | str = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0,
+             param_buffer_bytes: int = 0) -> Estimate:
     """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
-    per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``frozen_params``
+    per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``param_buffer_bytes``:
+    the host pools of ``offload.params=nvme`` (param reads and the unit-by-unit step).  ``frozen_params``
     (a LoRA base): params only, in the compute dtype at stages 0-2, fp32 shards at stage 3 (FSDP2)."""
     e = expected_bytes(stage, num_params, dp, dtype)
     frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
@@ -82,23 +95,27 @@ def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str =
         device, host = device - e.optimizer, host + offloaded
     elif offload == "nvme":  # in swap files, streamed through a few host buffers
         device, nvme, host = device - e.optimizer, nvme + offloaded, host + min(nvme_buffer_bytes, offloaded)
+    if offload_params == "nvme":  # params (the fp32 masters), grads and moments in swap files: 16 B/elt
+        states = 16 * num_params // dp + 4 * frozen_params // dp
+        return Estimate(stage, offload, "nvme", 0, min(param_buffer_bytes, states), states)
     if offload_params:  # FSDP2 CPUOffloadPolicy: sharded params and their grads rest on the host
         device, host = device - e.params - e.grads, host + e.params + e.grads
     return Estimate(stage, offload, offload_params, device, host, nvme)
 
 
 def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0,
-                  frozen_params: int = 0) -> list[Estimate]:
+                  frozen_params: int = 0, param_buffer_bytes: int = 0) -> list[Estimate]:
     """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3)."""
     out = []
     for stage in range(4):
         for offload in OFFLOADS:
             if offload != "none" and stage == 0:
                 continue
-            for params in (False, True) if stage == 3 and offload != "none" else (False,):
+            choices: tuple = (False, True) if stage == 3 and offload != "none" else (False,)
+            for params in choices + (("nvme",) if stage == 3 and offload == "nvme" else ()):
                 out.append(estimate(num_params, stage=stage, dp=dp, dtype=dtype, offload=offload,
                                     offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes,
-                                    frozen_params=frozen_params))
+                                    frozen_params=frozen_params, param_buffer_bytes=param_buffer_bytes))
     return out
 
 
@@ -144,7 +161,10 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     per_rank = total // (dims.tp * dims.pp)
     dtype = settings.engine.precision.dtype
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
-    rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen)
+    off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
+    param_buffers = (off.param_buffer_count * 4 + off.buffer_count * 16) * -(-largest_unit(settings.model) // world)
+    rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
+                         param_buffer_bytes=param_buffers)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
              f"{(total + frozen) / 1e6:.2f}M params ({settings.model_name}), world size {world} "
              f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}), {dtype}"
