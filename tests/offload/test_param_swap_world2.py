@@ -2,7 +2,8 @@
 the sharded params, their gradients and the Adam moments live in swap files, and training equals the
 same ZeRO-3 run without offload (fp32: losses and parameters within 1e-6), also with gradient
 accumulation and activation checkpointing; gradient clipping is on, so the global norm taken from
-the swapped gradients is checked too.  One launch runs every configuration."""
+the swapped gradients is checked too; a checkpoint saved from the swap files resumes without offload
+and the reverse.  One launch runs every configuration."""
 
 from __future__ import annotations
 
@@ -24,20 +25,20 @@ STEPS = 5
 CASES = {"plain": (1, "none", True, False), "accum_ac": (2, "full", False, True)}
 
 
-def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool):
+def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshard: bool = True,
+            unit_init: bool = True):
     import torch.distributed as dist
 
     from deepshard.core import initialize
     from deepshard.finetune.models.llama import Llama
     from deepshard.offload import OffloadConfig, make_store_factory, param_offload
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = engine_config(3, grad_accum, 0.05, reshard_after_forward=reshard)
     cfg = dataclasses.replace(cfg, ac=ac)
     on = nvme_path is not None
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=nvme_path, params="nvme" if on else "none",
                         buffer_count=2, param_buffer_count=3, param_prefetch=2)
-    factory = make_store_factory(off, rank, "paramswap")
+    factory = make_store_factory(off, dist.get_rank(), "paramswap")
     swap = getattr(factory, "param_swap", None)
     with torch.device("meta"):
         model = Llama(MICRO)
@@ -47,6 +48,33 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_
 
     engine = initialize(model, cfg, store_factory=factory, offload_params=param_offload(off, factory),
                         materialize=swap.materializer(init) if swap is not None and unit_init else init)
+    return engine, swap
+
+
+def _steps(engine, steps, grad_accum: int = 1) -> list[float]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(STEPS, world, grad_accum)
+    losses = []
+    for step in steps:
+        total = torch.zeros(())
+        for micro in range(grad_accum):
+            tokens = data[step, micro, rank]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            total += loss.detach()
+            engine.backward(loss)
+        engine.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * grad_accum))
+    return losses
+
+
+def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init)
     data = batches(STEPS, world, grad_accum)
     losses, held = [], {}
     for step in range(STEPS):
@@ -70,18 +98,36 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_
     return losses, full, held, stats
 
 
-def _worker(nvme_path: str):
+def _resumed(nvme_path: str, ckpt_root: str, save_nvme: bool, load_nvme: bool) -> list[float]:
+    """2 steps in one layout, a checkpoint, 3 more steps after loading it into the other layout."""
+    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+
+    first, _ = _engine(nvme_path if save_nvme else None)
+    losses = _steps(first, range(2))
+    path = save_checkpoint(ckpt_root, 2, first.optimizer, first.mesh["dp"], model=first.model)
+    first.store.close()
+    second, _ = _engine(nvme_path if load_nvme else None)
+    load_checkpoint(path, second.optimizer, second.mesh["dp"], model=second.model)
+    losses += _steps(second, range(2, STEPS))
+    second.store.close()
+    return losses
+
+
+def _worker(nvme_path: str, ckpt_root: str):
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {(name, on): _train(nvme_path if on else None, *case) for name, case in CASES.items()
-            for on in (False, True)}
+    out = {(name, on): _train(nvme_path if on else None, *case) for name, case in CASES.items()
+           for on in (False, True)}
+    for save, load in ((True, False), (False, True)):
+        out[("resumed", save, load)] = _resumed(nvme_path, f"{ckpt_root}/{int(save)}{int(load)}", save, load)
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("paramswap")
-    results = launch_local(_worker, 2, str(path))
+    results = launch_local(_worker, 2, str(path), str(tmp_path_factory.mktemp("ckpt")))
     assert not any(path.iterdir()), "swap files left behind"
     return results
 
@@ -100,4 +146,14 @@ def test_param_swap_matches_no_offload(runs, case):
         assert held["grads"] == 0
         assert held["params"] < held["all_params"], held
         assert stats["prefetched"] > 0 and stats["read_bytes"] > 0 and stats["write_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("save", "load"), [(True, False), (False, True)], ids=["nvme_to_none", "none_to_nvme"])
+def test_checkpoint_resumes_across_the_layout(runs, save, load):
+    """Saved from the swap files and loaded into no offload, and the reverse: the losses go on as if
+    one run (the uninterrupted run without offload is the reference)."""
+    for rank in (0, 1):
+        base = runs[rank][("plain", False)][0]
+        assert runs[rank][("resumed", save, load)] == pytest.approx(base, rel=1e-6)
 

@@ -83,21 +83,25 @@ class InfinityStore(StateStore):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
-        """Reads the swap files back into fresh fp32 tensors (``master`` is the params)."""
-        out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
-               for k in ("master", "exp_avg", "exp_avg_sq")}
-
-        def gather(g: int, buf: _Buffer) -> None:
-            for s in self.swap.units[g].slots:
-                for k in STATES:
-                    key = _REGION[k]
-                    out[key][s.index].view(-1).copy_(buf.f32[key][s.offset:s.offset + s.local_numel])
-
-        self._stream(gather, read_keys=STATES, write_keys=())
+        """Views of the swap files themselves (``master`` is the params), mapped, not read: a
+        checkpoint save streams them from the page cache and no copy of the state is made.  The
+        views are for the save (or a load) at hand: the next step rewrites the files."""
+        self.swap.finish_writes()
+        out: dict[str, list[torch.Tensor]] = {}
+        for k in STATES:
+            f = self.swap.files[k]
+            whole = torch.from_file(f.path, shared=False, size=f.nbytes // 4, dtype=torch.float32)
+            views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+            for unit in self.swap.units:
+                base = unit.offset // 4
+                for s in unit.slots:
+                    views[s.index] = whole[base + s.offset:base + s.offset + s.local_numel].view(self.params[s.index].shape)
+            out[_REGION[k]] = views
         return out
 
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
-        """Masters become the params (written to the param file), moments to theirs."""
+        """Masters become the params (written to the param file), moments to theirs (a load into
+        :meth:`state_dict`'s views lands in private copies of the mapped pages, copied here)."""
         self.swap.release_all()
         flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in ("master", "exp_avg", "exp_avg_sq")}
 
