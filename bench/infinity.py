@@ -9,7 +9,7 @@ plain O_DIRECT stream of the same bytes on the same path, measured in the same p
 same way), the step time of params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by
 prefetch).  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
-    python bench/infinity.py [--limit-mib 1024] [--nvme-path /var/tmp] [--sizes 400,300,200,150,100]
+    python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,100]
 
 Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory.  ``worker`` is the
 confined process's entry point (also used by tests/offload/test_param_swap_memory.py).
@@ -185,6 +185,8 @@ def worker(spec: dict) -> dict:
         out["swap"] = {"read_bytes": last["read_bytes"], "write_bytes": last["write_bytes"],
                        "read_GBps": last["read_bytes"] / max(last["read_busy_s"], 1e-9) / 1e9,
                        "write_GBps": last["write_bytes"] / max(last["write_busy_s"], 1e-9) / 1e9,
+                       # reads and writes share the engine's threads: both directions over the time any ran
+                       "GBps": (last["read_bytes"] + last["write_bytes"]) / max(last["io_busy_s"], 1e-9) / 1e9,
                        "param_reads_prefetched": last["prefetched"], "param_reads_on_demand": last["demand"]}
         engine.store.close()
         out["plain"] = _plain_stream(os.path.join(spec["nvme_path"], f"plain{os.getpid()}.dat"),
@@ -197,7 +199,7 @@ def worker(spec: dict) -> dict:
 def search(sizes: list[float], *, offload: bool, limit: int, base: dict) -> tuple[float | None, dict | None, list]:
     tried = []
     for size in sizes:
-        spec = {**base, "model": llama_spec(size), "offload": offload}
+        spec = {**base, "model": llama_spec(size, dim=base["dim"]), "offload": offload}
         res = run_worker(spec, limit_bytes=limit)
         tried.append({"size_m": size, "ok": res["ok"], "peak_bytes": res["peak_bytes"]})
         if res["ok"]:
@@ -224,16 +226,22 @@ def deepspeed_note() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limit-mib", type=int, default=768)
+    ap.add_argument("--limit-mib", type=int, default=384)
+    ap.add_argument("--dim", type=int, default=384, help="model width (depth follows the size)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--compare-batch", type=int, default=16,
+                    help="batch of the with/without offload step-time comparison (more compute per byte swapped)")
     ap.add_argument("--nvme-path", default=None)
-    ap.add_argument("--sizes", default="400,300,200,150,100", help="millions of params, largest first")
-    ap.add_argument("--plain-sizes", default="60,40,30,20,10", help="sizes for the no-offload search")
+    ap.add_argument("--sizes", default="200,150,100", help="millions of params, largest first")
+    ap.add_argument("--plain-sizes", default="8,5,3", help="sizes for the no-offload search")
     args = ap.parse_args()
     if not cgroup_available():
         sys.exit("bench/infinity.py: needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
     limit = args.limit_mib * 2**20
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
-        base = {"nvme_path": nvme, "steps": 3}
+        base = {"nvme_path": nvme, "steps": 3, "dim": args.dim, "seq": args.seq, "batch": args.batch,
+                "buffer_count": 2}
         sizes = [float(s) for s in args.sizes.split(",")]
         size, res, tried = search(sizes, offload=True, limit=limit, base=base)
         report: dict = {"limit_bytes": limit, "tried_infinity": tried}
@@ -246,16 +254,20 @@ def main() -> None:
                 "swap_read_GBps": sw["read_GBps"], "swap_write_GBps": sw["write_GBps"],
                 "plain_read_GBps": pl["read_GBps"], "plain_write_GBps": pl["write_GBps"],
                 "read_vs_plain": sw["read_GBps"] / pl["read_GBps"], "write_vs_plain": sw["write_GBps"] / pl["write_GBps"],
+                # the same bytes streamed plainly: reads at the plain read rate, writes at the plain write rate
+                "both_vs_plain": sw["GBps"] * (sw["read_bytes"] / pl["read_GBps"] + sw["write_bytes"] / pl["write_GBps"])
+                / (sw["read_bytes"] + sw["write_bytes"]),
                 "param_reads_prefetched": sw["param_reads_prefetched"],
                 "param_reads_on_demand": sw["param_reads_on_demand"],
             }
+        base = {**base, "batch": args.compare_batch}
         psize, pres, ptried = search([float(s) for s in args.plain_sizes.split(",")], offload=False,
                                      limit=limit, base=base)
         report["tried_no_offload"] = ptried
         if pres is not None:
-            inf = run_worker({**base, "model": llama_spec(psize), "offload": True}, limit_bytes=limit)
+            inf = run_worker({**base, "model": llama_spec(psize, dim=base["dim"]), "offload": True}, limit_bytes=limit)
             report["at_largest_without_offload"] = {
-                "size_m": psize, "step_s_no_offload": pres["step_s"][-1],
+                "size_m": psize, "batch": args.compare_batch, "seq": args.seq, "step_s_no_offload": pres["step_s"][-1],
                 "step_s_infinity": inf["step_s"][-1] if inf["ok"] else None,
                 "slowdown": inf["step_s"][-1] / pres["step_s"][-1] if inf["ok"] else None,
                 "losses_equal": inf["ok"] and inf["losses"] == pres["losses"],

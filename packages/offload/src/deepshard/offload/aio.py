@@ -146,8 +146,8 @@ class AioEngine:
         self._queue: deque = deque()
         self._inflight = 0
         self._active = {True: 0, False: 0}
-        self._since = {True: 0.0, False: 0.0}
-        self.busy_s = {True: 0.0, False: 0.0}  # key: is_write
+        self._since = {True: 0.0, False: 0.0, None: 0.0}  # None: either direction
+        self.busy_s = {True: 0.0, False: 0.0, None: 0.0}  # key: is_write (None: any I/O in flight)
         self.bytes = {True: 0, False: 0}
 
     def read(self, fd: int, buf: memoryview, offset: int) -> AioRequest:
@@ -171,8 +171,11 @@ class AioEngine:
         with self._lock:
             self.bytes[write] += len(buf)
             if tasks:
+                now = time.perf_counter()
                 if self._active[write] == 0:
-                    self._since[write] = time.perf_counter()
+                    self._since[write] = now
+                if self._active[True] + self._active[False] == 0:
+                    self._since[None] = now
                 self._active[write] += 1
             self._queue.extend((fd, t, write, req) for t in tasks)
             self._pump()
@@ -195,16 +198,19 @@ class AioEngine:
             self._inflight -= 1
             if req._finish_task(error):
                 self._active[write] -= 1
+                now = time.perf_counter()
                 if self._active[write] == 0:
-                    self.busy_s[write] += time.perf_counter() - self._since[write]
+                    self.busy_s[write] += now - self._since[write]
+                if self._active[True] + self._active[False] == 0:
+                    self.busy_s[None] += now - self._since[None]
             self._pump()
 
     def reset_stats(self) -> None:
         with self._lock:
-            self.busy_s = {True: 0.0, False: 0.0}
+            self.busy_s = {True: 0.0, False: 0.0, None: 0.0}
             self.bytes = {True: 0, False: 0}
             now = time.perf_counter()
-            self._since = {True: now, False: now}
+            self._since = {True: now, False: now, None: now}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -25,7 +25,6 @@ sharded params are the fp32 masters).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 from collections import deque
@@ -36,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
+from .param_init import fixed_mmap_threshold
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
 VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
@@ -77,45 +76,6 @@ class Unit:
     @property
     def nbytes(self) -> int:
         return align_up(self.numel * 4)
-
-
-class _InitWatch(TorchDispatchMode):
-    """During initialization: refill a released unit before an op writes into it again, and flush
-    a unit to NVMe once every one of its shards has been written."""
-
-    def __init__(self, swap: ParamSwap) -> None:
-        super().__init__()
-        self.swap = swap
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        target = None
-        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            t = getattr(args[0], "_local_tensor", args[0])
-            target = self.swap._by_storage.get(t.untyped_storage()._cdata)
-            if target is not None and not target[0].resident:
-                self.swap._ensure(target[0])
-        out = func(*args, **(kwargs or {}))
-        if target is not None:
-            unit, slot = target
-            unit.written.add(slot.offset)
-            if len(unit.written) == len(unit.slots):
-                self.swap._flush(unit, release=True)
-        return out
-
-
-MMAP_THRESHOLD = 128 * 1024
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def _fixed_mmap_threshold() -> None:
-    """Freed shards must go back to the OS: glibc's *dynamic* mmap threshold rises to the size of
-    the largest chunk freed, after which shard-sized blocks come from the heap and stay resident
-    when freed, so the process would grow to the model's size.  A fixed threshold (what
-    ``MALLOC_MMAP_THRESHOLD_`` sets; respected when given) maps every large block separately."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None:
@@ -157,7 +117,7 @@ class ParamSwap:
     def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Hook the FSDP units of ``model`` (after ``fully_shard``): the root first, then ``blocks``
         in forward order.  Params may still be on the meta device; the files open in :meth:`open`."""
-        _fixed_mmap_threshold()
+        fixed_mmap_threshold()
         for name, module in [("root", model)] + [(f"block{i}", b) for i, b in enumerate(blocks)]:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
@@ -240,25 +200,11 @@ class ParamSwap:
             self._release(unit, force=True)
 
     def materializer(self, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
-        """Wrap a sharded model's ``materialize(model)`` (core's ``initialize(materialize=...)``) so no
-        more than a unit or two is ever initialized in memory: each unit is written to the param file
-        and freed as soon as ``init_fn`` has written all its shards (a dispatch mode watches the
-        in-place writes; untouched shard memory costs nothing until written)."""
+        """Wrap a sharded model's ``materialize(model)`` so no more than a unit or two is ever
+        initialized in memory (:func:`.param_init.unit_by_unit`)."""
+        from .param_init import unit_by_unit
 
-        def materialize(model: nn.Module) -> None:
-            model._get_fsdp_state()._lazy_init()  # FSDP re-pads shards at lazy init: do it while they exist
-            self._layout()
-            try:
-                with _InitWatch(self):
-                    init_fn(model)
-                for unit in self.units:
-                    if unit.resident:
-                        self._flush(unit, release=True)
-            except BaseException:
-                self.close()
-                raise
-
-        return materialize
+        return unit_by_unit(self, init_fn)
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
@@ -441,7 +387,8 @@ class ParamSwap:
         assert self.engine is not None
         e = self.engine
         return {"read_bytes": e.bytes[False], "write_bytes": e.bytes[True],
-                "read_busy_s": e.busy_s[False], "write_busy_s": e.busy_s[True], **self.reads}
+                "read_busy_s": e.busy_s[False], "write_busy_s": e.busy_s[True], "io_busy_s": e.busy_s[None],
+                **self.reads}
 
     def reset_io_stats(self) -> None:
         if self.engine is not None:
