@@ -32,12 +32,21 @@ def test_lora_group_composes_with_defaults():
                                          r"valid names are \['q_proj'"),
     ("peft.modules_to_save=[head]", r"peft.modules_to_save=\['head'\]: unknown module name 'head'"),
     ("peft.dropout=1.5", r"peft.dropout=1.5: must be in \[0, 1\)"),
-    ("parallel.tp=2", r"\+peft=lora with parallel.pp=1 parallel.tp=2: LoRA adapters are not supported with "
-                      r"pipeline/tensor parallelism yet"),
 ])
 def test_bad_lora_settings_fail_before_start(override, message):
     with pytest.raises(ValueError, match=message):
         validate(compose(["+peft=lora", override, "launcher.nproc_per_node=2"]))
+
+
+def test_lora_layouts_pp_and_tp_are_accepted_and_dropout_under_tp_is_refused():
+    """Adapters split with their layers under pp/tp (tests/lora/test_lora_parallel.py trains them); the one
+    combination left out is dropout on tensor-parallel activations (one mask across tp ranks)."""
+    with pytest.raises(ValueError, match=r"peft\.dropout=0\.1 with parallel\.tp=2: LoRA dropout on "
+                                         r"tensor-parallel activations .* set peft\.dropout=0"):
+        validate(compose(["+peft=lora", "peft.dropout=0.1", "parallel.tp=2", "launcher.nproc_per_node=2"]))
+    for overrides in (["parallel.pp=2", "peft.dropout=0.1", "peft.modules_to_save=[embed_tokens,lm_head]"],
+                      ["parallel.tp=2", "peft.modules_to_save=[lm_head,norm]", "peft.target_modules=[q_proj,down_proj]"]):
+        assert validate(compose(["+peft=lora", "launcher.nproc_per_node=2", *overrides])).peft is not None
 
 
 def test_estimator_counts_adapters_as_trainable_and_the_base_as_params_only():

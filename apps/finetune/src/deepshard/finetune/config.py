@@ -26,7 +26,7 @@ from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
-from deepshard.finetune.models.lora import LoraSettings, lora_settings
+from deepshard.finetune.models.lora import LoraSettings, check_lora_parallel, lora_settings
 from deepshard.finetune.runtime import host_dtype, host_world_size, resolve_batch, resolve_nproc
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
@@ -365,14 +365,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),
                         checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineSchema(**cfg["pipeline"]),
                         launcher=launcher, peft=lora_settings(cfg["peft"]))
-    if settings.peft is not None and settings.uses_pipeline:
-        raise ValueError(f"+peft=lora with parallel.pp={parallel.pp} parallel.tp={parallel.tp}: LoRA adapters are "
-                         f"not supported with pipeline/tensor parallelism yet (tp would have to split A of the "
-                         f"row-parallel and B of the column-parallel projections); use parallel.pp=1 parallel.tp=1 "
-                         f"with any zero stage")
-    if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
-        raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
-                         "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
+    if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
+        check_lora_parallel(settings.peft, tp=parallel.tp)
     if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
         raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
                          "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")

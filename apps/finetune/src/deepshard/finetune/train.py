@@ -84,14 +84,15 @@ def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineSt
     if s.uses_pipeline:
         from deepshard.finetune.models.parallelize import llama_stage_init, pipeline_llama
 
-        with torch.device("meta"):
-            model = Llama(s.model)
+        model = build_model(s, device, materialize=False)  # on meta (+peft=lora: with its adapters)
         if s.model_name == "hf":
             raise ValueError("model=hf with parallel.pp/tp > 1: not supported yet (use parallel.pp=1 parallel.tp=1)")
         p = s.pipeline
+        # each stage copies its part of the full model as the engine path builds it (seeded init, adapters)
+        init_fn = llama_stage_init(s.train.seed, full=lambda: build_model(s, torch.device("cpu")))
         trainer = pipeline_llama(model, mesh, s.engine, schedule=p.schedule, microbatches=p.microbatches,
                                  partition=p.partition, virtual_stages=p.virtual_stages or None,
-                                 init_fn=llama_stage_init(s.train.seed), store_factory=store_factory,
+                                 init_fn=init_fn, store_factory=store_factory,
                                  offload_params=offload_params, device=device)
         return PipelineStepper(trainer, mesh, microbatches=p.microbatches, device=device)
     sharded_init = s.engine.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)

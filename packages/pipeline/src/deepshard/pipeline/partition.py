@@ -3,6 +3,9 @@
 - ``uniform``: the same number of layers per stage (earlier stages take the remainder).
 - ``parameters``: balance parameter counts, the first stage charged with the embedding and the
   last with the final norm and head, so a large vocabulary pulls layers off the end stages.
+  Frozen parameters count too (a LoRA run's base costs a stage compute as a trained one does; only
+  counting the trainable ones, as DeepSpeed does, would weigh a layer by its adapters against a
+  whole frozen embedding).
 - ``type:REGEX``: balance the number of modules (each layer and its submodules) whose class name
   matches REGEX, e.g. ``type:Block`` or ``type:Attention``.
 
@@ -78,7 +81,7 @@ def layer_weights(layers: Sequence[nn.Module], method: str) -> list[float]:
     if method == "uniform":
         return [1.0] * len(layers)
     if method == "parameters":
-        return [float(sum(p.numel() for p in layer.parameters() if p.requires_grad)) for layer in layers]
+        return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
     if method.startswith("type:"):
         pattern = _compile(method)
         return [float(sum(1 for m in layer.modules() if pattern.search(type(m).__name__))) for layer in layers]

@@ -25,15 +25,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from deepshard.core.dtensor_utils import copy_global
 
-__all__ = ["LORA_TARGETS", "SAVABLE_MODULES", "LoraLinear", "LoraSettings", "adapter_names", "apply_lora",
-           "init_adapters", "is_adapter", "peft_key"]
+__all__ = ["LORA_COLWISE", "LORA_ROWWISE", "LORA_TARGETS", "SAVABLE_MODULES", "LoraLinear", "LoraSettings",
+           "adapter_names", "apply_lora", "check_lora_parallel", "init_adapters", "is_adapter", "peft_key"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SAVABLE_MODULES = ("embed_tokens", "lm_head", "norm", "input_layernorm", "post_attention_layernorm")
 ADAPTER_MARK = (".lora_A.", ".lora_B.")
+# Tensor parallel: where the adapters of a column-parallel base (weight Shard(0), output features) and of a
+# row-parallel base (weight Shard(1), input features) go, so that x A^T B^T is split like x W^T (the rank
+# r is never split).  Column: A replicated, B by output features.  Row: A by input features (a partial
+# sum, reduced with the base's output in the layer's one all-reduce), B replicated.
+LORA_COLWISE: dict[str, Placement] = {"lora_A": Replicate(), "lora_B": Shard(0)}
+LORA_ROWWISE: dict[str, Placement] = {"lora_A": Shard(1), "lora_B": Replicate()}
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,18 @@ def peft_key(name: str) -> str:
     name = name.replace("_checkpoint_wrapped_module.", "")
     hf = name if name.startswith("lm_head.") else "model." + name
     return "base_model.model." + hf
+
+
+def check_lora_parallel(lora: LoraSettings, *, tp: int) -> None:
+    """Before start: the LoRA settings a pipeline / tensor-parallel layout cannot run (ValueError naming
+    the key).  Adapters split with their base layer (``LORA_COLWISE``/``LORA_ROWWISE``), so every rank,
+    target and module to save works wherever the base model's layout does; what is left is dropout
+    under tp: a replicated activation would need one dropout mask drawn alike on every tp rank (and a
+    sharded one slices of one mask), which DTensor's RNG tracker gives on CUDA only, not on this path."""
+    if tp > 1 and lora.dropout > 0:
+        raise ValueError(f"peft.dropout={lora.dropout} with parallel.tp={tp}: LoRA dropout on tensor-parallel "
+                         f"activations needs one mask drawn alike on every tp rank, which is not built; set "
+                         f"peft.dropout=0 (or parallel.tp=1; pipeline stages, parallel.pp, take any dropout)")
 
 
 def lora_settings(c: dict | None) -> LoraSettings | None:

@@ -10,6 +10,14 @@ local heads), o/down are row-parallel (one all-reduce per sub-block), the embedd
 over the vocabulary, the head column-parallel with its logits all-gathered (Replicate), so the
 ordinary cross-entropy gives the exact loss.  Norms are replicated DTensors, so gradient clipping
 counts them once per tp group.
+
+LoRA (``+peft=lora``): the adapters are split with their base layer so the sum equals the
+unsharded model's.  A column-parallel base (q/k/v, gate/up) takes ``lora_A`` replicated and
+``lora_B`` Shard(0) (its output features, as the base weight): ``x A^T B^T`` comes out sharded on
+the features like ``x W^T``.  A row-parallel base (o, down) takes ``lora_A`` Shard(1) (its input
+features, as the base weight) and ``lora_B`` replicated: ``x A^T`` is a partial sum over the tp
+ranks and so is ``x A^T B^T``; it is added to the base's partial output before the layer's one
+all-reduce.  The rank ``r`` is never split, so every rank and target works wherever the base does.
 """
 
 from __future__ import annotations
@@ -29,9 +37,15 @@ from deepshard.core.mesh import local_device
 from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
-from deepshard.core.tensor_parallel import ReplicateParallel, apply_tp
+from deepshard.core.tensor_parallel import (
+    ColwiseWithChildren,
+    ReplicateParallel,
+    RowwiseWithChildren,
+    apply_tp,
+)
 from deepshard.core.zero import apply_zero
 from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
 from deepshard.pipeline import PipelineTrainer, ShardedPart, build_pipeline, build_trainer
 
 __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
@@ -48,16 +62,22 @@ def check_tp(cfg: LlamaConfig, tp: int) -> None:
 
 def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """FQN pattern -> style for the parts of ``model`` (a Llama or a pipeline stage of one) that exist."""
+    def col() -> ParallelStyle:  # torch's ColwiseParallel, and a LoRA layer's adapters split with it
+        return ColwiseWithChildren(children=LORA_COLWISE)
+
+    def row() -> ParallelStyle:
+        return RowwiseWithChildren(children=LORA_ROWWISE)
+
     plan: dict[str, ParallelStyle] = {
         "layers.*.input_layernorm": ReplicateParallel(),
         "layers.*.post_attention_layernorm": ReplicateParallel(),
-        "layers.*.self_attn.q_proj": ColwiseParallel(),
-        "layers.*.self_attn.k_proj": ColwiseParallel(),
-        "layers.*.self_attn.v_proj": ColwiseParallel(),
-        "layers.*.self_attn.o_proj": RowwiseParallel(),
-        "layers.*.mlp.gate_proj": ColwiseParallel(),
-        "layers.*.mlp.up_proj": ColwiseParallel(),
-        "layers.*.mlp.down_proj": RowwiseParallel(),
+        "layers.*.self_attn.q_proj": col(),
+        "layers.*.self_attn.k_proj": col(),
+        "layers.*.self_attn.v_proj": col(),
+        "layers.*.self_attn.o_proj": row(),
+        "layers.*.mlp.gate_proj": col(),
+        "layers.*.mlp.up_proj": col(),
+        "layers.*.mlp.down_proj": row(),
     }
     if getattr(model, "embed_tokens", None) is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -86,28 +106,36 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     return ShardedPart(stage, fp32_masters)
 
 
-def llama_stage_init(seed: int = 0) -> Callable[[nn.Module], None]:
+def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = None) -> Callable[[nn.Module], None]:
     """``init_fn`` for a pipeline split of a meta-device Llama: the stage gets exactly the weights
     ``Llama(cfg).init_weights(seed)`` gives the full model (single-process parity), plus its RoPE
     tables.  The full model is materialized once on the host, lazily, and shared by the stages of
     this rank; a run that loads a checkpoint afterwards can skip this (any init_fn will do).
+
+    ``full``: builds the materialized full model instead (the app's: HF weights, LoRA adapters with
+    their seeded init or a PEFT folder's), so a stage's adapters equal the unsplit model's.
     """
-    cache: dict[str, Llama] = {}
+    cache: dict[str, nn.Module] = {}
+
+    def build(cfg: LlamaConfig) -> nn.Module:
+        if full is not None:
+            return full()
+        with torch.device("meta"):  # init_weights writes every parameter: skip the default init
+            model = Llama(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights(seed)
+        return model
 
     def init(stage: nn.Module) -> None:
         if "full" not in cache:
-            with torch.device("meta"):  # init_weights writes every parameter: skip the default init
-                full = Llama(stage.cfg)
-            full.to_empty(device="cpu")
-            full.init_weights(seed)
-            cache["full"] = full
-        full = cache["full"]
-        own = dict(full.named_parameters())
+            cache["full"] = build(stage.cfg)
+        whole = cache["full"]
+        own = dict(whole.named_parameters())
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 p.copy_(own[name])
-            stage.rope_cos.copy_(full.rope_cos)
-            stage.rope_sin.copy_(full.rope_sin)
+            stage.rope_cos.copy_(whole.rope_cos)
+            stage.rope_sin.copy_(whole.rope_sin)
 
     return init
 

@@ -221,6 +221,8 @@ class ReduceScatterReducer(_HookedReducer):
         self._in_use.clear()
 
     def _launch(self, b: int) -> None:
+        while b in self._in_use:  # refilled (the next pipeline micro-batch) before its last reduction landed:
+            self._complete_oldest()  # land that first, its buffer is not overwritten (a LoRA stage: one bucket)
         self._launched[b] = True
         idx = self.buckets[b]
         seg = self.layouts[b].segment
