@@ -230,11 +230,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384, help="model width (depth follows the size)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--compare-batch", type=int, default=16,
+    ap.add_argument("--compare-batch", type=int, default=8,
                     help="batch of the with/without offload step-time comparison (more compute per byte swapped)")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--sizes", default="200,150,100", help="millions of params, largest first")
-    ap.add_argument("--plain-sizes", default="8,5,3", help="sizes for the no-offload search")
+    ap.add_argument("--plain-sizes", default="5,3,2", help="sizes for the no-offload search")
     args = ap.parse_args()
     if not cgroup_available():
         sys.exit("bench/infinity.py: needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
@@ -242,7 +242,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         base = {"nvme_path": nvme, "steps": 3, "dim": args.dim, "seq": args.seq, "batch": args.batch,
                 "buffer_count": 2}
-        sizes = [float(s) for s in args.sizes.split(",")]
+        sizes = [float(s) for s in args.sizes.split(",") if s]  # --sizes '': only the comparison
         size, res, tried = search(sizes, offload=True, limit=limit, base=base)
         report: dict = {"limit_bytes": limit, "tried_infinity": tried}
         if res is not None:
