@@ -208,17 +208,19 @@ def search(sizes: list[float], *, offload: bool, limit: int, base: dict) -> tupl
 
 
 def deepspeed_note() -> str:
+    """Why DeepSpeed's own NVMe offload is (not) compared here, checked on this host."""
     try:
         import torch
-
-        if not torch.cuda.is_available():
-            return ("DeepSpeed's NVMe offload (offload_param/offload_optimizer device=nvme) not run: ZeRO-3's "
-                    "partitioned-param swapper needs a CUDA device (it swaps into pinned buffers for GPU params) "
-                    "and this host has none")
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        if not AsyncIOBuilder().is_compatible():
-            return "DeepSpeed's async_io op cannot be built here (libaio headers missing)"
+        reasons = []
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            reasons.append("its async_io op cannot be built (no libaio headers: the libaio-dev package)")
+        if not torch.cuda.is_available():
+            reasons.append("no CUDA device (DeepSpeed falls back to its CPU accelerator; its NVMe swappers "
+                           "need the async_io op above in any case)")
+        if reasons:
+            return "DeepSpeed's NVMe offload (offload_param/offload_optimizer device=nvme) not run: " + "; ".join(reasons)
         return "DeepSpeed's NVMe offload could run here: not compared in this version of the bench"
     except Exception as e:  # noqa: BLE001 - any import/build failure is the answer
         return f"DeepSpeed's NVMe offload not run: {type(e).__name__}: {e}"
