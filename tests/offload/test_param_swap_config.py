@@ -62,3 +62,16 @@ def test_estimator_knows_the_infinity_layout():
     rows = [r.options for r in all_estimates(10_000, dp=2, dtype="fp32")]
     assert rows.count("+zero=stage3 +offload=nvme offload.params=nvme") == 1
     assert not any("offload.params=nvme" in r for r in rows if "stage3 +offload=nvme" not in r)
+
+
+def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
+    from deepshard.finetune.config import validate
+    from deepshard.finetune.estimate import compose
+
+    base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}",
+            "launcher.nproc_per_node=2"]
+    assert validate(compose(base)).offload.params == "nvme"
+    with pytest.raises(ValueError, match=r"offload.param_buffer_size=1000 .*largest block shard \(\d+ elements"):
+        validate(compose([*base, "offload.param_buffer_size=1000"]))
+    with pytest.raises(ValueError, match=r"offload.params='nvme' .*not with parallel.pp/tp > 1"):
+        validate(compose([*base, "parallel.pp=2", "launcher.nproc_per_node=4"]))

@@ -342,6 +342,16 @@ def _validate_offload(c: dict, stage: int) -> OffloadConfig:
     return offload
 
 
+def _check_param_swap(settings: Settings, world: int) -> None:
+    from deepshard.finetune.estimate import count_params, largest_unit
+    from deepshard.offload.config import validate_param_swap
+
+    per_rank = -(-count_params(settings.model) // world)
+    unit = -(-largest_unit(settings.model) // world)
+    # 16 B per element (param, grad, two moments), plus alignment slack per unit
+    validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit, "the largest block or the root")
+
+
 def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     """The typed settings of a composed config (a plain dict, left as it is), for ``world_size`` ranks
     (default: torchrun's, or the workers the app starts on this host); ValueError naming the first bad key.
@@ -370,6 +380,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
         raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
                          "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
+    if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
+        _check_param_swap(settings, world)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     return dataclasses.replace(settings, parallel=parallel.resolve(world))
