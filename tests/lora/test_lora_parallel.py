@@ -2,15 +2,15 @@
 test_lora_parity (frozen base, ``A``/``B`` leaf tensors added by forward hooks, torch.optim.AdamW).
 
 One world-2 launch runs pp=2 (1F1B with the head trained whole, zero bubble at ZeRO-2) and tp=2
-(ZeRO-0, the head trained whole), saves the tp=2 run's adapters as the app does, and builds the
+(ZeRO-0, the head trained whole), saves the pp=2 and tp=2 runs' adapters as the app does, and builds the
 app's pp=2 trainer from its config; one world-4 launch runs pp=2 x dp=2 (ZeRO-1) and tp=2 x dp=2
 (ZeRO-3).  One tp layout per process, as in a run: a second tp mesh of the same shape after an
 FSDP2 run trips the kernels' check that DTensor arguments share one mesh object.
 
 Each test checks its slice: losses and adapters within 1e-5 (fp32, 5 steps; 2e-5 for the adapters
 at tp x dp, see TOLERANCE), the base bit-identical to its start, no gradient and no optimizer state
-for it (8 bytes per adapter element this rank holds, / dp at stage >= 1); the tp=2 checkpoint
-exports to a PEFT folder that peft loads onto transformers' Llama with the reference's logits.
+for it (8 bytes per adapter element this rank holds, / dp at stage >= 1); both checkpoints
+export to a PEFT folder that peft loads onto transformers' Llama with the reference's logits.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ WORLD2 = {"pp2": (2, 1, 1, 0, "1f1b", 2, ("lm_head",)),
           "tp2": (1, 1, 2, 0, "gpipe", 2, ("lm_head",))}
 WORLD4 = {"pp2_dp2": (2, 2, 1, 1, "1f1b", 2, ()),
           "tp2_dp2": (1, 2, 2, 3, "gpipe", 2, ())}
-EXPORTED = "tp2"
+EXPORTED = ("pp2", "tp2")  # their adapters are saved as the app saves them, then exported
 # tp x dp at ZeRO-3 adds the tp all-reduce and FSDP2's dp reduce-scatter in another order than the
 # one-process batch; Adam's normalization magnifies that rounding where a gradient is small: measured
 # 1.13e-5 on layers.1.self_attn.k_proj.lora_B (every other adapter, and every loss, within 1e-5)
@@ -141,7 +141,8 @@ def _worker(cases: dict, ckpt_root: str | None) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    out = {name: _run_case(*spec, ckpt_root=ckpt_root if name == EXPORTED else None) for name, spec in cases.items()}
+    out = {name: _run_case(*spec, ckpt_root=f"{ckpt_root}/{name}" if ckpt_root and name in EXPORTED else None)
+           for name, spec in cases.items()}
     if ckpt_root is not None:
         out["app"] = _app_pipeline_init()
     return out
@@ -237,13 +238,14 @@ def _hf_base(path: Path) -> None:
     hf.save_pretrained(str(path))
 
 
-def test_adapter_exported_from_a_tp2_run_loads_in_peft_with_the_reference_logits(world2, tmp_path):
+@pytest.mark.parametrize("name", EXPORTED)
+def test_adapter_exported_from_a_pp_or_tp_run_loads_in_peft_with_the_reference_logits(world2, tmp_path, name):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from deepshard.finetune.export import main
 
-    ckpt = Path(world2[0]["tp2"]["checkpoint"])
+    ckpt = Path(world2[0][name]["checkpoint"])
     out = tmp_path / "adapter"
     assert main([str(ckpt), str(out), "--adapter"]) == 0
     assert json.loads((out / "adapter_config.json").read_text())["r"] == R
@@ -251,7 +253,7 @@ def test_adapter_exported_from_a_tp2_run_loads_in_peft_with_the_reference_logits
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")),
                                            str(out)).eval()
     # the reference: the base with the run's final adapters (full shapes), added by forward hooks
-    final = world2[0]["tp2"]["end"]
+    final = {n: t for run in world2 for n, t in run[name]["end"].items()}  # pp: each rank its stage's
     model = base_model().eval()
     with torch.no_grad():
         model.lm_head.weight.copy_(final["lm_head.weight"])  # trained whole (peft.modules_to_save)
