@@ -6,7 +6,7 @@ never a dependency of our packages) it trains the same model and batches at the 
 run, and the JSON adds our/DeepSpeed ratios.
 
     python bench/zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
-    python bench/zero.py --hf [--rounds 2] [--steps 13] [--engines ddp fsdp2 ours1 ...] [--bucket N]
+    python bench/zero.py --hf [--rounds 2] [--steps 10] [--engines ddp fsdp2 ours1 ...] [--zero KEY=VALUE ...]
 
 ``--hf``: HF ``LlamaForCausalLM`` through the public API beside DDP, raw FSDP2 and DeepSpeed, world 2,
 fp32, every engine in one launch, interleaved rounds (see bench/zero_hf.py); prints JSON and the table.
@@ -137,10 +137,11 @@ def main() -> None:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--hf", action="store_true", help="HF LlamaForCausalLM vs DDP / FSDP2 / DeepSpeed")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--engines", nargs="+", default=None)
-    ap.add_argument("--bucket", type=int, default=None, help="zero.{reduce,allgather}_bucket_size (default: ours)")
+    ap.add_argument("--zero", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="--hf: ZeroConfig fields for our engines (bucket sizes reach DeepSpeed too)")
     args = ap.parse_args()
     if args.hf:
         return hf_main(args)
@@ -184,12 +185,13 @@ def hf_main(args: argparse.Namespace) -> None:
 
     have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
     names = args.engines or ["ddp", "fsdp2", "ours1", "ours2", "ours3"] + (["ds1", "ds2", "ds3"] if have_ds else [])
-    zero_kwargs = {} if args.bucket is None else {"reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
-    steps = 13 if args.steps == 6 else args.steps  # 13: the run
-    res = launch_local(zero_hf.worker, 2, names, args.dim, args.layers, args.vocab, steps, args.warmup,
+    zero_kwargs = {k: json.loads(v.lower()) for k, v in (kv.split("=", 1) for kv in args.zero)}
+    steps = 10 if args.steps == 6 else args.steps
+    dim, layers = (384, 6) if (args.dim, args.layers) == (512, 8) else (args.dim, args.layers)  # ~17M params
+    res = launch_local(zero_hf.worker, 2, names, dim, layers, args.vocab, steps, args.warmup,
                        args.rounds, zero_kwargs)
     rows = zero_hf.summarize(res, names)
-    print(json.dumps({"model": {"hf": "LlamaForCausalLM", "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
+    print(json.dumps({"model": {"hf": "LlamaForCausalLM", "dim": dim, "layers": layers, "vocab": args.vocab,
                                 "params": res[0][names[0]][0]["num_params"], "seq": zero_hf.SEQ,
                                 "micro_batch": zero_hf.MBS, "world": 2, "steps": steps, "rounds": args.rounds,
                                 "zero": zero_kwargs or "library defaults"},

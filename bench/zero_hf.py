@@ -4,13 +4,15 @@ AdamW), raw FSDP2 (``fully_shard`` per decoder layer + root, torch fused AdamW) 
 installed: the same weights, the same batches, the same AdamW hyper-parameters and global-norm clip.
 
 One launch runs every engine in each of ``rounds`` interleaved rounds (odd rounds in reverse order,
-so a drift of the machine's load evens out); each figure is the median over rounds of the engine's
-median step time.  Per engine and round, in the same processes:
+so a drift of the machine's load evens out; DeepSpeed's engines last in every round, as a dropped
+DeepSpeed engine keeps memory alive); each figure is the median over rounds of the engine's median
+step time.  Per engine and round, in the same processes:
 
 - step time: forward + backward + optimizer step, warm-up steps excluded, the slower rank's;
-- peak RSS: the process's VmHWM, reset (``/proc/self/clear_refs``) after the previous engine is freed
-  and its memory handed back (``malloc_trim``), so every engine starts from the same baseline
-  (interpreter, torch, transformers and DeepSpeed imported);
+- peak RSS growth: the process's VmHWM, reset (``/proc/self/clear_refs``) after the previous engine
+  is freed and its memory handed back (``malloc_trim``), minus the RSS at that moment: what building
+  and training the engine added on top of the interpreter, torch, transformers and DeepSpeed (an
+  absolute peak in a shared process would carry the previous engines' heap fragmentation);
 - census: every distinct tensor storage reachable from Python after the last optimizer step, minus
   those alive before the model was built (the batches, the imports' own tensors): the model state and
   every buffer the engine keeps between steps; beside ours, ``engine.memory()``'s ``live_total`` and
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import statistics
 import time
@@ -33,6 +36,16 @@ import torch.distributed as dist
 SEQ, MBS = 128, 1
 LR, BETAS, EPS, CLIP = 1e-4, (0.9, 0.95), 1e-8, 1.0
 STAGE_OF = {"ddp": 0, "fsdp2": 3, "ours1": 1, "ours2": 2, "ours3": 3, "ds1": 1, "ds2": 2, "ds3": 3}
+
+
+def parse_engine(name: str) -> tuple[str, int, dict]:
+    """``ours2+reduce_bucket_size=2000000+overlap_allgather=true`` -> ("ours2", 2, {...}): an engine and
+    ZeroConfig overrides of its own (bucket sweeps in one launch)."""
+    base, *pairs = name.split("+")
+    if base not in STAGE_OF:
+        raise ValueError(f"--engines: {base!r} is not one of {sorted(STAGE_OF)}")
+    overrides = {k: json.loads(v.lower()) for k, v in (p.split("=", 1) for p in pairs)}
+    return base, STAGE_OF[base], overrides
 
 
 def hf_config(dim: int, layers: int, vocab: int):
@@ -107,6 +120,9 @@ def _status_mib(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+BACKWARD_END = [0.0]  # set by each engine's step between backward and the optimizer step
+
+
 # --- the engines: each returns (step(tokens) -> loss tensor, memory() -> dict or None) -------------
 
 def _loss(model, tokens):
@@ -122,6 +138,7 @@ def build_ddp(model, _stage):
     def step(tokens):
         loss = _loss(ddp, tokens)
         loss.backward()
+        BACKWARD_END[0] = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -140,6 +157,7 @@ def build_fsdp2(model, _stage):
     def step(tokens):
         loss = _loss(model, tokens)
         loss.backward()
+        BACKWARD_END[0] = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -157,6 +175,7 @@ def build_ours(model, stage, zero_kwargs):
     def step(tokens):
         loss = _loss(engine, tokens)
         engine.backward(loss)
+        BACKWARD_END[0] = time.perf_counter()
         engine.step()
         return loss
     return step, lambda: {k: v.as_dict() for k, v in engine.memory().items()}
@@ -181,17 +200,20 @@ def build_deepspeed(model, stage, zero_kwargs):
     def step(tokens):
         loss = _loss(engine, tokens)
         engine.backward(loss)
+        BACKWARD_END[0] = time.perf_counter()
         engine.step()
         return loss
     return step, None
 
 
 def _builder(name: str, zero_kwargs: dict) -> Callable:
-    if name == "ddp":
+    base, _, overrides = parse_engine(name)
+    zero_kwargs = {**zero_kwargs, **overrides}
+    if base == "ddp":
         return build_ddp
-    if name == "fsdp2":
+    if base == "fsdp2":
         return build_fsdp2
-    if name.startswith("ours"):
+    if base.startswith("ours"):
         return lambda m, s: build_ours(m, s, zero_kwargs)
     return lambda m, s: build_deepspeed(m, s, zero_kwargs)
 
@@ -207,8 +229,9 @@ def run_engine(name: str, cfg, steps: int, warmup: int, zero_kwargs: dict) -> di
     before = census()
     model = hf_model(cfg)
     num_params = sum(p.numel() for p in model.parameters())
-    step, memory = _builder(name, zero_kwargs)(model, STAGE_OF[name])
-    times, losses = [], []
+    stage = parse_engine(name)[1]
+    step, memory = _builder(name, zero_kwargs)(model, stage)
+    times, opt_times, losses = [], [], []
     for i, tokens in enumerate(data):
         dist.barrier()
         t0 = time.perf_counter()
@@ -216,15 +239,16 @@ def run_engine(name: str, cfg, steps: int, warmup: int, zero_kwargs: dict) -> di
         elapsed = time.perf_counter() - t0
         if i >= warmup:
             times.append(elapsed)
+            opt_times.append(t0 + elapsed - BACKWARD_END[0])
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
         del loss, total
     after = census()
-    out = {"step_s": statistics.median(times), "losses": losses, "peak_rss_mib": _status_mib("VmHWM"),
+    out = {"step_s": statistics.median(times), "opt_s": statistics.median(opt_times), "losses": losses, "peak_rss_mib": _status_mib("VmHWM"),
            "start_rss_mib": start_rss, "start_census_mib": sum(before.values()) / 2**20,
            "census_mib": sum(n for p, n in after.items() if p not in before) / 2**20,
-           "formula_mib": expected_bytes(STAGE_OF[name], num_params, world, "fp32").total / 2**20,
+           "formula_mib": expected_bytes(stage, num_params, world, "fp32").total / 2**20,
            "num_params": num_params}
     if memory is not None:
         mem = memory()
@@ -250,8 +274,11 @@ def worker(names: list[str], dim: int, layers: int, vocab: int, steps: int, warm
 
     cfg = hf_config(dim, layers, vocab)
     results: dict[str, list[dict]] = {n: [] for n in names}
+    ours_first = [n for n in names if not n.startswith("ds")] + [n for n in names if n.startswith("ds")]
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else list(reversed(names))):
+        order = ours_first if r % 2 == 0 else [n for n in reversed(ours_first) if not n.startswith("ds")] + \
+            [n for n in reversed(ours_first) if n.startswith("ds")]
+        for name in order:
             results[name].append(run_engine(name, cfg, steps, warmup, zero_kwargs))
             res = results[name][-1]
             print(f"rank {dist.get_rank()} round {r} {name}: {res['step_s']:.3f} s, RSS {res['start_rss_mib']:.0f} (tensors "
@@ -268,8 +295,10 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
         step = statistics.median(max(x["step_s"] for x in rnd) for rnd in rounds)
         first = rounds[-1][0]
         row = {"step_s": round(step, 4),
+               "opt_s": round(statistics.median(max(x["opt_s"] for x in rnd) for rnd in rounds), 4),
                "step_s_rounds": [round(max(x["step_s"] for x in rnd), 4) for rnd in rounds],
-               "peak_rss_mib": round(statistics.median(max(x["peak_rss_mib"] for x in rnd) for rnd in rounds), 1),
+               "peak_rss_growth_mib": round(statistics.median(
+                   max(x["peak_rss_mib"] - x["start_rss_mib"] for x in rnd) for rnd in rounds), 1),
                "census_mib": round(first["census_mib"], 1), "formula_mib": round(first["formula_mib"], 1),
                "final_loss": round(first["losses"][-1], 6), "losses": first["losses"]}
         if "reported_live_mib" in first:
@@ -282,10 +311,11 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
             row["max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(row["losses"], rows["ddp"]["losses"]))
         if "fsdp2" in rows:
             row["x_fsdp2"] = round(row["step_s"] / rows["fsdp2"]["step_s"], 3)
-        ds = "ds" + name[-1]
-        if name.startswith("ours") and ds in rows:
+        base, stage, _ = parse_engine(name)
+        ds = f"ds{stage}"
+        if base.startswith("ours") and ds in rows:
             row["x_deepspeed"] = round(row["step_s"] / rows[ds]["step_s"], 3)
-            row["rss_x_deepspeed"] = round(row["peak_rss_mib"] / rows[ds]["peak_rss_mib"], 3)
+            row["rss_x_deepspeed"] = round(row["peak_rss_growth_mib"] / rows[ds]["peak_rss_growth_mib"], 3)
     for row in rows.values():
         del row["losses"]
     return rows
@@ -293,11 +323,12 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
 
 def table(rows: dict) -> str:
     """The closing note's markdown table."""
-    cols = [n for n in ("ddp", "fsdp2", "ds1", "ds2", "ds3", "ours1", "ours2", "ours3") if n in rows]
+    cols = [n for n in ("ddp", "fsdp2", "ds1", "ds2", "ds3") if n in rows] + [n for n in rows if n.startswith("ours")]
     lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, key in (("step s", "step_s"), ("x DDP", "x_ddp"), ("x FSDP2", "x_fsdp2"),
-                       ("x DeepSpeed (same stage)", "x_deepspeed"), ("peak RSS MiB/rank", "peak_rss_mib"),
-                       ("RSS x DeepSpeed", "rss_x_deepspeed"), ("census MiB/rank", "census_mib"),
+                       ("x DeepSpeed (same stage)", "x_deepspeed"),
+                       ("optimizer step s (after backward)", "opt_s"), ("peak RSS growth MiB/rank", "peak_rss_growth_mib"),
+                       ("RSS growth x DeepSpeed", "rss_x_deepspeed"), ("census MiB/rank", "census_mib"),
                        ("engine.memory() live MiB", "reported_live_mib"), ("ZeRO formula MiB", "formula_mib"),
                        ("final loss", "final_loss")):
         lines.append(f"| {label} | " + " | ".join(str(rows[c].get(key, "")) for c in cols) + " |")

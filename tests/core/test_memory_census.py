@@ -1,6 +1,9 @@
 """``engine.memory()`` counts every buffer the engine holds: its ``live_total`` equals a census of
 the live tensor storages the engine added (walked with the garbage collector, each storage once),
-within 2%, at ZeRO stages 0-3, world 2, fp32 and bf16, after an optimizer step."""
+within 2%, at ZeRO stages 0-3, world 2, fp32 and bf16, after an optimizer step; at stages 1-2 that is
+the ZeRO formula plus one bucket per collective kind.  In the same launch: bucket collectives launch
+while backward runs, and with ``zero.overlap_allgather`` the parameters every module computes with
+equal the plain path's, while buckets are still being gathered during the forward."""
 
 from __future__ import annotations
 
@@ -47,10 +50,42 @@ def _worker():
                 engine.step()
             after = _storages()
             census = sum(n for ptr, n in after.items() if ptr not in before)
-            out[(dtype, stage)] = (census, engine.memory()["measured"].as_dict())
+            memory = engine.memory()
+            out[(dtype, stage)] = (census, memory["measured"].as_dict(), memory["expected"].total)
             del engine
     out["overlap"] = {stage: _buckets_launched_before_backward_ends(stage) for stage in (1, 2)}
+    out["gather_in_forward"] = {stage: (_params_at_every_use(stage, False), _params_at_every_use(stage, True))
+                                for stage in (1, 2)}
     return out
+
+
+def _params_at_every_use(stage: int, overlap_allgather: bool):
+    """Three steps; at every module's forward (after the engine's own pre-hook) a copy of the params it
+    computes with.  Returns (uses, losses, buckets the forward had to wait for, buckets in all)."""
+    from deepshard.core import initialize
+    from deepshard.core.mesh import local_device
+
+    model = build_model().to(local_device())
+    engine = initialize(model, engine_config(stage, bucket=3000, overlap_allgather=overlap_allgather))
+    uses = []
+
+    def record(module, args):
+        uses.append([p.detach().clone() for p in module.parameters(recurse=False)])
+
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(record)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, MICRO.vocab_size, (2, 17), generator=g).to(local_device())
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    final = {n: p.detach().clone() for n, p in model.state_dict().items()}  # state_dict() waits for the gather
+    gatherer = engine.stage.gatherer
+    return uses, losses, final, gatherer.num_waits_in_forward, len(gatherer.buckets)
 
 
 def _buckets_launched_before_backward_ends(stage: int) -> tuple[int, int]:
@@ -79,13 +114,18 @@ def runs():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_report_equals_live_tensor_census(runs, stage, dtype):
+    # a bucket holds up to 3000 elements, or one larger tensor alone (the 96 x 32 embedding)
+    bucket = max(3000, MICRO.vocab_size * MICRO.dim)
+    bucket_bytes = bucket * (2 if dtype == "bf16" else 4)
     for rank in (0, 1):
-        census, reported = runs[rank][(dtype, stage)]
+        census, reported, formula = runs[rank][(dtype, stage)]
         assert abs(reported["live_total"] - census) <= 0.02 * census, (rank, stage, dtype, census, reported)
-        if stage in (1, 2):  # the buffers are really there, and named
-            assert reported["buffers.allgather"] > 0
+        if stage in (1, 2):  # the buffers are really there, and named: one bucket each
+            assert 0 < reported["buffers.allgather"] <= bucket_bytes
         if stage == 2:
-            assert reported["buffers.reduce_scatter"] > 0
+            assert 0 < reported["buffers.reduce_scatter"] <= bucket * 4  # packed in reduce_dtype=fp32
+        # the model state is the formula (+ Shard(0) padding); the buffers are the buckets and the RoPE table
+        assert reported["total"] <= 1.02 * formula, (rank, stage, dtype, reported["total"], formula)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -94,3 +134,18 @@ def test_bucket_collectives_launch_while_backward_runs(runs, stage):
         launched, total = runs[rank]["overlap"][stage]
         assert total > 2, "the test model must span several buckets"
         assert launched > 1, f"stage {stage}: only {launched} of {total} buckets launched before backward ended"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_params_gathered_in_forward_equal_the_plain_path_at_every_use(runs, stage):
+    for rank in (0, 1):
+        (plain, plain_losses, plain_final, _, _), (lazy, lazy_losses, lazy_final, waits, buckets) = \
+            runs[rank]["gather_in_forward"][stage]
+        assert buckets > 2, "the test model must span several buckets"
+        assert waits > 1, f"stage {stage}: the forward waited for only {waits} of {buckets} buckets"
+        assert lazy_losses == plain_losses
+        assert len(lazy) == len(plain)
+        for i, (a, b) in enumerate(zip(lazy, plain)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"module use {i}: params differ from the plain path"
+        assert lazy_final.keys() == plain_final.keys()
+        assert all(torch.equal(lazy_final[k], plain_final[k]) for k in plain_final)

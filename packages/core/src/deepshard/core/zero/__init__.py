@@ -12,7 +12,7 @@ from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
 from deepshard.core.zero.fsdp import FullyShardedStage, apply_fsdp
-from deepshard.core.zero.gather import ShardGatherer
+from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
 from deepshard.core.zero.stages import (
@@ -60,9 +60,12 @@ def apply_zero(
         reducer = AllReduceReducer(params, group, **reducer_kwargs)
     if config.stage == 0:
         return ReplicatedStage(names, params, reducer=reducer)
-    gatherer = ShardGatherer([local_tensor(p.data) for p in params], group,
-                             allgather_bucket_size=config.allgather_bucket_size)
-    if config.overlap_allgather:
-        gatherer.hook_forward(model, params)
+    locals_ = [local_tensor(p.data) for p in params]
+    if config.overlap_allgather:  # gathered unit by unit inside the next forward (see zero/gather.py)
+        order, units = forward_units(model, params, list(blocks))
+        gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size, order=order)
+        gatherer.hook_forward(model, units)
+    else:
+        gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
     return cls(names, params, reducer=reducer, gatherer=gatherer, gather_in_forward=config.overlap_allgather)

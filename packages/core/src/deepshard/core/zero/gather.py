@@ -7,9 +7,12 @@ bucket of memory.  Two ways to run it:
 
 - ``gather()`` (the plain path): every bucket, right after the step.
 - ``start()`` + forward pre-hooks (``zero.overlap_allgather``): the step launches bucket 0 only; the
-  forward pre-hook of a module whose parameters sit in bucket k waits for bucket k, writes it into
-  the params and launches bucket k+1, which so travels while bucket k's layers compute (FSDP's and
-  DeepSpeed's prefetch, applied to stages 1-2).  Every parameter is current when a module uses it;
+  forward pre-hook of a unit whose parameters sit in buckets up to k waits for them, writes them into
+  the params and launches bucket k+1, which so travels while the unit computes (FSDP's and
+  DeepSpeed's prefetch, applied to stages 1-2).  The units are FSDP2's: each transformer block, and
+  the root with every parameter outside the blocks (a root's forward may read a child's weight
+  directly, as a fused loss reads ``lm_head.weight``), gathered in that order: the root's first.
+  Every parameter is current when a unit computes;
   ``finish()`` completes the rest (the engine calls it before the next optimizer step, from
   ``state_dict()`` and from ``Engine.gather_params()``: a direct read of a parameter's values between
   ``step()`` and the next forward must call that first).
@@ -31,13 +34,20 @@ __all__ = ["ShardGatherer"]
 class ShardGatherer:
     """All-gather each rank's updated Shard(0) chunks back into the replicated params, in buckets."""
 
-    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, *, allgather_bucket_size: int) -> None:
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, *, allgather_bucket_size: int,
+                 order: list[int] | None = None) -> None:
+        """``order``: the indices of ``params`` in gather order (default: as given)."""
         self.params = params
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        groups = group_into_buckets([p.numel() for p in params], [p.dtype for p in params], allgather_bucket_size)
-        self.buckets = [(idx, BucketLayout(idx, [params[i].shape for i in idx], self.world)) for idx in groups]
+        order = list(range(len(params))) if order is None else order
+        assert sorted(order) == list(range(len(params)))
+        groups = group_into_buckets([params[i].numel() for i in order], [params[i].dtype for i in order],
+                                    allgather_bucket_size)
+        self.buckets = [([order[j] for j in g], BucketLayout([order[j] for j in g],
+                                                             [params[order[j]].shape for j in g], self.world))
+                        for g in groups]
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._next = len(self.buckets)  # the next bucket to launch
         self._inflight: tuple[int, dist.Work, torch.Tensor] | None = None
@@ -88,16 +98,14 @@ class ShardGatherer:
         self.start()
         self.finish()
 
-    def hook_forward(self, model: nn.Module, params: list[nn.Parameter]) -> None:
-        """``overlap_allgather``: forward pre-hooks complete a module's buckets before it computes, and a
-        ``model.state_dict()`` completes the whole gather first.  ``params[i]`` is the parameter whose
-        local tensor is ``self.params[i]``."""
-        bucket_of = {id(params[i]): b for b, (idx, _) in enumerate(self.buckets) for i in idx}
+    def hook_forward(self, model: nn.Module, units: list[tuple[nn.Module, list[int]]]) -> None:
+        """``overlap_allgather``: each unit's forward pre-hook completes the buckets holding its params
+        (indices into ``params``) before it computes; ``model.state_dict()`` completes the whole gather."""
+        bucket_of = {i: b for b, (idx, _) in enumerate(self.buckets) for i in idx}
         ref = weakref.ref(self)  # weakly: a module -> hook -> gatherer -> params cycle would never be freed
-        for module in model.modules():
-            owned = [bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of]
-            if owned:
-                module.register_forward_pre_hook(_ForwardWait(ref, max(owned)))
+        for module, indices in units:
+            if indices:
+                module.register_forward_pre_hook(_ForwardWait(ref, max(bucket_of[i] for i in indices)))
         model.register_state_dict_pre_hook(_StateDictWait(ref))
 
     def buffer_bytes(self) -> int:
@@ -124,3 +132,17 @@ class _StateDictWait:
         gatherer = self.ref()
         if gatherer is not None:
             gatherer.finish()
+
+
+def forward_units(model: nn.Module, params: list[nn.Parameter],
+                  blocks: list[nn.Module]) -> tuple[list[int], list[tuple[nn.Module, list[int]]]]:
+    """(gather order, units): the root's params (all outside ``blocks``) first, then each block's."""
+    index = {id(p): i for i, p in enumerate(params)}
+    in_blocks: set[int] = set()
+    units: list[tuple[nn.Module, list[int]]] = []
+    for block in blocks:
+        idx = sorted({index[id(p)] for p in block.parameters() if id(p) in index} - in_blocks)
+        in_blocks.update(idx)
+        units.append((block, idx))
+    units.insert(0, (model, [i for i in range(len(params)) if i not in in_blocks]))
+    return [i for _, idx in units for i in idx], units
