@@ -24,8 +24,9 @@ TRAIN_TWICE = textwrap.dedent("""
     for kernels in ("torch", "triton"):
         with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
             cfg = compose(config_name="config", overrides=[
-                f"kernels={kernels}", "train.max_steps=3", "train.micro_batch_size=2", "data.seq_len=32",
-                "data.num_docs=200", "model.n_layers=2", "scheduler=constant", "launcher.nproc_per_node=1"])
+                f"kernels={kernels}", "train.max_steps=3", "train.micro_batch_size=1", "data.seq_len=16",
+                "data.num_docs=200", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                "model.ffn_hidden=128", "scheduler=constant", "launcher.nproc_per_node=1"])
         out[kernels] = train_worker(validate(OmegaConf.to_container(cfg, resolve=True)), sys.argv[2] + "/" + kernels)["losses"]
     print("RESULT" + json.dumps(out))
 """)

@@ -15,6 +15,9 @@ from prelaunch import prelaunch_error
 from deepshard.finetune.config import register, validate
 
 ROOT = Path(__file__).resolve().parents[2]
+# a ~0.3M-parameter Llama, one layer per pipeline stage: the schedule and the logging are what is checked
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+        "data.seq_len=64", "data.num_docs=600", "optim.lr=0.01"]
 register()
 
 
@@ -46,7 +49,7 @@ def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path, m
 def test_pipeline_run_trains(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "parallel.pp=2", "train.max_steps=8",
-         "train.log_every=4", "pipeline.schedule=gpipe", f"hydra.run.dir={tmp_path}"],
+         "train.log_every=4", "pipeline.schedule=gpipe", *TINY, f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=600,
     )
     out = proc.stdout + proc.stderr
