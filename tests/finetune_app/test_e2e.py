@@ -83,15 +83,17 @@ def test_deepspeed_zero3_cpu_offload_config_trains(tmp_path):
     assert len(scalars(tmp_path / "ds_logs/zero3_offload")["train/loss"]) == 6  # the file's tensorboard path
 
 
-def test_bad_data_and_contradictory_batch_fail_before_any_work(tmp_path):
+def test_bad_data_and_contradictory_batch_fail_before_any_work(tmp_path, monkeypatch):
+    """The launcher's checks in this process (tests/app/prelaunch.py: no worker may start)."""
+    from prelaunch import prelaunch_error
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": \n')
-    proc = run_app(tmp_path, "data=jsonl", f"data.path={bad}", "launcher.nproc_per_node=1")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2: not valid JSON")
-    proc = run_app(tmp_path, "train.global_batch_size=30", "train.micro_batch_size=4", "train.grad_accum=2")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    line = prelaunch_error(["data=jsonl", f"data.path={bad}", "launcher.nproc_per_node=1"], tmp_path / "run",
+                           monkeypatch)
+    assert line.startswith(f"error: {bad}:2: not valid JSON"), line
+    line = prelaunch_error(["train.global_batch_size=30", "train.micro_batch_size=4", "train.grad_accum=2"],
+                           tmp_path / "run", monkeypatch)
+    assert line == (
         "error: train.global_batch_size=30 != train.micro_batch_size=4 x train.grad_accum=2 x data-parallel "
         "size 2 = 16: give two of the three, or make them agree")
-    assert not (tmp_path / "run/tensorboard").exists()
