@@ -4,7 +4,8 @@ test_lora_parity (frozen base, ``A``/``B`` leaf tensors added by forward hooks, 
 One world-2 launch runs pp=2 (1F1B with the head trained whole, zero bubble at ZeRO-2) and tp=2
 (ZeRO-0, the head trained whole), saves the pp=2 and tp=2 runs' adapters as the app does, and builds the
 app's pp=2 trainer from its config; one world-4 launch runs pp=2 x dp=2 (ZeRO-1) and tp=2 x dp=2
-(ZeRO-3).  One tp layout per process, as in a run: a second tp mesh of the same shape after an
+(ZeRO-3), then loads the pp=2 checkpoint into tp=2 x dp=2 at ZeRO-3 and the tp=2 one into pp=2 x
+dp=2 at ZeRO-1.  One tp layout per process, as in a run: a second tp mesh of the same shape after an
 FSDP2 run trips the kernels' check that DTensor arguments share one mesh object.
 
 Each test checks its slice: losses and adapters within 1e-5 (fp32, 5 steps; 2e-5 for the adapters
@@ -63,24 +64,39 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
+def _config(stage: int):
+    from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, ZeroConfig
+
+    return EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
+                        precision=PrecisionConfig(dtype="fp32"),
+                        optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+
+
+def _resume(ckpt: str, pp: int, dp: int, tp: int, stage: int) -> dict:
+    """A pp/tp run's LoRA checkpoint loaded into another layout and ZeRO stage: the trainable params."""
+    from deepshard.core import ParallelDims, build_mesh
+    from deepshard.core.checkpoint import load_checkpoint
+    from deepshard.finetune.models.lora import apply_lora
+    from deepshard.finetune.models.parallelize import pipeline_llama
+
+    model = base_model()
+    apply_lora(model, r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=("lm_head",))
+    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))
+    trainer = pipeline_llama(model, mesh, _config(stage), schedule="gpipe", microbatches=2)
+    app = load_checkpoint(ckpt, trainer.optimizer, mesh["dp"])
+    params = {n: _full(p) for m in trainer.pipeline.modules for n, p in m.named_parameters() if p.requires_grad}
+    return {"step": app["step"], "params": params}
+
+
 def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches: int, save: tuple[str, ...],
               ckpt_root: str | None = None) -> dict:
-    from deepshard.core import (
-        EngineConfig,
-        OptimConfig,
-        ParallelDims,
-        PrecisionConfig,
-        ZeroConfig,
-        build_mesh,
-    )
+    from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.checkpoint import save_checkpoint
     from deepshard.core.dtensor_utils import local_tensor
     from deepshard.finetune.models.lora import LoraSettings, apply_lora
     from deepshard.finetune.models.parallelize import pipeline_llama
 
-    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
-                          precision=PrecisionConfig(dtype="fp32"),
-                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    config = _config(stage)
     model = base_model()
     apply_lora(model, r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=save)
     params = dict(model.named_parameters())
@@ -137,7 +153,7 @@ def _app_pipeline_init() -> dict:
             "adapters_a_nonzero": all(whole[n].abs().max() > 0 for n in names if ".lora_A." in n)}
 
 
-def _worker(cases: dict, ckpt_root: str | None) -> dict:
+def _worker(cases: dict, ckpt_root: str | None, resume: dict | None = None) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
@@ -145,6 +161,8 @@ def _worker(cases: dict, ckpt_root: str | None) -> dict:
            for name, spec in cases.items()}
     if ckpt_root is not None:
         out["app"] = _app_pipeline_init()
+    # after the cases: loading runs no forward, so no second tp mesh meets the kernels (module doc)
+    out["resumed"] = {name: _resume(ckpt, *layout) for name, (ckpt, layout) in (resume or {}).items()}
     return out
 
 
@@ -158,9 +176,14 @@ def world2(ckpt_root):
     return launch_local(_worker, 2, WORLD2, str(ckpt_root))
 
 
+# checkpoint of the world-2 run -> (pp, dp, tp, zero stage) it is resumed into at world 4
+RESUME = {"pp2": (1, 2, 2, 3), "tp2": (2, 2, 1, 1)}
+
+
 @pytest.fixture(scope="module")
-def world4():
-    return launch_local(_worker, 4, WORLD4, None)
+def world4(world2):
+    resume = {name: (world2[0][name]["checkpoint"], layout) for name, layout in RESUME.items()}
+    return launch_local(_worker, 4, WORLD4, None, resume)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -268,3 +291,17 @@ def test_adapter_exported_from_a_pp_or_tp_run_loads_in_peft_with_the_reference_l
         base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()(ids).logits
     assert (theirs - ours).abs().max().item() < 1e-4
     assert (base - ours).abs().max().item() > 1e-3  # the adapters are not a no-op
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_pp_and_tp_lora_checkpoints_resume_in_another_layout_and_stage(world2, world4, name):
+    """pp=2 (ZeRO-0) adapters into tp=2 x dp=2 at ZeRO-3, tp=2 (ZeRO-0) ones into pp=2 x dp=2 at ZeRO-1:
+    every rank gets exactly the adapters (and head) the run saved, at full shape."""
+    saved = {n: t for run in world2 for n, t in run[name]["end"].items() if n in run[name]["trainable"]}
+    for rank, run in enumerate(world4):
+        got = run["resumed"][name]
+        assert got["step"] == STEPS
+        assert got["params"] and set(got["params"]) <= set(saved)
+        for n, t in got["params"].items():
+            assert torch.equal(t, saved[n]), (name, rank, n)
+    assert set().union(*(run["resumed"][name]["params"] for run in world4)) == set(saved)
