@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from app_harness import FIXTURES, ROOT
+from app_harness import FIXTURES
 
 from deepshard.finetune.ds_config import main, merge_argv, translate
 from deepshard.finetune.runtime import fp16_fallback, resolve_batch
@@ -65,13 +65,12 @@ def test_unsupported_keys_in_one_warning_strict_errors_and_command_line_wins(tmp
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
                                 "fp16": {"enabled": True}, "prescale_gradients": True, "amp": {"enabled": True},
                                 "steps_per_print": 5}))
-    argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "+zero=stage3", "train.log_every=7"],
-                         conf_dir=ROOT / "conf")
+    argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "+zero=stage3", "train.log_every=7"])
     assert argv == ["main.py", "precision=fp16", "zero.reduce_bucket_size=1000", "+zero=stage3", "train.log_every=7"]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: deepspeed={path}: not supported, ignored: prescale_gradients, amp"]
     with pytest.raises(ValueError, match=r"not supported, ignored: prescale_gradients, amp \(deepspeed\.strict"):
-        merge_argv(["main.py", f"+deepspeed={path}", "deepspeed.strict=true"], conf_dir=ROOT / "conf")
+        merge_argv(["main.py", f"+deepspeed={path}", "deepspeed.strict=true"])
     assert merge_argv(["main.py", "x=1"])[0] == ["main.py", "x=1"]
 
 

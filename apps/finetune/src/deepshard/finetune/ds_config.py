@@ -285,11 +285,10 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def merge_argv(argv: list[str], *, conf_dir: Path | None = None) -> tuple[list[str], Translation | None]:
+def merge_argv(argv: list[str]) -> tuple[list[str], Translation | None]:
     """``argv`` with ``+deepspeed=FILE`` replaced by its overrides, ahead of the user's own.
 
-    A key or group the user sets is dropped from the translation (the user wins); offload overrides
-    are dropped, and named as unsupported, while ``conf/offload`` does not exist yet.
+    A key or group the user sets is dropped from the translation (the user wins).
     """
     rest, path, strict = [], None, False
     for arg in argv:
@@ -304,10 +303,6 @@ def merge_argv(argv: list[str], *, conf_dir: Path | None = None) -> tuple[list[s
         return argv, None
     tr = translate(load(path))
     user = {_key(a) for a in rest if "=" in a and not a.startswith("-")}
-    if conf_dir is not None and not (conf_dir / "offload").is_dir():
-        dropped = [o for o in tr.overrides if _key(o) == "offload" or _key(o).startswith("offload.")]
-        tr.overrides = [o for o in tr.overrides if o not in dropped]
-        tr.unsupported += [f"{o} (no offload config group in this build)" for o in dropped]
     tr.overrides = [o for o in tr.overrides if _key(o) not in user]
     if tr.unsupported:
         message = f"deepspeed={path}: not supported, ignored: {', '.join(tr.unsupported)}"
