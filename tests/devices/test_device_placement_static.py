@@ -29,6 +29,12 @@ FINETUNE = "apps/finetune/src/deepshard/finetune"
 ALLOWED = {
     f"{OFFLOAD}/pinned.py:*": "pinned host buffers: host memory is the point",
     f"{OFFLOAD}/nvme_store.py:NvmeStateStore.state_dict": "checkpoint copies of swapped-out state, in host memory",
+    f"{OFFLOAD}/infinity_store.py:InfinityStore.state_dict":
+        "placeholders for views of the memory-mapped swap files a checkpoint saves from (host by design)",
+    f"{OFFLOAD}/param_swap.py:ParamSwap.open":
+        "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
+    f"{OFFLOAD}/param_swap.py:ParamSwap.zero_grad":
+        "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
     "packages/core/src/deepshard/core/checkpoint_stream.py:load_full_tensor":
         "export consolidates one tensor at a time into a plain host tensor (no GPU needed)",
     "packages/core/src/deepshard/core/checkpoint_extra.py:set_rng_state":

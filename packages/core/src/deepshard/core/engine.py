@@ -22,7 +22,7 @@ from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
-from deepshard.core.zero import ZeroStage, apply_zero
+from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -124,7 +124,7 @@ def initialize(
     mesh: DeviceMesh | None = None,
     blocks: Sequence[nn.Module] | None = None,
     store_factory: StoreFactory = DeviceStateStore,
-    offload_params: bool = False,
+    offload_params: bool | ParamOffload = False,
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> Engine:
     """Apply activation checkpointing, precision and ZeRO to ``model`` (fp32, on its device).

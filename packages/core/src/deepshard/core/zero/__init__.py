@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
-from deepshard.core.zero.fsdp import FullyShardedStage, apply_fsdp
+from deepshard.core.zero.fsdp import FullyShardedStage, ParamOffload, apply_fsdp
 from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
@@ -23,7 +23,7 @@ from deepshard.core.zero.stages import (
     trainable,
 )
 
-__all__ = ["GradHandoff", "ZeroStage", "apply_fsdp", "apply_zero"]
+__all__ = ["GradHandoff", "ParamOffload", "ZeroStage", "apply_fsdp", "apply_zero"]
 
 
 def apply_zero(
@@ -33,7 +33,7 @@ def apply_zero(
     *,
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype = torch.float32,
-    offload_params: bool = False,
+    offload_params: bool | ParamOffload = False,
 ) -> ZeroStage:
     """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle,
     built from its parts (stages 1-2: a reducer and a gatherer; stage 2's reducer hands final
