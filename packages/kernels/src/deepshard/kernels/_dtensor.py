@@ -52,7 +52,7 @@ def check_placements(
 
 
 def same_mesh(kernel: str, *xs: Any) -> None:
-    meshes = {id(x.device_mesh) for x in xs if is_dtensor(x)}
+    meshes = {x.device_mesh for x in xs if is_dtensor(x)}  # DeviceMesh equality: same ranks and dims, not the same object
     if len(meshes) > 1:
         raise ValueError(f"kernels.{kernel}: DTensor arguments live on different device meshes")
 
