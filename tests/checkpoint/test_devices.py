@@ -60,7 +60,7 @@ def test_the_preemption_flag_is_reduced_on_the_compute_device(fake_world2):
 
 
 def _optimizer(stage: int, params, store_state):
-    return SimpleNamespace(stage=SimpleNamespace(stage=stage, names=[f"w{i}" for i in range(len(params))],
+    return SimpleNamespace(stage=SimpleNamespace(zero_stage=stage, names=[f"w{i}" for i in range(len(params))],
                                                  params=params),
                            store=SimpleNamespace(state_dict=lambda: store_state))
 
