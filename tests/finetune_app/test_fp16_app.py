@@ -27,7 +27,11 @@ def test_fp16_app_run_logs_scale_trajectory_and_skipped_steps(tmp_path):
     for i in skipped:  # each skip (hysteresis 1) halves the scale for the next step
         if i + 1 < len(scale):
             assert scale[i + 1] == scale[i] / 2, (i, scale)
-    assert applied[-8:].count(1.0) >= 6  # then it trains
+    grown = [i for i in range(1, len(scale)) if scale[i] > scale[i - 1]]
+    assert grown, f"after loss_scale_window=4 good steps the scale must grow: {scale}"
+    for i in grown:  # growth: doubled, and only after a window of 4 applied steps
+        assert scale[i] == 2 * scale[i - 1] and all(applied[i - 4:i]), (i, scale, applied)
+    assert applied.count(1.0) >= len(applied) // 2, (scale, applied)  # then it trains
     assert scale[0] == 2.0**20 and min(scale) < 2.0**20
     finite = [v for v, a in zip(loss, applied) if a]
     assert finite[-1] < finite[0]
