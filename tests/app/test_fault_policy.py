@@ -3,10 +3,12 @@ hang blames, which failure of a crashed job is its cause (the real processes: te
 
 from __future__ import annotations
 
+import json
 import signal
 from types import SimpleNamespace
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.heartbeat import Heartbeat, find_hang, read_beats
 from deepshard.core.launch import job_failed
@@ -101,3 +103,15 @@ def test_the_cause_of_a_crashed_job_is_the_killed_or_raising_rank_not_its_peers(
     assert (str(err), err.error_type, sorted(err.tracebacks)) == ("rank 1: ValueError: bad row 3", "ValueError", [0, 1])
     terminated = SimpleNamespace(failures={0: _failure(-signal.SIGTERM, timestamp=1), 1: _failure(1, "KeyError: 'x'", 2)})
     assert str(job_failed(terminated)) == "rank 1: KeyError: 'x'"
+
+
+def test_a_raising_rank_that_spawn_did_not_report_is_found_by_its_error_file(tmp_path):
+    """spawn reports only the first process to exit: the peer that lost its connection.  The rank
+    that raised left its error file (torchelastic's own layout) and is named as the cause."""
+    for rank, message in ((0, "RuntimeError: [gloo] Connection closed by peer"), (1, "ValueError: bad row 3")):
+        (tmp_path / "attempt_0" / str(rank)).mkdir(parents=True)
+        (tmp_path / "attempt_0" / str(rank) / "error.json").write_text(json.dumps(
+            {"message": {"message": message, "extraInfo": {"py_callstack": "Traceback", "timestamp": "5"}}}))
+    first = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "attempt_0/0/error.json"))
+    err = job_failed(SimpleNamespace(failures={0: first}))
+    assert (str(err), err.rank, err.error_type) == ("rank 1: ValueError: bad row 3", 1, "ValueError")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.heartbeat import Heartbeat
@@ -278,8 +279,12 @@ def train_worker(settings: Settings, run_dir: str) -> dict:
         run = start_run(settings, run_dir)
         elapsed = train_loop(run)
         return finish(run, elapsed)
-    except BaseException:
-        # tear the process group down before the error leaves the worker: left to interpreter exit,
+    except BaseException as e:
+        # record the cause first: tearing the group down makes the peers fail at once ("Connection
+        # closed by peer"), and the agent may SIGTERM this rank before its own error file is written
+        if isinstance(e, Exception):
+            ErrorHandler().record_exception(e)
+        # then tear the process group down before the error leaves the worker: left to interpreter exit,
         # gloo's threads can abort the process (SIGABRT), and a signal would then hide the real cause
         if dist.is_initialized():
             dist.destroy_process_group()

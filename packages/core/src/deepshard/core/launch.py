@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats
 from deepshard.core.mesh import free_port
 
@@ -57,14 +59,38 @@ def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
     return 2, "exit", "", f"rank {rank} exited with code {failure.exitcode}", trace
 
 
+def _with_peer_error_files(failures: dict[int, Any]) -> dict[int, Any]:
+    """``failures`` plus every other local rank that left an error file.
+
+    spawn's context reports only the first process to exit; the rank that raised the real cause
+    writes its error file first (``train_worker``) but may still be closing down, and be terminated,
+    when a peer that lost its connection exits: its file (``.../attempt_N/<local_rank>/error.json``)
+    still names the cause.  Local ranks are global ranks here: this launcher runs one node.
+    """
+    out = dict(failures)
+    for failure in failures.values():
+        error_file = getattr(failure, "error_file", None)
+        attempt = Path(error_file).parent.parent if error_file else None
+        if attempt is None or not attempt.is_dir():
+            continue
+        for rank_dir in attempt.iterdir():
+            error_file = rank_dir / "error.json"
+            if rank_dir.name.isdigit() and int(rank_dir.name) not in out and error_file.is_file():
+                out[int(rank_dir.name)] = ProcessFailure(local_rank=int(rank_dir.name), pid=-1, exitcode=1,
+                                                         error_file=str(error_file))
+    return out
+
+
 def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | None = None) -> JobFailed:
-    """The root cause among a ChildFailedError's failures (or the watchdog's hang, which caused them);
-    a rank that died by a signal is named with its last heartbeat's step and phase."""
-    described = {rank: _describe(rank, f) for rank, f in child_failed.failures.items()}
+    """The root cause among a ChildFailedError's failures and its peers' error files (or the
+    watchdog's hang, which caused them); a rank that died by a signal is named with its last
+    heartbeat's step and phase."""
+    failures = _with_peer_error_files(child_failed.failures)
+    described = {rank: _describe(rank, f) for rank, f in failures.items()}
     traces = {rank: d[4] for rank, d in described.items() if d[4]}
     if hang is not None:
         return JobFailed(str(hang), rank=hang.rank, kind="hang", tracebacks=traces, hang=hang)
-    rank = min(described, key=lambda r: (described[r][0], child_failed.failures[r].timestamp, r))
+    rank = min(described, key=lambda r: (described[r][0], failures[r].timestamp, r))
     _, kind, error_type, line, _ = described[rank]
     last = next((b for b in beats or [] if b["rank"] == rank), None)
     if kind == "signal" and last is not None and last["phase"] != "startup":
