@@ -129,14 +129,12 @@ def _loss(model, tokens):
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def build_ddp(model, _stage):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(model)
+def _torch_adamw_steps(wrapped, model):
+    """The torch baselines' step: ``wrapped`` (DDP or the FSDP2 root) forward, torch's fused AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
 
     def step(tokens):
-        loss = _loss(ddp, tokens)
+        loss = _loss(wrapped, tokens)
         loss.backward()
         BACKWARD_END[0] = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -144,6 +142,12 @@ def build_ddp(model, _stage):
         opt.zero_grad(set_to_none=True)
         return loss
     return step, None
+
+
+def build_ddp(model, _stage):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _torch_adamw_steps(DDP(model), model)
 
 
 def build_fsdp2(model, _stage):
@@ -152,17 +156,7 @@ def build_fsdp2(model, _stage):
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
-
-    def step(tokens):
-        loss = _loss(model, tokens)
-        loss.backward()
-        BACKWARD_END[0] = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step, None
+    return _torch_adamw_steps(model, model)
 
 
 def build_ours(model, stage, zero_kwargs):
