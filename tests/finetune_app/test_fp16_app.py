@@ -15,7 +15,8 @@ def test_fp16_app_run_logs_scale_trajectory_and_skipped_steps(tmp_path):
     proc = run_app(tmp_path, "data=jsonl", f"data.path={data}", "data.pack=false", "precision=fp16",
                    "precision.force_fp16_on_cpu=true", "precision.initial_scale_power=20",
                    "precision.loss_scale_window=4", "precision.hysteresis=1", "+zero=stage2",
-                   "train.max_steps=20", "train.micro_batch_size=2", "train.grad_accum=2", *TINY)
+                   "train.max_steps=20", "train.micro_batch_size=2", "train.grad_accum=2", "launcher.nproc_per_node=1",
+                   *TINY)  # one rank: skipping on every rank is tests/core/test_fp16_loss_scaling.py's
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "real fp16" in out and "fp16, " in out  # trained in fp16, not the fp32 fallback
