@@ -24,21 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "compat"))
 
-from ds_fixture_model import MICRO, SAVE_STEP, TOTAL_STEPS, ds_config, global_batch, param_groups, tiny_model  # noqa: E402
+from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps  # noqa: E402
 
 
 def _losses(engine, steps: range) -> list[float]:
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    out = []
-    for step in steps:
-        tokens = global_batch(step, MICRO * world)[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        out.append(mean.item() / world)
-    return out
+    """The fixture loop shared with the tests (this script runs at world 2, where its rows are MICRO)."""
+    return train_steps(engine, steps, torch.distributed.get_rank(), torch.distributed.get_world_size())
 
 
 def worker(stage: int, out_dir: str) -> dict:
