@@ -159,6 +159,17 @@ def build_fsdp2(model, _stage):
     return _torch_adamw_steps(model, model)
 
 
+def _engine_steps(engine):
+    """The step of an engine with DeepSpeed's API (``engine(...)``, ``backward``, ``step``): ours and DeepSpeed's."""
+    def step(tokens):
+        loss = _loss(engine, tokens)
+        engine.backward(loss)
+        BACKWARD_END[0] = time.perf_counter()
+        engine.step()
+        return loss
+    return step
+
+
 def build_ours(model, stage, zero_kwargs):
     from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, initialize
 
@@ -166,13 +177,7 @@ def build_ours(model, stage, zero_kwargs):
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, grad_clip=CLIP))
     engine = initialize(model, config, blocks=model.model.layers)
 
-    def step(tokens):
-        loss = _loss(engine, tokens)
-        engine.backward(loss)
-        BACKWARD_END[0] = time.perf_counter()
-        engine.step()
-        return loss
-    return step, lambda: {k: v.as_dict() for k, v in engine.memory().items()}
+    return _engine_steps(engine), lambda: {k: v.as_dict() for k, v in engine.memory().items()}
 
 
 def build_deepspeed(model, stage, zero_kwargs):
@@ -191,13 +196,7 @@ def build_deepspeed(model, stage, zero_kwargs):
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-    def step(tokens):
-        loss = _loss(engine, tokens)
-        engine.backward(loss)
-        BACKWARD_END[0] = time.perf_counter()
-        engine.step()
-        return loss
-    return step, None
+    return _engine_steps(engine), None
 
 
 def _builder(name: str, zero_kwargs: dict) -> Callable:
