@@ -51,7 +51,7 @@ def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshar
     return engine, swap
 
 
-def _steps(engine, steps, grad_accum: int = 1) -> list[float]:
+def _steps(engine, steps, grad_accum: int = 1, after_backward=None) -> list[float]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,6 +64,8 @@ def _steps(engine, steps, grad_accum: int = 1) -> list[float]:
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             total += loss.detach()
             engine.backward(loss)
+        if after_backward is not None:
+            after_backward(step)
         engine.step()
         dist.all_reduce(total)
         losses.append(total.item() / (world * grad_accum))
@@ -71,25 +73,15 @@ def _steps(engine, steps, grad_accum: int = 1) -> list[float]:
 
 
 def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
     engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init)
-    data = batches(STEPS, world, grad_accum)
-    losses, held = [], {}
-    for step in range(STEPS):
-        total = torch.zeros(())
-        for micro in range(grad_accum):
-            tokens = data[step, micro, rank]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            total += loss.detach()
-            engine.backward(loss)
+    held = {}
+
+    def record_held(step: int) -> None:
         if step == 0:  # after backward: what the stage holds in memory right now
-            held = {"grads": engine.stage.grad_bytes(), "params": engine.stage.param_bytes(),
-                    "all_params": sum(p.to_local().numel() * 4 for p in engine.stage.params)}
-        engine.step()
-        dist.all_reduce(total)
-        losses.append(total.item() / (world * grad_accum))
+            held.update(grads=engine.stage.grad_bytes(), params=engine.stage.param_bytes(),
+                        all_params=sum(p.to_local().numel() * 4 for p in engine.stage.params))
+
+    losses = _steps(engine, range(STEPS), grad_accum, after_backward=record_held)
     with swap.resident() if swap is not None else contextlib.nullcontext():
         full = {n.replace("_checkpoint_wrapped_module.", ""): p.data.full_tensor().clone()
                 for n, p in engine.model.named_parameters()}
