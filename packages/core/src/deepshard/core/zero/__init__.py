@@ -48,7 +48,7 @@ def apply_zero(
         apply_fsdp(model, blocks, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
                    prefetch=config.prefetch)
-        return FullyShardedStage(model)
+        return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None)
     if offload_params:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
     names, params = trainable(model)

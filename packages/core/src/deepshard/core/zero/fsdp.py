@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -24,9 +23,6 @@ class ParamOffload(Protocol):
     def grad_norms(self) -> list[torch.Tensor]: ...
     def zero_grad(self) -> None: ...
     def resident_bytes(self) -> int: ...
-
-
-_param_offloads: weakref.WeakKeyDictionary[nn.Module, ParamOffload] = weakref.WeakKeyDictionary()
 
 
 def apply_fsdp(
@@ -61,7 +57,6 @@ def apply_fsdp(
             block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - prefetch):i])))
     if isinstance(offload_params, ParamOffload):
         offload_params.attach(model, blocks)
-        _param_offloads[model] = offload_params
 
 
 class FullyShardedStage(ZeroStage):
@@ -69,10 +64,10 @@ class FullyShardedStage(ZeroStage):
 
     zero_stage = 3
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, param_offload: ParamOffload | None = None) -> None:
         self.model = model
         self.names, self.params = trainable(model)
-        self.param_offload = _param_offloads.get(model)
+        self.param_offload = param_offload
 
     def local_params(self) -> list[torch.Tensor]:
         return [local_tensor(p.data) for p in self.params]
