@@ -19,7 +19,6 @@ ZeRO-1/2 keep DeepSpeed's fresh scaler, ZeRO-3 gets a static one at the saved sc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import OrderedDict
@@ -29,8 +28,9 @@ from typing import Any
 import torch
 
 from deepshard.compat.deepspeed.ds_files import DsLossScaler, save_for_deepspeed
+from deepshard.core.checkpoint_extra import read_trainer
 from deepshard.core.checkpoint_manifest import latest_good, read_manifest
-from deepshard.core.checkpoint_stream import TensorInfo, load_full_tensor, tensor_infos
+from deepshard.core.checkpoint_stream import TensorInfo, iter_full_tensors, load_full_tensor, tensor_infos
 
 DS_VERSION = "0.19.8"
 PREFIXES = {"master": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
@@ -59,13 +59,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
         raise ValueError(f"--sub-group-size {sub_group_size}: must be >= 1 (DeepSpeed's stage3_sub_group_size)")
     path = _find(Path(ckpt))
     manifest = read_manifest(path)
-    trainer = json.loads((path / "trainer.json").read_text())
+    trainer = read_trainer(path)
     world = world or int(manifest["world"].get("dp_size") or manifest["world"]["world_size"] or 1)
     steps = int(trainer["num_updates"])
     counters = trainer["app"].get("counters", {}) if isinstance(trainer["app"], dict) else {}
     tag = tag or f"global_step{counters.get('global_steps', steps)}"
-    masters = [i for i in tensor_infos(path, "model.") if f"optim.exp_avg.{i.key[6:]}" in
-               {j.key for j in tensor_infos(path, "optim.exp_avg.")}]
+    moments = {j.key for j in tensor_infos(path, "optim.exp_avg.")}  # trainable params have moments
+    masters = [i for i in tensor_infos(path, "model.") if f"optim.exp_avg.{i.key[6:]}" in moments]
     grouped = groups(masters)
     out = Path(out_dir) / tag
     out.mkdir(parents=True, exist_ok=False)
@@ -75,7 +75,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
                      world=world, steps=steps, sub_group_size=sub_group_size)
         (Path(out_dir) / "latest").write_text(tag)
         return out
-    module = OrderedDict((i.key[6:], load_full_tensor(path, i)) for i in tensor_infos(path, "model."))
+    module = OrderedDict((i.key[6:], t) for i, t in iter_full_tensors(path, "model."))
     torch.save({"module": module, **model_states(shapes, steps, counters, world)}, out / "mp_rank_00_model_states.pt")
     del module
     align = 2 * world  # DeepSpeed pads each flat group to a multiple of 2 x dp size
