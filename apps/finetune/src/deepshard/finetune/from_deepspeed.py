@@ -198,6 +198,8 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     step = ds.adam_step
     final = Path(out_dir) / step_dir_name(step)
     tmp = Path(out_dir) / f"{final.name}.tmp-import"
+    if final.exists():  # before any work: an import that cannot be renamed into place is wasted
+        raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
     tmp.mkdir(parents=True, exist_ok=False)
     warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), thread_count=1), planner=_StreamingPlanner(build),
@@ -223,8 +225,6 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
         "num_params": len(ds.params), "meta": {"source": f"deepspeed {app['deepspeed']['version']} {tag_dir}"},
         "checksum": "crc32", "files": describe_files(tmp, list_files(tmp)),
     })
-    if final.exists():
-        raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
     tmp.rename(final)
     return final
 
