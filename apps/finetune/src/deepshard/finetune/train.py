@@ -207,7 +207,7 @@ def train_loop(run: Run) -> float:
 def log_step(run: Run, step: int, out: StepOutput, seconds: float) -> None:
     """TensorBoard scalars, the progress bar, and a line every ``train.log_every`` steps."""
     s, logger, stats = run.settings, run.logger, out.stats
-    tok_s = s.tokens_per_step(run.eval_args["dp_size"]) / seconds
+    tok_s = run.ckpt.tokens_per_step / seconds
     logger.scalars(step, run.prof.end_step(step, seconds))
     if out.memory is not None:  # every rank's model state and, on CUDA, device peaks (one all-gather)
         mem = memory_scalars(out.memory, world=run.world, device=local_device())
@@ -251,9 +251,8 @@ def finish(run: Run, elapsed: float) -> dict:
     run.logger.close()
     ran = len(losses)
     k = max(1, min(10, ran // 2))
-    tokens_per_step = s.tokens_per_step(run.eval_args["dp_size"])
     summary = {"steps": run.start_step + ran, "first_loss": sum(losses[:k]) / k, "final_loss": sum(losses[-k:]) / k,
-               "losses": losses, "seconds": elapsed, "tokens_per_s": tokens_per_step * ran / max(elapsed, 1e-9),
+               "losses": losses, "seconds": elapsed, "tokens_per_s": ckpt.tokens_per_step * ran / max(elapsed, 1e-9),
                "world_size": run.world, "zero_stage": s.engine.zero.stage, "run_dir": run.run_dir, **run.evals,
                "start_step": run.start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
                "skipped_steps": guard.skipped}
