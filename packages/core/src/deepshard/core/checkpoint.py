@@ -310,6 +310,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     loaded = {kind: [] for kind, _ in KINDS}
     stage = optimizer.stage
+    stage.gather_params()  # zero.overlap_allgather: a gather still in flight ends before the shards change
     for name in stage.names:
         for kind, prefix in KINDS:
             loaded[kind].append(local_tensor(state[prefix + clean_name(name)]))
