@@ -5,16 +5,29 @@ Public: the pipeline and the app call these rather than reaching into ZeRO's int
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["copy_global", "dtensor_replication", "like_param", "local_tensor"]
+__all__ = ["copy_global", "dtensor_replication", "like_param", "local_tensor", "storage_bytes"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a DTensor (tensor parallel), or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard), each once;
+    meta tensors hold none."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = local_tensor(t)
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def dtensor_replication(p: torch.Tensor) -> int:

@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch import nn
 
-from deepshard.core.dtensor_utils import local_tensor
+from deepshard.core.dtensor_utils import storage_bytes
 from deepshard.core.state_store import StateStore
 from deepshard.core.zero.stages import ZeroStage
 
@@ -77,23 +76,14 @@ def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelSta
     )
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = local_tensor(t)
-        if t.device.type != "meta":
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def module_buffer_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the modules' registered (non-parameter) buffers, each storage once."""
-    return _storage_bytes(b for m in modules for b in m.buffers())
+    return storage_bytes(b for m in modules for b in m.buffers())
 
 
 def frozen_param_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the parameters that do not train (a LoRA run's base weights), this rank's pieces."""
-    return _storage_bytes(p.data for m in modules for p in m.parameters() if not p.requires_grad)
+    return storage_bytes(p.data for m in modules for p in m.parameters() if not p.requires_grad)
 
 
 def measured_bytes(stage: ZeroStage, store: StateStore, modules: Iterable[nn.Module] = ()) -> ModelStateBytes:

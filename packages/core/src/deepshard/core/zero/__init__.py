@@ -61,11 +61,10 @@ def apply_zero(
     if config.stage == 0:
         return ReplicatedStage(names, params, reducer=reducer)
     locals_ = [local_tensor(p.data) for p in params]
-    if config.overlap_allgather:  # gathered unit by unit inside the next forward (see zero/gather.py)
-        order, units = forward_units(model, params, list(blocks))
-        gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size, order=order)
+    # overlap_allgather: gathered unit by unit inside the next forward (see zero/gather.py)
+    order, units = forward_units(model, params, list(blocks)) if config.overlap_allgather else (None, [])
+    gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size, order=order)
+    if config.overlap_allgather:
         gatherer.hook_forward(model, units)
-    else:
-        gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
     return cls(names, params, reducer=reducer, gatherer=gatherer, gather_in_forward=config.overlap_allgather)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
+from deepshard.core.dtensor_utils import dtensor_replication, local_tensor, storage_bytes
 from deepshard.core.zero.gather import ShardGatherer
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import local_shard
@@ -73,14 +73,7 @@ class ZeroStage(ABC):
         return {}
 
     def param_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        for p in self.params:
-            t = local_tensor(p.data)
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-        return total
+        return storage_bytes(p.data for p in self.params)
 
 
 def param_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
