@@ -40,3 +40,25 @@ def test_app_refuses_more_workers_than_gpus():
     with pytest.raises(ValueError, match=r"launcher.nproc_per_node=2 > 1 visible GPU\(s\)"):
         resolve_nproc("2", 1)
     assert resolve_nproc("2", 0) == 2 and resolve_nproc("auto", 4) == 4
+
+
+def _what_a_worker_sees() -> tuple[str | None, int, str]:
+    import torch
+
+    return os.environ.get("DEEPSHARD_TEST_MARK"), torch.get_num_threads(), os.getcwd()
+
+
+@pytest.mark.slow
+def test_each_launch_gives_its_workers_the_launchers_current_environment(tmp_path, monkeypatch):
+    """Workers fork from a server started at the first launch: a later launch's environment, thread
+    count and directory still reach its workers (as with spawn), not the first launch's."""
+    monkeypatch.setenv("DEEPSHARD_TEST_MARK", "first")
+    first = launch_local(_what_a_worker_sees, 1, threads_per_worker=1)
+    monkeypatch.setenv("DEEPSHARD_TEST_MARK", "second")
+    monkeypatch.chdir(tmp_path)
+    second = launch_local(_what_a_worker_sees, 2, threads_per_worker=2)
+    monkeypatch.delenv("DEEPSHARD_TEST_MARK")
+    third = launch_local(_what_a_worker_sees, 1, threads_per_worker=1)
+    assert first == [("first", 1, first[0][2])]
+    assert second == [("second", 2, str(tmp_path))] * 2
+    assert third == [(None, 1, str(tmp_path))]

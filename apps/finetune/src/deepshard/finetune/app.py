@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from deepshard.core.launch import JobFailed, launch_local
+from deepshard.core.launch import JobFailed, launch_local, start_worker_server
 from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.divergence import TrainingDiverged
@@ -72,8 +72,11 @@ def _failed(err: JobFailed, run_dir: str) -> RunFailed:
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
+    local_workers = not under_torchrun() and settings.world_size > 1
+    if local_workers:  # their imports, in the background, while the checks below read the inputs
+        start_worker_server(train_worker)
     check_inputs(settings)  # user data read through once, model=hf's files
-    if under_torchrun() or settings.world_size == 1:
+    if not local_workers:
         return _inline(settings, run_dir)
     check_data_fits(settings)  # tokenizer, documents, batch: fail here, not in every worker
     if settings.launcher.malloc_mmap_threshold:  # read by glibc at the workers' start

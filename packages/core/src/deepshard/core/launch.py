@@ -9,10 +9,13 @@ died with SIGKILL``, and with ``hang_s`` a watchdog over the workers' heartbeats
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +25,11 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats
 from deepshard.core.mesh import free_port
+
+_PEER_GRACE_S = 1.0
+
+# this process's environment when this module was imported: in a forkserver worker, the server's
+_ENV_AT_IMPORT = dict(os.environ)
 
 # what a rank sees when a peer it talks to is gone: a consequence, not a cause
 _COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Connection closed by peer",
@@ -62,7 +70,7 @@ def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
 def _with_peer_error_files(failures: dict[int, Any]) -> dict[int, Any]:
     """``failures`` plus every other local rank that left an error file.
 
-    spawn's context reports only the first process to exit; the rank that raised the real cause
+    the multiprocessing context reports only the first process to exit; the rank that raised the real cause
     writes its error file first (``train_worker``) but may still be closing down, and be terminated,
     when a peer that lost its connection exits: its file (``.../attempt_N/<local_rank>/error.json``)
     still names the cause.  Local ranks are global ranks here: this launcher runs one node.
@@ -100,7 +108,7 @@ def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | 
 
 @contextlib.contextmanager
 def _elastic_logs_to(log_file: str | None) -> Iterator[None]:
-    """torchelastic's and spawn's log lines (its tracebacks of failed workers) go to ``log_file``."""
+    """torchelastic's and multiprocessing's log lines (its tracebacks of failed workers) go to ``log_file``."""
     if log_file is None:
         yield
         return
@@ -155,6 +163,38 @@ def _quiet_resource_tracker() -> None:
         sys.warnoptions.remove(option)
 
 
+def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` with the launcher's environment as of this launch, under torchelastic's per-rank
+    variables.  forkserver's workers fork from a server that kept the environment of the process's
+    first launch (spawn would start each from the launcher's current one); multiprocessing already
+    gives them the launcher's current ``sys.path`` and directory."""
+    import torch
+
+    per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(per_rank)
+    if "OMP_NUM_THREADS" in os.environ:  # torch read the server's value when it was imported there
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        return fn(*args)
+    except Exception as err:
+        if any(s in str(err) for s in _COMM_ERRORS):  # a peer is gone: the launcher must see its end first,
+            time.sleep(_PEER_GRACE_S)  # the cause (a forked worker exits in ms; the launcher polls each 0.1 s)
+        raise
+
+
+def start_worker_server(fn: Callable[..., Any]) -> None:
+    """Start the forkserver that :func:`launch_local`'s workers fork from, importing torch (with
+    dynamo, which every optimizer step imports), deepshard and ``fn``'s module in the background:
+    a launcher that calls this before its own pre-launch checks overlaps the two.  Only the first
+    call in a process starts one; later calls change nothing."""
+    _quiet_resource_tracker()  # the server starts the tracker: before it, with the leak warning off
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor", __name__,
+                                            fn.__module__])
+    multiprocessing.forkserver.ensure_running()
+
+
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int | None = None,
                  run_id: str | None = None, heartbeat_dir: str | None = None, hang_s: float = 0.0,
                  log_file: str | None = None) -> list[Any]:
@@ -166,6 +206,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     with ``hang_s > 0`` a watchdog kills the job once a rank made no progress for that long.
     ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``.
     ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`.
+
+    Workers fork from multiprocessing's forkserver, which imports torch, deepshard and ``fn``'s
+    module once per launcher process (a spawned worker imports them again, ~5 s of CPU per rank
+    per launch); the server imports no CUDA state, so each worker still initializes its own.
     """
     import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -178,9 +222,9 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
+        monitor_interval=0.1, start_method="forkserver",
     )
-    _quiet_resource_tracker()
+    start_worker_server(fn)
     watchdog: Watchdog | None = None
     if heartbeat_dir is not None:
         beat_dir = Path(heartbeat_dir)
@@ -195,10 +239,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         logging.getLogger(__name__).warning(
             "launch_local: %d workers > %d visible GPU(s): the workers run on the CPU with gloo "
             "(nccl needs one GPU per rank)", nproc, torch.cuda.device_count())
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned workers see no GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workers see no GPU
     try:
         with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
-            results = elastic_launch(config, fn)(*args)
+            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), fn), fn)
+            results = elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
         beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
         raise job_failed(err, watchdog.hang if watchdog else None, beats) from err
