@@ -13,9 +13,8 @@ IGNORE = -100  # label of a token that is not learned (prompt tokens, padding)
 
 
 def embedded_docs(tokenizer, *, num_docs: int, seed: int, **_: object) -> Iterator[tuple[list[int], list[int]]]:
-    """The generated stories, every token learned."""
-    for text in generate(num_docs, seed=seed):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    """The generated stories, every token learned (tokenized as one batch: the fast tokenizer's quick path)."""
+    for ids in _encode(tokenizer, list(generate(num_docs, seed=seed))):
         yield ids, ids
 
 

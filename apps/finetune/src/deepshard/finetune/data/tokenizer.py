@@ -33,14 +33,16 @@ def train_embedded_tokenizer(out: Path, vocab_size: int = EMBEDDED_VOCAB) -> Non
 
 def load_tokenizer(path: str | None = None):
     """A local HF tokenizer directory (``model.path``), or the embedded one when ``path`` is None."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    if path is None:  # with the small chat template shipped beside it (data=chat); not AutoTokenizer here:
+        from transformers import PreTrainedTokenizerFast  # its import scans every model (~1 s)
 
-    if path is None:  # with the small chat template shipped beside it (data=chat)
         from deepshard.finetune.data.chat import embedded_chat_template
 
         return PreTrainedTokenizerFast(tokenizer_file=str(embedded_tokenizer_path()), pad_token="<|pad|>",
                                        bos_token="<|bos|>", eos_token="<|eos|>",
                                        chat_template=embedded_chat_template())
+    from transformers import AutoTokenizer
+
     if not Path(path).is_dir():
         raise ValueError(f"model.path={path!r}: not a directory holding a HF tokenizer")
     try:
