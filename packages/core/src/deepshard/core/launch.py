@@ -8,6 +8,7 @@ died with SIGKILL``, and with ``hang_s`` a watchdog over the workers' heartbeats
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -167,7 +168,8 @@ def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> A
     """Run ``fn`` with the launcher's environment as of this launch, under torchelastic's per-rank
     variables.  forkserver's workers fork from a server that kept the environment of the process's
     first launch (spawn would start each from the launcher's current one); multiprocessing already
-    gives them the launcher's current ``sys.path`` and directory."""
+    gives them the launcher's current ``sys.path`` and directory.  As a spawned worker would, it runs
+    its exit handlers when ``fn`` ends."""
     import torch
 
     per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
@@ -182,6 +184,8 @@ def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> A
         if any(s in str(err) for s in _COMM_ERRORS):  # a peer is gone: the launcher must see its end first,
             time.sleep(_PEER_GRACE_S)  # the cause (a forked worker exits in ms; the launcher polls each 0.1 s)
         raise
+    finally:  # a forked worker leaves by os._exit: its exit handlers (swap-file removal, ...) run here
+        atexit._run_exitfuncs()
 
 
 def start_worker_server(fn: Callable[..., Any]) -> None:
