@@ -3,7 +3,9 @@ the live tensor storages the engine added (walked with the garbage collector, ea
 within 2%, at ZeRO stages 0-3, world 2, fp32 and bf16, after an optimizer step; at stages 1-2 that is
 the ZeRO formula plus one bucket per collective kind.  In the same launch: bucket collectives launch
 while backward runs, and with ``zero.overlap_allgather`` the parameters every module computes with
-equal the plain path's, while buckets are still being gathered during the forward."""
+equal the plain path's, while buckets are still being gathered during the forward; and a checkpoint
+loaded right after such a step (its gather still in flight, no forward between) restores exactly the
+saved parameters and trains on exactly as a run without overlap."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _storages() -> dict[int, int]:
     return out
 
 
-def _worker():
+def _worker(root):
     from deepshard.core import init_distributed, initialize
     from deepshard.core.mesh import local_device
 
@@ -56,7 +58,54 @@ def _worker():
     out["overlap"] = {stage: _buckets_launched_before_backward_ends(stage) for stage in (1, 2)}
     out["gather_in_forward"] = {stage: (_params_at_every_use(stage, False), _params_at_every_use(stage, True))
                                 for stage in (1, 2)}
+    out["load_after_overlapped_step"] = {
+        (stage, with_model): _load_after_overlapped_step(stage, with_model, f"{root}/stage{stage}-{with_model}")
+        for stage in (1, 2) for with_model in (True, False)}
     return out
+
+
+def _load_after_overlapped_step(stage: int, with_model: bool, root: str):
+    """Overlapped run: 2 steps, save, a third step on another batch (its all-gather is left in flight),
+    load the save at once (no forward between), 3 more steps.  Plain run: the same 2 + 3 steps.
+    Returns (saved params, params right after the load, losses after the load, the plain run's last 3
+    losses, both runs' final params, buckets still in flight when the load began).  ``with_model``:
+    the load is given the model (its ``state_dict()`` finishes the gather) or not (only the optimizer)."""
+    import torch.distributed as dist
+
+    from deepshard.core import initialize
+    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+    from deepshard.core.mesh import local_device
+
+    g = torch.Generator().manual_seed(11 + dist.get_rank())
+    data = [torch.randint(0, MICRO.vocab_size, (2, 17), generator=g).to(local_device()) for _ in range(6)]
+
+    def train(engine, batches):
+        losses = []
+        for tokens in batches:
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    def params(engine):
+        engine.gather_params()
+        return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    plain = initialize(build_model().to(local_device()), engine_config(stage, bucket=3000))
+    plain_losses = train(plain, data[:5])[2:]
+    lazy = initialize(build_model().to(local_device()), engine_config(stage, bucket=3000, overlap_allgather=True))
+    train(lazy, data[:2])
+    dp = lazy.mesh["dp"]
+    path = save_checkpoint(root, 2, lazy.optimizer, dp, model=lazy.model)
+    saved = params(lazy)
+    train(lazy, data[5:6])  # a step that the load must undo; its gather is still running
+    gatherer = lazy.stage.gatherer
+    in_flight = len(gatherer.buckets) - gatherer._next + (gatherer._inflight is not None)
+    load_checkpoint(path, lazy.optimizer, dp, model=lazy.model if with_model else None)
+    restored = params(lazy)
+    lazy_losses = train(lazy, data[2:5])
+    return saved, restored, lazy_losses, plain_losses, params(lazy), params(plain), in_flight
 
 
 def _params_at_every_use(stage: int, overlap_allgather: bool):
@@ -107,8 +156,8 @@ def _buckets_launched_before_backward_ends(stage: int) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, 2)
+def runs(tmp_path_factory):
+    return launch_local(_worker, 2, str(tmp_path_factory.mktemp("ckpt")))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -149,3 +198,18 @@ def test_params_gathered_in_forward_equal_the_plain_path_at_every_use(runs, stag
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"module use {i}: params differ from the plain path"
         assert lazy_final.keys() == plain_final.keys()
         assert all(torch.equal(lazy_final[k], plain_final[k]) for k in plain_final)
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_load_right_after_an_overlapped_step_restores_the_save_and_trains_on_as_the_plain_path(runs, stage,
+                                                                                              with_model):
+    for rank in (0, 1):
+        saved, restored, lazy_losses, plain_losses, lazy_final, plain_final, in_flight = \
+            runs[rank]["load_after_overlapped_step"][(stage, with_model)]
+        assert in_flight > 1, f"stage {stage}: only {in_flight} buckets were in flight when the load began"
+        assert restored.keys() == saved.keys()
+        for name in saved:
+            assert torch.equal(restored[name], saved[name]), f"{name}: the load did not restore the saved values"
+        assert lazy_losses == plain_losses
+        assert all(torch.equal(lazy_final[n], plain_final[n]) for n in plain_final)

@@ -86,7 +86,9 @@ class ShardGatherer:
             self._inflight = None
             work.wait()
             idx, layout = self.buckets[k]
-            layout.unpack_full(buf, [self.params[i] for i in idx])
+            # this rank's own chunks are the params' own slices, already current (and written by a
+            # checkpoint load that came before this gather finished: its stale copy must not land)
+            layout.unpack_full(buf, [self.params[i] for i in idx], skip_rank=self.rank)
             self._launch_next()
 
     def finish(self) -> None:

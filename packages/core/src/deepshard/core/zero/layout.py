@@ -80,13 +80,14 @@ class BucketLayout:
         """Views into a ``segment``-sized buffer shaped like this rank's chunks."""
         return [buf[s.offset:s.offset + c.numel()].view(c.shape) for s, c in zip(self.slots, chunks)]
 
-    def unpack_full(self, buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Inverse of :meth:`pack_full`: write every rank's chunk back into the full tensors."""
+    def unpack_full(self, buf: torch.Tensor, tensors: list[torch.Tensor], *, skip_rank: int | None = None) -> None:
+        """Inverse of :meth:`pack_full`: write every rank's chunk (but ``skip_rank``'s) back into the full tensors."""
         seg = buf.view(self.world, self.segment)
         for slot, t in zip(self.slots, tensors):
             flat = t.view(-1)
             for r, lo, n in self._chunks(t):
-                flat[lo:lo + n].copy_(seg[r, slot.offset:slot.offset + n])
+                if r != skip_rank:
+                    flat[lo:lo + n].copy_(seg[r, slot.offset:slot.offset + n])
 
 
 def group_into_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_size: int) -> list[list[int]]:
