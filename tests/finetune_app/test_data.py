@@ -138,3 +138,9 @@ def test_jsonl_reads_text_and_prompt_records(tmp_path):
     path = tmp_path / "mix.jsonl"
     path.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"prompt": "q", "response": "r"}) + "\n")
     assert list(jsonl_records(str(path))) == [{"text": "a"}, {"prompt": "q", "response": "r"}]
+
+
+def test_the_worker_servers_preload_names_the_embedded_tokenizers_module():
+    from deepshard.finetune.data.tokenizer import TOKENIZER_MODULE
+
+    assert type(load_tokenizer()).__module__ == TOKENIZER_MODULE  # else the preload imports nothing useful

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,14 +188,15 @@ def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> A
         atexit._run_exitfuncs()
 
 
-def start_worker_server(fn: Callable[..., Any]) -> None:
+def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) -> None:
     """Start the forkserver that :func:`launch_local`'s workers fork from, importing torch (with
-    dynamo, which every optimizer step imports), deepshard and ``fn``'s module in the background:
-    a launcher that calls this before its own pre-launch checks overlaps the two.  Only the first
-    call in a process starts one; later calls change nothing."""
+    dynamo, which every optimizer step imports), deepshard, ``fn``'s module and ``preload`` (what
+    the workers import later) in the background: a launcher that calls this before its own
+    pre-launch checks overlaps the two.  Only the first call in a process starts one; later calls
+    change nothing."""
     _quiet_resource_tracker()  # the server starts the tracker: before it, with the leak warning off
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor", __name__,
-                                            fn.__module__])
+                                            fn.__module__, *preload])
     multiprocessing.forkserver.ensure_running()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 EMBEDDED_VOCAB = 2048
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # PreTrainedTokenizerFast's (~1 s to import)
 
 
 def embedded_tokenizer_path() -> Path:
