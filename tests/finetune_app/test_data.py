@@ -140,7 +140,14 @@ def test_jsonl_reads_text_and_prompt_records(tmp_path):
     assert list(jsonl_records(str(path))) == [{"text": "a"}, {"prompt": "q", "response": "r"}]
 
 
-def test_the_worker_servers_preload_names_the_embedded_tokenizers_module():
-    from deepshard.finetune.data.tokenizer import TOKENIZER_MODULE
+def test_the_worker_servers_preload_names_the_tokenizers_modules():
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from deepshard.finetune.data.tokenizer import AUTO_TOKENIZER_MODULE, TOKENIZER_MODULE, tokenizer_modules
 
     assert type(load_tokenizer()).__module__ == TOKENIZER_MODULE  # else the preload imports nothing useful
+    assert AutoTokenizer.__module__ == AUTO_TOKENIZER_MODULE and AUTO_TOKENIZER_MODULE in sys.modules
+    assert tokenizer_modules(None) == [TOKENIZER_MODULE]
+    assert tokenizer_modules("/some/hf/dir") == [TOKENIZER_MODULE, AUTO_TOKENIZER_MODULE]

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from deepshard.core.launch import JobFailed, launch_local, start_worker_server
 from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
-from deepshard.finetune.data.tokenizer import TOKENIZER_MODULE
+from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.divergence import TrainingDiverged
 from deepshard.finetune.runtime import check_data_fits, check_inputs, under_torchrun
 from deepshard.finetune.train import train_worker
@@ -75,7 +75,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
     local_workers = not under_torchrun() and settings.world_size > 1
     if local_workers:  # their imports, in the background, while the checks below read the inputs
-        start_worker_server(train_worker, preload=[TOKENIZER_MODULE])
+        start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
     check_inputs(settings)  # user data read through once, model=hf's files
     if not local_workers:
         return _inline(settings, run_dir)

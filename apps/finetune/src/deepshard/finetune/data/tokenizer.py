@@ -11,6 +11,12 @@ from pathlib import Path
 EMBEDDED_VOCAB = 2048
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # PreTrainedTokenizerFast's (~1 s to import)
+AUTO_TOKENIZER_MODULE = "transformers.models.auto.tokenization_auto"  # AutoTokenizer's: it scans every model
+
+
+def tokenizer_modules(path: str | None) -> list[str]:
+    """What :func:`load_tokenizer` imports for ``path``: a launcher's workers can have it preloaded."""
+    return [TOKENIZER_MODULE] if path is None else [TOKENIZER_MODULE, AUTO_TOKENIZER_MODULE]
 
 
 def embedded_tokenizer_path() -> Path:
