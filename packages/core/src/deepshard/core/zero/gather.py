@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepshard.core.zero.collectives import Works, all_gather_in_place
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
 
 __all__ = ["ShardGatherer"]
@@ -50,7 +51,7 @@ class ShardGatherer:
                         for g in groups]
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._next = len(self.buckets)  # the next bucket to launch
-        self._inflight: tuple[int, dist.Work, torch.Tensor] | None = None
+        self._inflight: tuple[int, Works, torch.Tensor] | None = None
         self.num_waits_in_forward = 0  # buckets completed by a forward pre-hook (overlap, observable)
 
     def _buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -71,7 +72,7 @@ class ShardGatherer:
         buf = self._buffer(first.dtype, first.device)[:self.world * seg]
         send = buf[self.rank * seg:(self.rank + 1) * seg]
         layout.pack_local([local_shard(self.params[i], self.world, self.rank) for i in idx], send)
-        self._inflight = (k, dist.all_gather_single(buf, send, group=self.group, async_op=True), buf)
+        self._inflight = (k, all_gather_in_place(buf, self.rank, self.world, self.group), buf)
 
     def start(self) -> None:
         """Launch bucket 0 of a new gather (after the step: the local shards are updated)."""

@@ -63,18 +63,29 @@ class BucketLayout:
 
     def pack_full(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``world * segment`` elements) with every rank's chunk of each full tensor."""
-        out.zero_()
         seg = out.view(self.world, self.segment)
         for slot, t in zip(self.slots, tensors):
             flat = t.reshape(-1)
             for r, lo, n in self._chunks(t):
                 seg[r, slot.offset:slot.offset + n].copy_(flat[lo:lo + n])
+                if n < slot.padded:  # only the padding is zeroed: a whole-buffer zero_() cost a full pass
+                    seg[r, slot.offset + n:slot.offset + slot.padded].zero_()
+
+    def pack_rank(self, tensors: list[torch.Tensor], out: torch.Tensor, rank: int) -> None:
+        """Fill ``out`` (``segment`` elements) with ``rank``'s chunk of each full tensor."""
+        for slot, t in zip(self.slots, tensors):
+            flat = t.reshape(-1)
+            _, lo, n = next(c for c in self._chunks(t) if c[0] == rank)
+            out[slot.offset:slot.offset + n].copy_(flat[lo:lo + n])
+            if n < slot.padded:
+                out[slot.offset + n:slot.offset + slot.padded].zero_()
 
     def pack_local(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``segment`` elements) with this rank's chunks."""
-        out.zero_()
         for slot, c in zip(self.slots, chunks):
             out[slot.offset:slot.offset + c.numel()].copy_(c.reshape(-1))
+            if c.numel() < slot.padded:
+                out[slot.offset + c.numel():slot.offset + slot.padded].zero_()
 
     def local_views(self, buf: torch.Tensor, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views into a ``segment``-sized buffer shaped like this rank's chunks."""

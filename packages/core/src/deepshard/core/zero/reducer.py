@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepshard.core.dtensor_utils import like_param, local_tensor
+from deepshard.core.zero.collectives import exchange_with_peer, pairwise_reduce_scatter
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
 
@@ -195,6 +196,8 @@ class ReduceScatterReducer(_HookedReducer):
         self.handoff = handoff
         self.final = True
         self.num_buffers = num_buffers
+        # gloo at world 2: one send/recv exchange, 3x faster than its reduce_scatter (zero/collectives.py)
+        self.pairwise = pairwise_reduce_scatter(group)
         self._free: list[torch.Tensor] = []
         self._in_use: dict[int, torch.Tensor] = {}
 
@@ -229,25 +232,39 @@ class ReduceScatterReducer(_HookedReducer):
         grads = [self._grad_or_zeros(i) for i in idx]
         flat_all = self._buffer(self.reduce_dtype, grads[0].device)
         flat = flat_all[:self.world * seg]
-        self.layouts[b].pack_full(grads, flat)
+        if self.pairwise:  # send the peer its chunks, fold our own in now, receive the peer's for ours
+            send, out = flat[:seg], flat[seg:]
+            self.layouts[b].pack_rank(grads, send, 1 - self.rank)
+            for i, g in zip(idx, grads):
+                if g.dim() or self.rank == 0:  # a 0-d tensor is rank 0's chunk (shard_rows of one row)
+                    self._fold(i, local_shard(g, self.world, self.rank))
+            work = exchange_with_peer(send, out, self.group)
+            if not self.overlap:
+                work.wait()
+        else:
+            self.layouts[b].pack_full(grads, flat)
+            out = flat[self.rank * seg:(self.rank + 1) * seg]  # in place: this rank's segment
+            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=self.overlap)
         for i in idx:  # the full gradient is gone as soon as it is packed
             self.params[i].grad = None
         self._in_use[b] = flat_all
-        out = flat[self.rank * seg:(self.rank + 1) * seg]  # in place: this rank's segment
-        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=self.overlap)
         self._pending.append((b, out, work if self.overlap else None))
 
     def _complete(self, b: int, buf: torch.Tensor) -> None:
         idx = self.buckets[b]
         chunks = [local_shard(local_tensor(self.params[i].data), self.world, self.rank) for i in idx]
         for i, view in zip(idx, self.layouts[b].local_views(buf, chunks)):
-            if self.shard_grads[i] is None:  # the fp32 accumulator of this shard
-                self.shard_grads[i] = view.to(torch.float32, copy=True).div_(self.world)
-            else:
-                self.shard_grads[i].add_(view, alpha=1.0 / self.world)
+            self._fold(i, view)
             if self.final and self.handoff is not None:
                 self.handoff(i, self.shard_grads[i])
         self._free.append(self._in_use.pop(b))
+
+    def _fold(self, i: int, grad: torch.Tensor) -> None:
+        """Add ``grad / world`` (a sum over ranks, or one rank's part of it) into shard ``i``'s fp32 accumulator."""
+        if self.shard_grads[i] is None:
+            self.shard_grads[i] = grad.to(torch.float32, copy=True).div_(self.world)
+        else:
+            self.shard_grads[i].add_(grad, alpha=1.0 / self.world)
 
     def pool_bytes(self) -> int:
         """Bytes of the reusable packing buffers (reduced in place)."""
