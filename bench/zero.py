@@ -10,6 +10,7 @@ run, and the JSON adds our/DeepSpeed ratios.
 
 ``--hf``: HF ``LlamaForCausalLM`` through the public API beside DDP, raw FSDP2 and DeepSpeed, world 2,
 fp32, every engine in one launch, interleaved rounds (see bench/zero_hf.py); prints JSON and the table.
+``ours2cpu``/``ds2cpu``: stage 2 with the optimizer state and step in host memory (ZeRO-Offload).
 
 On CUDA each rank needs its own GPU (nccl): choose worlds up to the GPU count (``--worlds 1`` on one).
 """
@@ -184,7 +185,8 @@ def hf_main(args: argparse.Namespace) -> None:
     import zero_hf
 
     have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
-    names = args.engines or ["ddp", "fsdp2", "ours1", "ours2", "ours3"] + (["ds1", "ds2", "ds3"] if have_ds else [])
+    names = args.engines or ["ddp", "fsdp2", "ours1", "ours2", "ours3", "ours2cpu"] + \
+        (["ds1", "ds2", "ds3", "ds2cpu"] if have_ds else [])
     zero_kwargs = {k: json.loads(v.lower()) for k, v in (kv.split("=", 1) for kv in args.zero)}
     steps = 10 if args.steps == 6 else args.steps
     dim, layers = (384, 6) if (args.dim, args.layers) == (512, 8) else (args.dim, args.layers)  # ~17M params

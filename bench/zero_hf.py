@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 SEQ, MBS = 128, 1
 LR, BETAS, EPS, CLIP = 1e-4, (0.9, 0.95), 1e-8, 1.0
-STAGE_OF = {"ddp": 0, "fsdp2": 3, "ours1": 1, "ours2": 2, "ours3": 3, "ds1": 1, "ds2": 2, "ds3": 3}
+STAGE_OF = {"ddp": 0, "fsdp2": 3, "ours1": 1, "ours2": 2, "ours3": 3, "ds1": 1, "ds2": 2, "ds3": 3,
+            "ours2cpu": 2, "ds2cpu": 2}  # *cpu: optimizer state and step on the host (ZeRO-Offload)
 
 
 def parse_engine(name: str) -> tuple[str, int, dict]:
@@ -170,17 +171,25 @@ def _engine_steps(engine):
     return step
 
 
-def build_ours(model, stage, zero_kwargs):
-    from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, initialize
+def build_ours(model, stage, zero_kwargs, offload: bool = False):
+    """``offload``: the optimizer state and its step in host memory (``offload.device=cpu``'s store)."""
+    from deepshard.core import DeviceStateStore, EngineConfig, OptimConfig, ZeroConfig, initialize
 
     config = EngineConfig(zero=ZeroConfig(stage=stage, **zero_kwargs),
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, grad_clip=CLIP))
-    engine = initialize(model, config, blocks=model.model.layers)
+    store_factory = DeviceStateStore
+    if offload:
+        from deepshard.offload import OffloadConfig, make_store_factory
+
+        store_factory = make_store_factory(OffloadConfig(device="cpu"), dist.get_rank(), "bench")
+    engine = initialize(model, config, blocks=model.model.layers, store_factory=store_factory)
 
     return _engine_steps(engine), lambda: {k: v.as_dict() for k, v in engine.memory().items()}
 
 
-def build_deepspeed(model, stage, zero_kwargs):
+def build_deepspeed(model, stage, zero_kwargs, offload: bool = False):
+    """``offload``: ``offload_optimizer: cpu``, stepped by DeepSpeed's C++ CPU Adam (its ZeRO-Offload);
+    otherwise torch's AdamW."""
     import deepspeed
 
     from deepshard.core import ZeroConfig
@@ -188,10 +197,12 @@ def build_deepspeed(model, stage, zero_kwargs):
     ours = ZeroConfig(**zero_kwargs)  # DeepSpeed gets the bucket sizes ours runs with
     zero = {"stage": stage, "overlap_comm": True, "reduce_bucket_size": ours.reduce_bucket_size,
             "allgather_bucket_size": ours.allgather_bucket_size}
+    if offload:  # pinning needs an accelerator
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     ds_config = {
         "train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0,
-                                                  "torch_adam": True}},
+                                                  "torch_adam": not offload}},
         "zero_optimization": zero, "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -206,9 +217,10 @@ def _builder(name: str, zero_kwargs: dict) -> Callable:
         return build_ddp
     if base == "fsdp2":
         return build_fsdp2
+    offload = base.endswith("cpu")
     if base.startswith("ours"):
-        return lambda m, s: build_ours(m, s, zero_kwargs)
-    return lambda m, s: build_deepspeed(m, s, zero_kwargs)
+        return lambda m, s: build_ours(m, s, zero_kwargs, offload)
+    return lambda m, s: build_deepspeed(m, s, zero_kwargs, offload)
 
 
 def run_engine(name: str, cfg, steps: int, warmup: int, zero_kwargs: dict) -> dict:
@@ -305,7 +317,7 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
         if "fsdp2" in rows:
             row["x_fsdp2"] = round(row["step_s"] / rows["fsdp2"]["step_s"], 3)
         base, stage, _ = parse_engine(name)
-        ds = f"ds{stage}"
+        ds = base.replace("ours", "ds")
         if base.startswith("ours") and ds in rows:
             row["x_deepspeed"] = round(row["step_s"] / rows[ds]["step_s"], 3)
             row["rss_x_deepspeed"] = round(row["peak_rss_growth_mib"] / rows[ds]["peak_rss_growth_mib"], 3)
@@ -316,7 +328,8 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
 
 def table(rows: dict) -> str:
     """The closing note's markdown table."""
-    cols = [n for n in ("ddp", "fsdp2", "ds1", "ds2", "ds3") if n in rows] + [n for n in rows if n.startswith("ours")]
+    cols = [n for n in ("ddp", "fsdp2", "ds1", "ds2", "ds3", "ds2cpu") if n in rows] + \
+        [n for n in rows if n.startswith("ours")]
     lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, key in (("step s", "step_s"), ("x DDP", "x_ddp"), ("x FSDP2", "x_fsdp2"),
                        ("x DeepSpeed (same stage)", "x_deepspeed"),
