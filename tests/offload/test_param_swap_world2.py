@@ -130,10 +130,11 @@ def test_param_swap_matches_no_offload(runs, case):
     for rank in (0, 1):
         base_losses, base_params, _, _ = runs[rank][(case, False)]
         losses, params, held, stats = runs[rank][(case, True)]
-        assert losses == pytest.approx(base_losses, rel=1e-6)
+        # bit for bit (the issue asks 1e-6): the same arithmetic on the same shards, unit by unit
+        assert losses == base_losses
         assert base_params.keys() == params.keys()
         for name, ref in base_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=1e-6, atol=0)
+            torch.testing.assert_close(params[name], ref, rtol=0, atol=0)
         # after backward no gradient is held and only prefetched shards are resident
         assert held["grads"] == 0
         assert held["params"] < held["all_params"], held
