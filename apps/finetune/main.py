@@ -7,7 +7,10 @@ hung, or a diverged run (exit 1).
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
 from pathlib import Path
 
 import hydra
@@ -35,10 +38,30 @@ def main(cfg: DictConfig) -> None:
         sys.exit(err.code)
 
 
+def exit_without_teardown(code: int | str | None) -> None:
+    """Exit as the interpreter would, without its module teardown: with torch, dynamo and
+    transformers loaded that takes 1-2 s and does nothing a finished run needs.  What matters is
+    kept: other threads joined, exit handlers run (logging, swap-file removal), streams flushed."""
+    if isinstance(code, str):  # sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
-        sys.argv = merge_argv(sys.argv)[0]
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    main()
+    try:
+        try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
+            sys.argv = merge_argv(sys.argv)[0]
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        main()
+    except SystemExit as done:
+        exit_without_teardown(done.code)
+    exit_without_teardown(0)
