@@ -14,13 +14,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
 
-LIMIT = 352 * 2**20  # torch + gloo alone take ~200 MiB of it
+# torch + gloo alone take ~200 MiB of it; the forward also holds the deferred update's buffer_count
+# buffers of 16 bytes per element of the largest unit (infinity_store.DeferredStep)
+LIMIT = 384 * 2**20
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
 def test_model_states_twice_the_limit_train_in_it(tmp_path):
-    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(48, dim=256), "ac": "full",
+    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(52, dim=256), "ac": "full",
             "buffer_count": 2, "param_buffer_count": 3, "param_prefetch": 2}
     confined = run_worker({**spec, "offload": True}, limit_bytes=LIMIT)
     assert confined["ok"], confined.get("stderr_tail")

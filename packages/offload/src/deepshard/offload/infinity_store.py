@@ -1,14 +1,25 @@
 """The optimizer side of ZeRO-Infinity: AdamW unit by unit on the parameter swap's files.
 
 With ``offload.params=nvme`` the sharded fp32 params *are* the master weights and live in the
-param swap file (:mod:`.param_swap`), beside the gradient and both Adam moment files.  The step
-streams units through ``buffer_count`` buffers of 16 bytes per element (param, exp_avg,
-exp_avg_sq, grad): while unit u is updated, u+1 is read and u-1 written back, so each shard is
-read once and written once per step and no model-sized host tensor ever exists.  The gradients
-given to :meth:`step` are the swap's per-param norms (the real ones are in the grad file).
+param swap file (:mod:`.param_swap`), beside the gradient and both Adam moment files.  Units go
+through ``buffer_count`` buffers of 16 bytes per element (param, exp_avg, exp_avg_sq, grad),
+allocated once: each shard is read once and written once per step and no model-sized host tensor
+ever exists.  The gradients given to :meth:`step` are the swap's per-param norms (the real ones
+are in the grad file).
+
+The update is *deferred* (:class:`DeferredStep`): :meth:`InfinityStore.step` only records lr,
+step and gradient scale and starts reading the first units; each unit is then updated when it is
+next needed, at its unshard in the next forward, in forward order, while the read of the next
+``param_prefetch`` units and the write-back of the previous ones are in flight behind the
+forward's compute.  The updated params land straight in the unit's shards, so the forward reads
+no param file of its own.  The arithmetic is the same :func:`adamw_update` on the same unit, so
+the result is bit-identical to an eager step; anything that reads the files (a checkpoint save,
+:meth:`ParamSwap.resident`) first runs the updates still owed.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -32,11 +43,15 @@ class InfinityStore(StateStore):
         self.swap = swap
         swap.open(params)
         self.numel = sum(p.numel() for p in params)
+        self.buffers: list[_Buffer] = []  # while a step's updates are owed (see DeferredStep.idle)
+        self.deferred = DeferredStep(self)
+        swap.deferred = self.deferred
 
-    def _buffers(self) -> list[_Buffer]:
-        largest = max(u.numel for u in self.swap.units)
-        count = min(self.swap.config.buffer_count, len(self.swap.units))
-        return [_Buffer(largest, torch.cuda.is_available()) for _ in range(count)]
+    def ensure_buffers(self) -> None:
+        if not self.buffers:
+            largest = max(u.numel for u in self.swap.units)
+            count = min(self.swap.config.buffer_count, len(self.swap.units))
+            self.buffers = [_Buffer(largest, torch.cuda.is_available()) for _ in range(count)]
 
     def _io(self, unit: Unit, buf: _Buffer, keys: tuple[str, ...], *, write: bool) -> list[AioRequest]:
         engine = self.swap.engine
@@ -60,25 +75,29 @@ class InfinityStore(StateStore):
                 buf.f32["grad"][:unit.numel].zero_()  # no gradient reached this unit this step
             return self._io(unit, buf, keys, write=False)
 
-        stream_groups(len(units), self._buffers(), fn,
+        self.deferred.drain()  # every buffer free, no request in flight
+        self.ensure_buffers()
+        stream_groups(len(units), self.buffers, fn,
                       read_io=read_io if read_keys else None,
                       write_io=(lambda g, b: self._io(units[g], b, write_keys, write=True)) if write_keys else None,
                       overlap=self.swap.config.aio.overlap_events)
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
+        """Record the update; each unit's runs at its next use (:class:`DeferredStep`)."""
         swap = self.swap
         swap.finish_writes()
+        self.deferred.run_all()  # two steps with no forward between: the first one's updates first
         swap.release_all()  # resident copies would be stale after the update
+        self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
-        def update(g: int, buf: _Buffer) -> None:
-            slots = swap.units[g].slots
-            views = {k: [buf.f32[_REGION[k]][s.offset:s.offset + s.local_numel] for s in slots]
-                     for k in STATES + ("grad",)}
-            adamw_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
-                         [self.weight_decays[s.index] for s in slots], self.adamw, lr=lr, step=step,
-                         grad_scale=grad_scale)
-
-        self._stream(update, read_keys=STATES + ("grad",), write_keys=STATES)
+    def update(self, unit: Unit, buf: _Buffer, *, lr: float, step: int, grad_scale: float) -> None:
+        """AdamW on one unit whose param, moments and gradient are in ``buf``."""
+        slots = unit.slots
+        views = {k: [buf.f32[_REGION[k]][s.offset:s.offset + s.local_numel] for s in slots]
+                 for k in STATES + ("grad",)}
+        adamw_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
+                     [self.weight_decays[s.index] for s in slots], self.adamw, lr=lr, step=step,
+                     grad_scale=grad_scale)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -87,6 +106,7 @@ class InfinityStore(StateStore):
         checkpoint save streams them from the page cache and no copy of the state is made.  The
         views are for the save (or a load) at hand: the next step rewrites the files."""
         self.swap.finish_writes()
+        self.deferred.run_all()
         out: dict[str, list[torch.Tensor]] = {}
         for k in STATES:
             f = self.swap.files[k]
@@ -102,6 +122,7 @@ class InfinityStore(StateStore):
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
         """Masters become the params (written to the param file), moments to theirs (a load into
         :meth:`state_dict`'s views lands in private copies of the mapped pages, copied here)."""
+        self.deferred.drop()  # the loaded state replaces whatever update was still owed
         self.swap.release_all()
         flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in ("master", "exp_avg", "exp_avg_sq")}
 
@@ -128,10 +149,151 @@ class InfinityStore(StateStore):
         self.swap.reset_io_stats()
 
     def close(self) -> None:
-        self.swap.close()
+        self.swap.close()  # drains the deferred step's requests first
 
 
 def _offset(buf: _Buffer, key: str) -> int:
     """Byte offset of a region in the buffer's raw allocation."""
     return buf.f32[key].data_ptr() - buf.raw.data_ptr()
 
+
+class DeferredStep:
+    """The updates a step still owes, each run at the unit's next use (see the module docstring).
+
+    ``owed`` maps a unit's index to whether the step had a gradient for it (the grad file is
+    read only then); ``reads`` are read-aheads in flight into a buffer, ``writes`` the write-backs
+    of updated units (their buffer is free once they finish); ``holds`` the buffers that still hold
+    a unit's updated params (until reused): the backward right after the forward, which needs
+    the last units first, refills them from there instead of reading the param file again."""
+
+    def __init__(self, store: InfinityStore) -> None:
+        self.store = store
+        self.swap = store.swap
+        self.index = {id(u): i for i, u in enumerate(self.swap.units)}
+        self.owed: dict[int, bool] = {}
+        self.args: dict[str, float] = {}
+        self.reads: dict[int, tuple[_Buffer, list[AioRequest]]] = {}
+        self.writes: deque[tuple[_Buffer, list[AioRequest]]] = deque()
+        self.holds: dict[int, _Buffer] = {}
+        self.overlap = self.swap.config.aio.overlap_events  # False: no read ahead, writes waited for
+
+    def start(self, *, lr: float, step: int, grad_scale: float) -> None:
+        assert not self.owed and not self.reads
+        self.holds.clear()  # stale once the step's update is owed
+        self.store.ensure_buffers()
+        self.args = {"lr": lr, "step": step, "grad_scale": grad_scale}
+        self.owed = {i: u.grad_written for i, u in enumerate(self.swap.units)}
+        # the next forward's first units are read now, while the caller gets its next batch
+        for i in range(min(len(self.store.buffers), self.swap.config.param_prefetch + 1, len(self.owed))):
+            if not self.read_ahead(self.swap.units[i]):
+                break
+
+    def idle(self) -> None:
+        """Nothing owed (the forward has run every update; a backward is under way): the buffers go
+        back, so the backward's activations never meet them.  One allocation per step, not per unit."""
+        if not self.owed and self.store.buffers:
+            self.drain()
+            self.store.buffers = []
+
+    def owes(self, unit: Unit) -> bool:
+        return self.index[id(unit)] in self.owed
+
+    def reading(self, unit: Unit) -> bool:
+        return self.index[id(unit)] in self.reads
+
+    def held(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's current params (its file's bytes) if a buffer still holds them."""
+        buf = self.holds.get(self.index[id(unit)])
+        return None if buf is None else buf.f32["master"][:unit.numel]
+
+    def read_ahead(self, unit: Unit) -> bool:
+        i = self.index[id(unit)]
+        return i in self.reads or (self.overlap and self._issue(i, wait=False))
+
+    def _free(self, *, wait: bool) -> _Buffer | None:
+        buf = self._idle(wait=wait)
+        if buf is not None:
+            self.holds = {i: b for i, b in self.holds.items() if b is not buf}
+        return buf
+
+    def _idle(self, *, wait: bool) -> _Buffer | None:
+        busy = {id(b) for b, _ in self.writes} | {id(b) for b, _ in self.reads.values()}
+        idle = [b for b in self.store.buffers if id(b) not in busy]
+        held = {id(b) for b in self.holds.values()}
+        for b in idle:  # one holding no params first, then the params applied first
+            if id(b) not in held:
+                return b
+        for b in self.holds.values():
+            if id(b) not in busy:
+                return b
+        while self.writes and (wait or all(r.done() for r in self.writes[0][1])):
+            b, reqs = self.writes.popleft()
+            for r in reqs:
+                r.wait()
+            return b
+        if wait:  # every buffer holds a read ahead: give up the one needed last
+            i = max(self.reads)
+            b, reqs = self.reads.pop(i)
+            for r in reqs:
+                r.wait()
+            return b
+        return None
+
+    def _issue(self, i: int, *, wait: bool) -> bool:
+        buf = self._free(wait=wait)
+        if buf is None:
+            return False
+        unit = self.swap.units[i]
+        keys = STATES + (("grad",) if self.owed[i] else ())
+        if not self.owed[i]:
+            buf.f32["grad"][:unit.numel].zero_()  # no gradient reached this unit that step
+        self.reads[i] = (buf, self.store._io(unit, buf, keys, write=False))
+        return True
+
+    def apply(self, unit: Unit, *, land: bool) -> None:
+        """Update the unit (reading it first if no read ahead did), start its write-back, and with
+        ``land`` refill its shards with the updated params."""
+        i = self.index[id(unit)]
+        if i not in self.reads:
+            self._issue(i, wait=True)
+        buf, reqs = self.reads.pop(i)
+        for r in reqs:
+            r.wait()
+        self.store.update(unit, buf, **self.args)
+        del self.owed[i]
+        if land:
+            self.swap.fill(unit, buf.f32["master"][:unit.numel])
+        self.holds[i] = buf
+        self.writes.append((buf, self.store._io(unit, buf, STATES, write=True)))
+        if not self.overlap:
+            self.drain()
+
+    def run_all(self) -> None:
+        """Every owed update, now, without landing (before the files are read or a new step)."""
+        order = sorted(self.owed)
+        ahead = max(1, len(self.store.buffers) - 2)
+        for k, i in enumerate(order):
+            for j in order[k + 1:k + 1 + ahead]:
+                if not self.read_ahead(self.swap.units[j]):
+                    break
+            self.apply(self.swap.units[i], land=False)
+        self.drain()
+
+    def drop(self) -> None:
+        self.drain()
+        self.owed = {}
+
+    def drain(self) -> None:
+        """Wait for every request in flight (reads of owed units are simply issued again later)."""
+        pending = [r for _, reqs in list(self.writes) + list(self.reads.values()) for r in reqs]
+        self.writes.clear()
+        self.reads.clear()
+        self.holds.clear()  # the caller may overwrite the buffers now
+        error: OSError | None = None
+        for r in pending:  # all of them, even after an error: no request may outlive its buffer
+            try:
+                r.wait()
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error

@@ -15,7 +15,8 @@ the unit's gradient shards go to the gradient swap file, accumulated there acros
 and ``.grad`` is dropped, so no whole-model gradient is ever resident).  Each gradient's norm is
 taken when it is written, so the optimizer's global norm needs no gradient in memory
 (:meth:`ParamSwap.grad_norms`).  The optimizer step itself (:mod:`.infinity_store`) runs unit by
-unit on the same files: each shard is read once and written once per step.
+unit on the same files, each unit's update deferred to its unshard in the next forward (a
+:class:`Deferred`): each shard is read once and written once per step, behind the forward.
 
 File layout (one set per rank, all four files alike): unit ``u`` at byte ``unit.offset``; inside
 it each FSDPParam's padded flat shard at a multiple of 16 elements; fp32 throughout (stage 3's
@@ -30,7 +31,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -42,6 +43,19 @@ from .config import OffloadConfig, validate_param_swap
 from .param_init import fixed_mmap_threshold
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
+
+
+class Deferred(Protocol):
+    """The optimizer's update of each unit, deferred until the unit is next needed (the next
+    forward's unshard): :mod:`.infinity_store` implements it."""
+
+    def owes(self, unit: Unit) -> bool: ...
+    def reading(self, unit: Unit) -> bool: ...
+    def held(self, unit: Unit) -> torch.Tensor | None: ...
+    def read_ahead(self, unit: Unit) -> bool: ...
+    def apply(self, unit: Unit, *, land: bool) -> None: ...
+    def drain(self) -> None: ...
+    def idle(self) -> None: ...
 VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
 
 
@@ -110,7 +124,9 @@ class ParamSwap:
         self._writes: deque[tuple[torch.Tensor, list[AioRequest]]] = deque()
         self._norms: list[torch.Tensor] = []
         self._by_storage: dict[int, tuple[Unit, Slot]] = {}
-        self.reads = {"demand": 0, "prefetched": 0}  # unit refills: waited for at use / read ahead
+        # unit refills: waited for at use / read ahead / from the deferred update's buffers
+        self.reads = {"demand": 0, "prefetched": 0, "kept": 0}
+        self.deferred: Deferred | None = None  # the optimizer's update still owed to some units
 
     # -- wiring ---------------------------------------------------------------------------------
 
@@ -233,8 +249,11 @@ class ParamSwap:
             return b
         return None
 
+    def _held(self, unit: Unit) -> torch.Tensor | None:
+        return None if self.deferred is None else self.deferred.held(unit)
+
     def _read_ahead(self, unit: Unit, *, wait: bool) -> bool:
-        if unit.resident or unit.pending is not None:
+        if unit.resident or unit.pending is not None or self._held(unit) is not None:
             return True
         buf = self._free_buffer(wait=wait)
         if buf is None:
@@ -248,18 +267,34 @@ class ParamSwap:
         buf, reqs = unit.pending
         for r in reqs:
             r.wait()
-        f32 = buf[:unit.nbytes].view(torch.float32)
+        self.fill(unit, buf[:unit.nbytes].view(torch.float32))
+        unit.pending = None
+
+    def fill(self, unit: Unit, f32: torch.Tensor) -> None:
+        """Refill the unit's FSDPParams' shard storages from ``f32`` (the unit's flat layout)."""
         with torch.no_grad():
             for s in unit.slots:
                 data = s.data
                 data.untyped_storage().resize_(s.numel * 4)
                 with torch.autograd._unsafe_preserve_version_counter(data):
                     data.copy_(f32[s.offset:s.offset + s.numel])
-        unit.pending = None
         unit.resident = True
+
+    def _owed(self, unit: Unit) -> bool:
+        return self.deferred is not None and self.deferred.owes(unit)
 
     def _ensure(self, unit: Unit) -> None:
         if unit.resident:
+            return
+        if self._owed(unit):  # the last step's update of this unit runs now, and lands its params
+            assert self.deferred is not None
+            self.reads["prefetched" if self.deferred.reading(unit) else "demand"] += 1
+            self.deferred.apply(unit, land=True)
+            return
+        held = self._held(unit)
+        if held is not None and unit.pending is None:  # the update's buffer still has them
+            self.reads["kept"] += 1
+            self.fill(unit, held)
             return
         self.reads["prefetched" if unit.pending is not None else "demand"] += 1
         self._read_ahead(unit, wait=True)
@@ -290,7 +325,13 @@ class ParamSwap:
         order = self.units[::-1] if backward else self.units
         k = order.index(unit)
         for nxt in order[k + 1:k + 1 + self.config.param_prefetch]:
-            if nxt.group.is_sharded and not self._read_ahead(nxt, wait=False):
+            if not nxt.group.is_sharded:
+                continue
+            if self._owed(nxt):
+                assert self.deferred is not None
+                if not self.deferred.read_ahead(nxt):
+                    break
+            elif not self._read_ahead(nxt, wait=False):
                 break
 
     def _after_unshard(self, unit: Unit) -> None:
@@ -301,6 +342,9 @@ class ParamSwap:
         """This unit's reduced gradient shards -> the gradient file (accumulated), then dropped."""
         if self.engine is None:
             return
+        assert not self._owed(unit), f"{unit.name}: a gradient reached a unit whose last update is still owed"
+        if self.deferred is not None:
+            self.deferred.idle()
         grads = []
         for s in unit.slots:
             p = s.fsdp_param.sharded_param
@@ -393,10 +437,13 @@ class ParamSwap:
     def reset_io_stats(self) -> None:
         if self.engine is not None:
             self.engine.reset_stats()
-        self.reads = {"demand": 0, "prefetched": 0}
+        self.reads = {"demand": 0, "prefetched": 0, "kept": 0}
 
     def close(self) -> None:
         """Stop the I/O threads, close and delete the swap files (idempotent)."""
+        if self.deferred is not None:
+            with contextlib.suppress(OSError):
+                self.deferred.drain()
         if self.engine is not None:
             for unit in self.units:
                 if unit.pending is not None:
