@@ -151,3 +151,20 @@ def test_the_worker_servers_preload_names_the_tokenizers_modules():
     assert AutoTokenizer.__module__ == AUTO_TOKENIZER_MODULE and AUTO_TOKENIZER_MODULE in sys.modules
     assert tokenizer_modules(None) == [TOKENIZER_MODULE]
     assert tokenizer_modules("/some/hf/dir") == [TOKENIZER_MODULE, AUTO_TOKENIZER_MODULE]
+
+
+def test_datasets_reach_launched_workers_through_the_pipe_not_shared_memory():
+    """The launcher hands its tokenized datasets to the workers: pickled by multiprocessing's pickler
+    (which moves plain tensors into /dev/shm), they arrive equal and in private memory."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from deepshard.finetune.data.packing import PackedDataset, PaddedDataset
+
+    docs = [([5, 6, 7], [-100, 6, 7]), ([8, 9], [8, 9]), ([], []), ([4] * 11, [4] * 11)]
+    for ds in (PackedDataset(docs, 4, 2, with_doc_ids=True), PaddedDataset(docs, 6, 2, 0)):
+        copy = pickle.loads(ForkingPickler.dumps(ds))
+        assert len(copy) == len(ds) and copy.num_tokens == ds.num_tokens
+        for i in range(len(ds)):
+            for key, value in ds[i].items():
+                assert torch.equal(copy[i][key], value) and not copy[i][key].is_shared()

@@ -79,12 +79,12 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     check_inputs(settings)  # user data read through once, model=hf's files
     if not local_workers:
         return _inline(settings, run_dir)
-    check_data_fits(settings)  # tokenizer, documents, batch: fail here, not in every worker
+    datasets = check_data_fits(settings)  # tokenizer, documents, batch: fail here, not in every worker
     if settings.launcher.malloc_mmap_threshold:  # read by glibc at the workers' start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(settings.launcher.malloc_mmap_threshold)
     run_id = f"run{os.getpid()}"
     try:
-        return launch_local(train_worker, settings.world_size, settings, run_dir, run_id=run_id,
+        return launch_local(train_worker, settings.world_size, settings, run_dir, datasets, run_id=run_id,
                             heartbeat_dir=os.path.join(run_dir, "heartbeat"), hang_s=settings.launcher.hang_s,
                             log_file=os.path.join(run_dir, "launcher.log"))[0]
     except JobFailed as err:

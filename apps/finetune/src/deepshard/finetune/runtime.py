@@ -17,6 +17,8 @@ from deepshard.finetune.data.records import check_records
 from deepshard.finetune.data.resumable import check_fits
 
 if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
     from deepshard.finetune.config import Settings
 
 
@@ -106,10 +108,12 @@ def check_inputs(settings: Settings) -> None:
         check_hf_dir(settings.model_path, dataclasses.replace(settings.model, kernels="torch"))
 
 
-def check_data_fits(settings: Settings) -> None:
-    """The tokenizer loads, the documents tokenize and split, and one global batch fits (ValueErrors)."""
+def check_data_fits(settings: Settings) -> tuple[Dataset, Dataset | None]:
+    """The tokenizer loads, the documents tokenize and split, and one global batch fits (ValueErrors).
+    Returns the (train, eval) datasets, which the launcher hands to its workers."""
     from deepshard.finetune.data.build import build_datasets
     from deepshard.finetune.data.tokenizer import load_tokenizer
 
-    train, _ = build_datasets(settings.data, load_tokenizer(settings.model_path), settings.model.vocab_size)
+    train, held = build_datasets(settings.data, load_tokenizer(settings.model_path), settings.model.vocab_size)
     check_fits(len(train), dp_size=settings.parallel.dp, micro_batch_size=settings.train.micro_batch_size)
+    return train, held

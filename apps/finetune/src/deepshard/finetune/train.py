@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+from torch.utils.data import Dataset
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.heartbeat import Heartbeat
@@ -131,8 +132,9 @@ class Run:
         return self.stepper.engine
 
 
-def start_run(settings: Settings, run_dir: str) -> Run:
-    """Process group, mesh, model + ZeRO (or the pipeline), data, and the resume from the newest checkpoint."""
+def start_run(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> Run:
+    """Process group, mesh, model + ZeRO (or the pipeline), data (``datasets``: the launcher's, already
+    tokenized), and the resume from the newest checkpoint."""
     # torchdata 0.11 calls a torch API that 2.13 deprecated, on every epoch: known, harmless
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     rank, world = init_distributed(timeout_s=settings.launcher.timeout_s)
@@ -147,7 +149,7 @@ def start_run(settings: Settings, run_dir: str) -> Run:
     tokenizer = load_tokenizer(settings.model_path)
     stepper = build_stepper(settings, mesh, rank=rank)
     engine = stepper.engine
-    dataset, eval_set = build_datasets(settings.data, tokenizer, settings.model.vocab_size)
+    dataset, eval_set = datasets or build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
     # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
     ckpt, batches, start_step = start_checkpointing(settings, run_dir=run_dir, engine=engine, dataset=dataset,
@@ -272,10 +274,11 @@ def finish(run: Run, elapsed: float) -> dict:
     return summary
 
 
-def train_worker(settings: Settings, run_dir: str) -> dict:
-    """Train on this rank; returns the run's summary (identical on every rank)."""
+def train_worker(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> dict:
+    """Train on this rank; returns the run's summary (identical on every rank).  ``datasets`` are the
+    (train, eval) sets the launcher built in its checks; without them (torchrun) each rank builds its own."""
     try:
-        run = start_run(settings, run_dir)
+        run = start_run(settings, run_dir, datasets)
         elapsed = train_loop(run)
         return finish(run, elapsed)
     except BaseException as e:

@@ -9,13 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 IGNORE = -100
 
 
-class PackedDataset(Dataset):
+class _PicklesAsArrays:
+    """Pickled with its token tensors as numpy arrays: a launcher hands the datasets to its workers
+    through a pipe, where torch's multiprocessing pickler would move tensors into /dev/shm, which
+    containers often keep small (64 MB in Docker's default)."""
+
+    def __getstate__(self) -> dict:
+        return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()})
+
+
+class PackedDataset(_PicklesAsArrays, Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over the concatenated documents."""
 
     def __init__(self, docs: Iterable[tuple[list[int], list[int]]], seq_len: int, eos_id: int, *,
@@ -54,7 +67,7 @@ class PackedDataset(Dataset):
         return self.num_windows * self.seq_len
 
 
-class PaddedDataset(Dataset):
+class PaddedDataset(_PicklesAsArrays, Dataset):
     """One document per row (``data.pack=false``): truncated to ``seq_len + 1`` tokens, padded with -100 labels.
 
     Padding sits after the document, so causal attention never lets a real token see it.
