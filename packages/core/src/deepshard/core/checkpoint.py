@@ -300,6 +300,8 @@ def load_checkpoint(
     trainer = read_trainer(path)
     saved_world = manifest["world"]["world_size"]
     rng = read_json(path, rng_file(rank)) if saved_world == world else None
+    stage = optimizer.stage
+    stage.gather_params()  # zero.overlap_allgather: a gather still in flight lands before DCP writes the shards
     state = training_state(optimizer, dp_mesh, model)
     saved_keys = {k: rename(k) if rename is not None else k for k in state}
     try:
@@ -309,8 +311,6 @@ def load_checkpoint(
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the checkpoint and cause
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     loaded = {kind: [] for kind, _ in KINDS}
-    stage = optimizer.stage
-    stage.gather_params()  # zero.overlap_allgather: a gather still in flight ends before the shards change
     for name in stage.names:
         for kind, prefix in KINDS:
             loaded[kind].append(local_tensor(state[prefix + clean_name(name)]))
