@@ -27,7 +27,7 @@ from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
 
 from .aio import AioRequest, as_buffer
 from .nvme_store import _Buffer
-from .param_swap import ParamSwap, Unit
+from .param_swap import ParamSwap, Unit, retire_write
 from .streaming import stream_groups
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -226,11 +226,9 @@ class DeferredStep:
         for b in self.holds.values():
             if id(b) not in busy:
                 return b
-        while self.writes and (wait or all(r.done() for r in self.writes[0][1])):
-            b, reqs = self.writes.popleft()
-            for r in reqs:
-                r.wait()
-            return b
+        freed = retire_write(self.writes, wait=wait)
+        if freed is not None:
+            return freed
         if wait:  # every buffer holds a read ahead: give up the one needed last
             i = max(self.reads)
             b, reqs = self.reads.pop(i)

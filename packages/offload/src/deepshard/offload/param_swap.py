@@ -45,6 +45,17 @@ from .param_init import fixed_mmap_threshold
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
 
 
+
+def retire_write(writes: deque, *, wait: bool) -> Any:
+    """The buffer of the oldest ``(buffer, requests)`` write in ``writes``, popped once its requests
+    are done (with ``wait``: once waited for); None while it is still in flight."""
+    if writes and (wait or all(r.done() for r in writes[0][1])):
+        buf, reqs = writes.popleft()
+        for r in reqs:
+            r.wait()
+        return buf
+    return None
+
 class Deferred(Protocol):
     """The optimizer's update of each unit, deferred until the unit is next needed (the next
     forward's unshard): :mod:`.infinity_store` implements it."""
@@ -237,11 +248,9 @@ class ParamSwap:
         for b in self._pool:
             if id(b) not in busy:
                 return b
-        while self._writes and (wait or all(r.done() for r in self._writes[0][1])):
-            b, reqs = self._writes.popleft()
-            for r in reqs:
-                r.wait()
-            return b
+        freed = retire_write(self._writes, wait=wait)
+        if freed is not None:
+            return freed
         if wait:  # every buffer holds a read ahead: land the oldest one early
             unit = next(u for u in self.units if u.pending)
             b = unit.pending[0]
