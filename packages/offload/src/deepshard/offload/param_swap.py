@@ -43,18 +43,8 @@ from .config import OffloadConfig, validate_param_swap
 from .param_init import fixed_mmap_threshold
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
+VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
 
-
-
-def retire_write(writes: deque, *, wait: bool) -> Any:
-    """The buffer of the oldest ``(buffer, requests)`` write in ``writes``, popped once its requests
-    are done (with ``wait``: once waited for); None while it is still in flight."""
-    if writes and (wait or all(r.done() for r in writes[0][1])):
-        buf, reqs = writes.popleft()
-        for r in reqs:
-            r.wait()
-        return buf
-    return None
 
 class Deferred(Protocol):
     """The optimizer's update of each unit, deferred until the unit is next needed (the next
@@ -67,7 +57,17 @@ class Deferred(Protocol):
     def apply(self, unit: Unit, *, land: bool) -> None: ...
     def drain(self) -> None: ...
     def idle(self) -> None: ...
-VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
+
+
+def retire_write(writes: deque, *, wait: bool) -> Any:
+    """The buffer of the oldest ``(buffer, requests)`` write in ``writes``, popped once its requests
+    are done (with ``wait``: once waited for); None while it is still in flight."""
+    if writes and (wait or all(r.done() for r in writes[0][1])):
+        buf, reqs = writes.popleft()
+        for r in reqs:
+            r.wait()
+        return buf
+    return None
 
 
 @dataclass
