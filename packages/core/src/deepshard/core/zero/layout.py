@@ -53,39 +53,43 @@ class BucketLayout:
             offset += padded
         self.segment = offset  # elements per rank
 
-    def _chunks(self, t: torch.Tensor):
-        """``(rank, element offset in flat t, element count)`` of every rank's Shard(0) chunk of ``t``."""
+    def _chunk(self, t: torch.Tensor, rank: int) -> tuple[int, int]:
+        """``(element offset in flat t, element count)`` of ``rank``'s Shard(0) chunk of ``t``."""
         rows = t.shape[0] if t.dim() else 1
         row = t.numel() // max(rows, 1)
+        start, end = shard_rows(rows, self.world, rank)
+        return start * row, (end - start) * row
+
+    def _chunks(self, t: torch.Tensor):
+        """``(rank, element offset in flat t, element count)`` of every rank's Shard(0) chunk of ``t``."""
         for r in range(self.world):
-            start, end = shard_rows(rows, self.world, r)
-            yield r, start * row, (end - start) * row
+            yield r, *self._chunk(t, r)
+
+    @staticmethod
+    def _place(out: torch.Tensor, slot: Slot, chunk: torch.Tensor) -> None:
+        """``chunk`` (flat) into its slot of a rank segment ``out``; only the slot's padding is zeroed
+        (a whole-buffer zero_() cost a full pass)."""
+        n = chunk.numel()
+        out[slot.offset:slot.offset + n].copy_(chunk)
+        if n < slot.padded:
+            out[slot.offset + n:slot.offset + slot.padded].zero_()
 
     def pack_full(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``world * segment`` elements) with every rank's chunk of each full tensor."""
         seg = out.view(self.world, self.segment)
-        for slot, t in zip(self.slots, tensors):
-            flat = t.reshape(-1)
-            for r, lo, n in self._chunks(t):
-                seg[r, slot.offset:slot.offset + n].copy_(flat[lo:lo + n])
-                if n < slot.padded:  # only the padding is zeroed: a whole-buffer zero_() cost a full pass
-                    seg[r, slot.offset + n:slot.offset + slot.padded].zero_()
+        for r in range(self.world):
+            self.pack_rank(tensors, seg[r], r)
 
     def pack_rank(self, tensors: list[torch.Tensor], out: torch.Tensor, rank: int) -> None:
         """Fill ``out`` (``segment`` elements) with ``rank``'s chunk of each full tensor."""
         for slot, t in zip(self.slots, tensors):
-            flat = t.reshape(-1)
-            _, lo, n = next(c for c in self._chunks(t) if c[0] == rank)
-            out[slot.offset:slot.offset + n].copy_(flat[lo:lo + n])
-            if n < slot.padded:
-                out[slot.offset + n:slot.offset + slot.padded].zero_()
+            lo, n = self._chunk(t, rank)
+            self._place(out, slot, t.reshape(-1)[lo:lo + n])
 
     def pack_local(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``segment`` elements) with this rank's chunks."""
         for slot, c in zip(self.slots, chunks):
-            out[slot.offset:slot.offset + c.numel()].copy_(c.reshape(-1))
-            if c.numel() < slot.padded:
-                out[slot.offset + c.numel():slot.offset + slot.padded].zero_()
+            self._place(out, slot, c.reshape(-1))
 
     def local_views(self, buf: torch.Tensor, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views into a ``segment``-sized buffer shaped like this rank's chunks."""
