@@ -37,6 +37,11 @@ _COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Conne
                 "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 
+def _lost_peer(message: str) -> bool:
+    """Whether an error message says a peer is gone (a consequence of its end, not a cause)."""
+    return any(s in message for s in _COMM_ERRORS)
+
+
 class JobFailed(RuntimeError):
     """The job's root cause in one line (``str``), its rank and kind, and every rank's traceback."""
 
@@ -63,7 +68,7 @@ def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
         return prio, "signal", name, f"rank {rank} died with {name}", trace
     if message:
         error_type = message.split(":", 1)[0]
-        prio = 2 if any(s in message for s in _COMM_ERRORS) else 1
+        prio = 2 if _lost_peer(message) else 1
         return prio, "exception", error_type, f"rank {rank}: {message}", trace
     return 2, "exit", "", f"rank {rank} exited with code {failure.exitcode}", trace
 
@@ -71,7 +76,7 @@ def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
 def _with_peer_error_files(failures: dict[int, Any]) -> dict[int, Any]:
     """``failures`` plus every other local rank that left an error file.
 
-    the multiprocessing context reports only the first process to exit; the rank that raised the real cause
+    The multiprocessing context reports only the first process to exit; the rank that raised the real cause
     writes its error file first (``train_worker``) but may still be closing down, and be terminated,
     when a peer that lost its connection exits: its file (``.../attempt_N/<local_rank>/error.json``)
     still names the cause.  Local ranks are global ranks here: this launcher runs one node.
@@ -181,7 +186,7 @@ def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> A
     try:
         return fn(*args)
     except Exception as err:
-        if any(s in str(err) for s in _COMM_ERRORS):  # a peer is gone: the launcher must see its end first,
+        if _lost_peer(str(err)):  # a peer is gone: the launcher must see its end first,
             time.sleep(_PEER_GRACE_S)  # the cause (a forked worker exits in ms; the launcher polls each 0.1 s)
         raise
     finally:  # a forked worker leaves by os._exit: its exit handlers (swap-file removal, ...) run here
