@@ -105,8 +105,8 @@ def test_the_cause_of_a_crashed_job_is_the_killed_or_raising_rank_not_its_peers(
     assert str(job_failed(terminated)) == "rank 1: KeyError: 'x'"
 
 
-def test_a_raising_rank_that_spawn_did_not_report_is_found_by_its_error_file(tmp_path):
-    """spawn reports only the first process to exit: the peer that lost its connection.  The rank
+def test_a_raising_rank_that_the_launcher_did_not_report_is_found_by_its_error_file(tmp_path):
+    """torchelastic reports only the first process to exit: the peer that lost its connection.  The rank
     that raised left its error file (torchelastic's own layout) and is named as the cause."""
     for rank, message in ((0, "RuntimeError: [gloo] Connection closed by peer"), (1, "ValueError: bad row 3")):
         (tmp_path / "attempt_0" / str(rank)).mkdir(parents=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.core.zero.layout import BucketLayout, shard_rows
+from deepshard.core.zero.layout import BucketLayout
 
 
 def _tensors(rows: int) -> list[torch.Tensor]:
@@ -15,12 +15,17 @@ def _tensors(rows: int) -> list[torch.Tensor]:
     return [torch.randn(rows, 3, generator=g), torch.randn(rows + 1, generator=g), torch.randn(2, 2, generator=g)]
 
 
+def _rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """``rank``'s Shard(0) rows by torch.chunk (DTensor's rule; trailing ranks may get none)."""
+    chunks = t.chunk(world)
+    return chunks[rank] if rank < len(chunks) else t[:0]
+
+
 def _expected_segment(tensors: list[torch.Tensor], layout: BucketLayout, world: int, rank: int) -> torch.Tensor:
     """Written from the layout's definition: each tensor's Shard(0) rows of ``rank``, zero-padded."""
     parts = []
     for slot, t in zip(layout.slots, tensors):
-        start, end = shard_rows(t.shape[0], world, rank)
-        chunk = t[start:end].reshape(-1)
+        chunk = _rows(t, world, rank).reshape(-1)
         parts += [chunk, torch.zeros(slot.padded - chunk.numel())]
     return torch.cat(parts)
 
@@ -38,7 +43,7 @@ def test_packed_segments_are_shard_chunks_with_zero_padding_in_a_dirty_buffer(ro
         layout.pack_rank(tensors, one, r)
         assert torch.equal(one, want)
         local = torch.full((layout.segment,), float("nan"))
-        layout.pack_local([t[slice(*shard_rows(t.shape[0], world, r))] for t in tensors], local)
+        layout.pack_local([_rows(t, world, r) for t in tensors], local)
         assert torch.equal(local, want)
 
 
@@ -51,8 +56,7 @@ def test_unpack_leaves_the_skipped_ranks_chunks_untouched(rows, world):
     out = [torch.full_like(t, -7.0) for t in tensors]
     layout.unpack_full(buf, out, skip_rank=1)
     for t, o in zip(tensors, out):
-        start, end = shard_rows(t.shape[0], world, 1)
-        assert torch.all(o[start:end] == -7.0)
-        mask = torch.ones(t.shape[0], dtype=torch.bool)
-        mask[start:end] = False
-        assert torch.equal(o[mask], t[mask])
+        mine = torch.zeros(t.shape[0], dtype=torch.bool)
+        mine[torch.arange(t.shape[0]).chunk(world)[1]] = True
+        assert torch.all(o[mine] == -7.0)
+        assert torch.equal(o[~mine], t[~mine])
