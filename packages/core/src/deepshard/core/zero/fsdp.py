@@ -6,11 +6,19 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
+from deepshard.core.zero.collectives import GlooAllGather, GlooReduceScatter
 from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, trainable
 
 
@@ -39,18 +47,27 @@ def apply_fsdp(
     """Shard each block, then the root (embeddings, final norm, head), torchtitan's order.
 
     ``prefetch`` blocks ahead are all-gathered explicitly in forward and backward, so the next
-    block's parameters arrive while this one computes.
+    block's parameters arrive while this one computes.  On gloo, FSDP2 collects through the forms
+    gloo runs fastest (``zero.collectives``); other backends keep FSDP2's own.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinning needs an accelerator: on a CPU-only host the params simply stay in (plain) host memory.
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params
                               else OffloadPolicy())
     blocks = list(blocks)
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+    for i, block in enumerate(blocks):
+        # The last block is the first backward needs: resharding it after forward would only gather it
+        # again at once (torchtitan's default; FSDP2 keeps the root gathered for the same reason).
+        last = i == len(blocks) - 1 and not offload_params
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
                     offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload)
+    if dist.get_backend(dp_mesh.get_group()) == "gloo":
+        for unit in [*blocks, model]:
+            assert isinstance(unit, FSDPModule)
+            unit.set_custom_all_gather(GlooAllGather())
+            unit.set_custom_reduce_scatter(GlooReduceScatter())
     if prefetch > 0 and len(blocks) > 1:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
