@@ -54,6 +54,8 @@ def exchange_with_peer(send: torch.Tensor, recv: torch.Tensor, group: dist.Proce
 
 
 class _PlainAlloc:
+    """FSDP2's default allocation: a fresh tensor per collective (the caching allocator reuses it)."""
+
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
@@ -76,12 +78,12 @@ class GlooAllGather(_PlainAlloc, AllGather):
 
 
 class GlooReduceScatter(_PlainAlloc, ReduceScatter):
-    """FSDP2's gradient reduce-scatter at world 2 as one send/recv exchange; SUM and AVG (what FSDP2 asks
-    for in fp32 and bf16), any other op by the native call."""
+    """FSDP2's gradient reduce-scatter at world 2 as one send/recv exchange of host tensors; SUM and AVG
+    (what FSDP2 asks for in fp32 and bf16), any other op or device by the native call."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> dist.Work | None:
-        if group.size() != 2 or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if group.size() != 2 or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or input_tensor.device.type != "cpu":
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         rank, seg = group.rank(), output_tensor.numel()
         exchange_with_peer(input_tensor[(1 - rank) * seg:(2 - rank) * seg], output_tensor, group).wait()
