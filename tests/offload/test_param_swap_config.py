@@ -75,3 +75,32 @@ def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
         validate(compose([*base, "offload.param_buffer_size=1000"]))
     with pytest.raises(ValueError, match=r"offload.params='nvme' .*not with parallel.pp/tp > 1"):
         validate(compose([*base, "parallel.pp=2", "launcher.nproc_per_node=4"]))
+
+
+def _infinity_host(path, *overrides: str) -> int:
+    from deepshard.finetune.estimate import compose, report
+
+    base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={path}", "model=tiny",
+            "launcher.nproc_per_node=2"]
+    _, rows, *_ = report(compose([*base, *overrides]))
+    (row,) = [r for r in rows if r.options == "+zero=stage3 +offload=nvme offload.params=nvme"]
+    return row.host
+
+
+def test_estimate_counts_the_deferred_steps_buffers(tmp_path):
+    """The host figure of offload.params=nvme is the forward's: the param pool (param_buffer_count x
+    4 B per element of the largest unit's shard) and the deferred AdamW step's buffer_count buffers of
+    16 B per element (param, two moments, grad), owed from step() until each unit's next unshard; no
+    more buffers than units."""
+    # tiny (LlamaConfig's defaults): the largest unit is the root, embedding + head (2048 x 256 each)
+    # and the final norm (256), halved at world 2; every O_DIRECT region rounds up by < 4096 bytes
+    shard = (2 * 2048 * 256 + 256) // 2
+    host = _infinity_host(tmp_path, "offload.param_buffer_count=4", "offload.buffer_count=2")
+    assert 0 <= host - (4 * 4 * shard + 2 * 16 * shard) < (4 + 2 * 4) * 4096
+    more = _infinity_host(tmp_path, "offload.param_buffer_count=4", "offload.buffer_count=5")
+    assert 0 <= more - host - 3 * 16 * shard < 3 * 4 * 4096
+    # one block: two units (the root and the block), so the step never holds more than two buffers
+    two = ["model.n_layers=1", "offload.param_buffer_count=4"]
+    assert _infinity_host(tmp_path, *two, "offload.buffer_count=5") == _infinity_host(tmp_path, *two, "offload.buffer_count=2")
+    assert _infinity_host(tmp_path, *two, "offload.buffer_count=2") - _infinity_host(tmp_path, *two, "offload.buffer_count=1") \
+        >= 16 * shard

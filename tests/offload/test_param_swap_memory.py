@@ -2,7 +2,9 @@
 ``offload.params=nvme`` + ``offload.device=nvme`` trains a Llama whose fp32 model states (16 bytes per
 parameter) are more than twice L, for 3 steps, with the same losses as the run without offload
 outside the group (which itself needs more anonymous memory than L).  World 1: one process, so the
-limit is the whole job's.  Needs root and the memory controller (skipped otherwise)."""
+limit is the whole job's.  The forward holds the deferred AdamW step's buffers beyond what the
+backward holds, as much as the estimator's figure for them says (its host figure includes them).
+Needs root and the memory controller (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
+
+from deepshard.finetune.estimate import infinity_buffers, largest_unit  # noqa: E402
+from deepshard.finetune.models.llama import LlamaConfig  # noqa: E402
 
 # torch + gloo alone take ~200 MiB of it; the forward also holds the deferred update's buffer_count
 # buffers of 16 bytes per element of the largest unit (infinity_store.DeferredStep)
@@ -29,6 +34,16 @@ def test_model_states_twice_the_limit_train_in_it(tmp_path):
     assert confined["model_state_bytes"] >= 2 * LIMIT
     assert confined["peak_bytes"] <= LIMIT
     assert not any(tmp_path.iterdir()), "swap files left behind"
+    # measured: anonymous memory after the forward (updates owed since step(): the step's buffers
+    # held) over after the backward (freed at the first unit's backward; the param pool stays)
+    anon = confined["rss_anon"]
+    held = anon["after_forward"] - anon["after_backward"]
+    est = infinity_buffers(LlamaConfig(**spec["model"]), world=1, param_buffer_count=spec["param_buffer_count"],
+                           buffer_count=spec["buffer_count"])
+    # 2 buffers of 16 B per element of a block (the largest unit), 4 regions each rounded up to 4 KiB
+    assert 0 <= est.deferred - 2 * 16 * largest_unit(LlamaConfig(**spec["model"])) < 2 * 4 * 4096
+    # the forward's checkpointed block inputs (ac=full) are a few MiB beside the 2 x ~11 MiB buffers
+    assert 0.9 * est.deferred <= held <= est.deferred + 8 * 2**20, (held, est)
     free = run_worker({**spec, "offload": False}, limit_bytes=None)
     assert free["rss_anon"]["after_backward"] > LIMIT  # the same run without offload would not fit
     assert confined["losses"] == pytest.approx(free["losses"], rel=1e-6)

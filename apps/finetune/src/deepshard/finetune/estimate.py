@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,54 @@ def largest_unit(model_cfg) -> int:
     return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block)
 
 
+def unit_shards(model_cfg, world: int) -> list[int]:
+    """Elements of each ZeRO-3 unit's shard on one rank (the root, then each block) as
+    ``offload.params=nvme`` lays them out: FSDP2 pads every param's dim 0 to a multiple of ``world``,
+    and each param's shard starts at a multiple of ``VEC`` elements in the unit."""
+    from deepshard.finetune.models.llama import Llama
+    from deepshard.offload.unit_swap import VEC
+
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    in_blocks = {id(p) for block in model.layers for p in block.parameters()}
+    units = [[p for p in model.parameters() if id(p) not in in_blocks]] + [list(b.parameters()) for b in model.layers]
+    out = []
+    for params in units:
+        pos = 0
+        for p in params:
+            rows = p.shape[0] if p.dim() else 1
+            pos = -(-pos // VEC) * VEC + -(-rows // world) * (p.numel() // max(rows, 1))
+        if pos:  # a root that owns no params itself is no FSDP unit
+            out.append(pos)
+    return out
+
+
+class InfinityBuffers(NamedTuple):
+    """Host buffers of ``offload.params=nvme`` per rank, in bytes, as allocated (untouched pages of a
+    pool buffer may never become resident: an upper bound on what they cost)."""
+
+    pool: int  # param_buffer_count buffers of 4 B per element of the largest unit: read-aheads, grad writes
+    deferred: int  # the deferred AdamW step's min(buffer_count, units) buffers of 16 B per element
+
+    @property
+    def peak(self) -> int:
+        """Both at once: the step's updates are owed from ``step()`` through the next forward (each runs
+        at its unit's unshard), so the forward holds the deferred buffers beside the pool; they are
+        freed at the first unit's backward."""
+        return self.pool + self.deferred
+
+
+def infinity_buffers(model_cfg, *, world: int, param_buffer_count: int, buffer_count: int) -> InfinityBuffers:
+    """What ``ParamSwap`` (pool) and ``InfinityStore``/``DeferredStep`` (param, exp_avg, exp_avg_sq
+    and grad regions per buffer) allocate: every buffer is sized by the largest unit's shard, each
+    region rounded up to the O_DIRECT alignment."""
+    from deepshard.offload.aio import align_up
+
+    shards = unit_shards(model_cfg, world)
+    region = align_up(max(shards, default=1) * 4)
+    return InfinityBuffers(param_buffer_count * region, min(buffer_count, len(shards)) * 4 * region)
+
+
 def count_frozen(model_cfg, lora) -> int:
     """Under LoRA: the base parameters that are frozen (no grads, no optimizer state); 0 otherwise."""
     if lora is None:
@@ -82,7 +131,8 @@ def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str =
              param_buffer_bytes: int = 0) -> Estimate:
     """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
     per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``param_buffer_bytes``:
-    the host pools of ``offload.params=nvme`` (param reads and the unit-by-unit step).  ``frozen_params``
+    the host buffers of ``offload.params=nvme`` at their peak, the forward (:class:`InfinityBuffers`):
+    the param pool plus the deferred step's buffers, whatever the model's size.  ``frozen_params``
     (a LoRA base): params only, in the compute dtype at stages 0-2, fp32 shards at stage 3 (FSDP2)."""
     e = expected_bytes(stage, num_params, dp, dtype)
     frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
@@ -97,7 +147,7 @@ def estimate(num_params: int, *, stage: int, dp: int, dtype: str, offload: str =
         device, nvme, host = device - e.optimizer, nvme + offloaded, host + min(nvme_buffer_bytes, offloaded)
     if offload_params == "nvme":  # params (the fp32 masters), grads and moments in swap files: 16 B/elt
         states = 16 * num_params // dp + 4 * frozen_params // dp
-        return Estimate(stage, offload, "nvme", 0, min(param_buffer_bytes, states), states)
+        return Estimate(stage, offload, "nvme", 0, param_buffer_bytes, states)
     if offload_params:  # FSDP2 CPUOffloadPolicy: sharded params and their grads rest on the host
         device, host = device - e.params - e.grads, host + e.params + e.grads
     return Estimate(stage, offload, offload_params, device, host, nvme)
@@ -162,7 +212,8 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     dtype = settings.engine.precision.dtype
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
-    param_buffers = (off.param_buffer_count * 4 + off.buffer_count * 16) * -(-largest_unit(settings.model) // world)
+    param_buffers = infinity_buffers(settings.model, world=dims.dp, param_buffer_count=off.param_buffer_count,
+                                     buffer_count=off.buffer_count).peak
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
                          param_buffer_bytes=param_buffers)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
