@@ -222,7 +222,9 @@ def deepspeed_note() -> str:
     """Why DeepSpeed's own NVMe offload is (not) compared here, checked on this host."""
     try:
         import torch
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        with contextlib.redirect_stdout(sys.stderr):  # its import logs a warning to stdout: keep the JSON clean
+            from deepspeed.ops.op_builder import AsyncIOBuilder
 
         reasons = []
         if not AsyncIOBuilder().is_compatible(verbose=False):
