@@ -5,11 +5,16 @@ For each size (largest first) 3 steps run in a fresh process confined to a cgrou
 of ``--limit-mib``; the first that finishes is reported with model-state bytes (16 per param) / L
 (goal >= 4), its step time, and the read/write bandwidth of the param + optimizer swapping next to a
 plain O_DIRECT stream of the same bytes on the same path, measured in the same process right after
-(goal >= 0.8).  Then, at the largest size that still trains in L *without* offload (searched the
+(goal >= 0.8).  That run overlaps its I/O with compute on the host's CPUs, so its busy time counts
+compute's share of them too; the same size trained again with ``aio.overlap_events=false`` (every
+request waited for as issued: I/O alone, as the plain stream is) gives the swap path's own
+bandwidth beside it.  Then, at the largest size that still trains in L *without* offload (searched the
 same way), the step time of params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by
-prefetch).  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
+prefetch), at ``--compare-batch`` x ``--seq`` tokens per step (the swapped bytes per step are fixed
+by the model, the compute grows with the tokens: ``--compare-batch 8`` shows the slowdown at half
+as many).  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
-    python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,100]
+    python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
 
 Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory.  ``worker`` is the
 confined process's entry point (also used by tests/offload/test_param_swap_memory.py).
@@ -245,12 +250,12 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384, help="model width (depth follows the size)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--compare-batch", type=int, default=8,
+    ap.add_argument("--compare-batch", type=int, default=16,
                     help="batch of the with/without offload step-time comparison (more compute per byte swapped)")
     ap.add_argument("--compare-steps", type=int, default=8,
                     help="steps of the comparison runs; their step time is the fastest after the first")
     ap.add_argument("--nvme-path", default=None)
-    ap.add_argument("--sizes", default="200,150,100", help="millions of params, largest first")
+    ap.add_argument("--sizes", default="200,150,125,100", help="millions of params, largest first")
     ap.add_argument("--plain-sizes", default="5,3,2", help="sizes for the no-offload search")
     args = ap.parse_args()
     if not cgroup_available():
@@ -277,6 +282,16 @@ def main() -> None:
                 "param_reads_prefetched": sw["param_reads_prefetched"],
                 "param_reads_on_demand": sw["param_reads_on_demand"],
             }
+            serial = run_worker({**base, "model": llama_spec(size, dim=base["dim"]), "offload": True,
+                                 "aio": {"overlap_events": False}}, limit_bytes=limit)
+            if serial["ok"]:
+                ss, sp = serial["swap"], serial["plain"]
+                report["infinity"]["io_alone"] = {
+                    "swap_read_GBps": ss["read_GBps"], "swap_write_GBps": ss["write_GBps"],
+                    "plain_read_GBps": sp["read_GBps"], "plain_write_GBps": sp["write_GBps"],
+                    "read_vs_plain": ss["read_GBps"] / sp["read_GBps"],
+                    "write_vs_plain": ss["write_GBps"] / sp["write_GBps"], "step_s": serial["step_s"][-1],
+                    "losses_equal": serial["losses"] == res["losses"]}
         base = {**base, "batch": args.compare_batch, "steps": args.compare_steps}
         psize, pres, ptried = search([float(s) for s in args.plain_sizes.split(",")], offload=False,
                                      limit=limit, base=base)
@@ -284,7 +299,8 @@ def main() -> None:
         if pres is not None:
             inf = run_worker({**base, "model": llama_spec(psize, dim=base["dim"]), "offload": True}, limit_bytes=limit)
             report["at_largest_without_offload"] = {
-                "size_m": psize, "batch": args.compare_batch, "seq": args.seq, "step_s_no_offload": _steady(pres),
+                "size_m": psize, "batch": args.compare_batch, "seq": args.seq,
+                "tokens_per_step": args.compare_batch * args.seq, "step_s_no_offload": _steady(pres),
                 "step_s_infinity": _steady(inf) if inf["ok"] else None,
                 "slowdown": _steady(inf) / _steady(pres) if inf["ok"] else None,
                 "median_slowdown": statistics.median(inf["step_s"][1:]) / statistics.median(pres["step_s"][1:])
