@@ -6,7 +6,7 @@ installed: the same weights, the same batches, the same AdamW hyper-parameters a
 One launch runs every engine in each of ``rounds`` interleaved rounds (odd rounds in reverse order,
 so a drift of the machine's load evens out; DeepSpeed's engines last in every round, as a dropped
 DeepSpeed engine keeps memory alive); each figure is the median over rounds of the engine's median
-step time.  Per engine and round, in the same processes:
+step time, and each ratio also the median over rounds of that round's ratio (``*_paired``).  Per engine and round, in the same processes:
 
 - step time: forward + backward + optimizer step, warm-up steps excluded, the slower rank's;
 - peak RSS growth: the process's VmHWM, reset (``/proc/self/clear_refs``) after the previous engine
@@ -312,18 +312,31 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
         rows[name] = row
     for name, row in rows.items():
         if "ddp" in rows:
-            row["x_ddp"] = round(row["step_s"] / rows["ddp"]["step_s"], 3)
             row["max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(row["losses"], rows["ddp"]["losses"]))
-        if "fsdp2" in rows:
-            row["x_fsdp2"] = round(row["step_s"] / rows["fsdp2"]["step_s"], 3)
-        base, stage, _ = parse_engine(name)
+        row.update(ratios(rows, name))
+        base, _, _ = parse_engine(name)
         ds = base.replace("ours", "ds")
         if base.startswith("ours") and ds in rows:
-            row["x_deepspeed"] = round(row["step_s"] / rows[ds]["step_s"], 3)
             row["rss_x_deepspeed"] = round(row["peak_rss_growth_mib"] / rows[ds]["peak_rss_growth_mib"], 3)
     for row in rows.values():
         del row["losses"]
     return rows
+
+
+def ratios(rows: dict, name: str) -> dict:
+    """Step time of ``name`` over DDP's, FSDP2's and DeepSpeed's same stage: the ratio of the medians
+    (``x_*``) and the median of each round's ratio (``x_*_paired``: engines of one round run minutes
+    apart, so a load that drifts over the run cancels out of the pair)."""
+    base, _, _ = parse_engine(name)
+    ds = base.replace("ours", "ds")
+    out = {}
+    for key, ref in (("x_ddp", "ddp"), ("x_fsdp2", "fsdp2"), ("x_deepspeed", ds if base.startswith("ours") else None)):
+        if ref in rows:
+            mine, theirs = rows[name], rows[ref]
+            out[key] = round(mine["step_s"] / theirs["step_s"], 3)
+            out[key + "_paired"] = round(statistics.median(
+                a / b for a, b in zip(mine["step_s_rounds"], theirs["step_s_rounds"])), 3)
+    return out
 
 
 def table(rows: dict) -> str:
@@ -332,7 +345,9 @@ def table(rows: dict) -> str:
         [n for n in rows if n.startswith("ours")]
     lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, key in (("step s", "step_s"), ("x DDP", "x_ddp"), ("x FSDP2", "x_fsdp2"),
-                       ("x DeepSpeed (same stage)", "x_deepspeed"),
+                       ("x DeepSpeed (same stage)", "x_deepspeed"), ("x DDP, median of rounds' ratios", "x_ddp_paired"),
+                       ("x FSDP2, median of rounds' ratios", "x_fsdp2_paired"),
+                       ("x DeepSpeed, median of rounds' ratios", "x_deepspeed_paired"),
                        ("optimizer step s (after backward)", "opt_s"), ("peak RSS growth MiB/rank", "peak_rss_growth_mib"),
                        ("RSS growth x DeepSpeed", "rss_x_deepspeed"), ("census MiB/rank", "census_mib"),
                        ("engine.memory() live MiB", "reported_live_mib"), ("ZeRO formula MiB", "formula_mib"),
