@@ -66,21 +66,13 @@ class InfinityStore(StateStore):
             out.append(op(self.swap.files[k].fd, raw[start:start + n], unit.offset))
         return out
 
-    def _stream(self, fn, *, read_keys: tuple[str, ...], write_keys: tuple[str, ...]) -> None:
+    def _write_all(self, fn) -> None:
+        """``fn(unit index, buffer)`` fills each unit's states in a buffer, written behind the next."""
         units = self.swap.units
-
-        def read_io(g: int, buf: _Buffer) -> list[AioRequest]:
-            unit = units[g]
-            keys = tuple(k for k in read_keys if k != "grad" or unit.grad_written)
-            if "grad" in read_keys and not unit.grad_written:
-                buf.f32["grad"][:unit.numel].zero_()  # no gradient reached this unit this step
-            return self._io(unit, buf, keys, write=False)
-
         self.deferred.drain()  # every buffer free, no request in flight
         self.ensure_buffers()
-        stream_groups(len(units), self.buffers, fn,
-                      read_io=read_io if read_keys else None,
-                      write_io=(lambda g, b: self._io(units[g], b, write_keys, write=True)) if write_keys else None,
+        stream_groups(len(units), self.buffers, fn, read_io=None,
+                      write_io=lambda g, b: self._io(units[g], b, STATES, write=True),
                       overlap=self.swap.config.aio.overlap_events)
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
@@ -135,7 +127,7 @@ class InfinityStore(StateStore):
                 for s in unit.slots:
                     region[s.offset:s.offset + s.local_numel].copy_(flat[_REGION[k]][s.index])
 
-        self._stream(scatter, read_keys=(), write_keys=STATES)
+        self._write_all(scatter)
 
     def state_bytes(self) -> dict[str, int]:
         return {"device": 0, "host": 0, "nvme": 12 * self.numel}
