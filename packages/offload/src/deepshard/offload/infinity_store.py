@@ -28,8 +28,8 @@ from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
 from .aio import AioRequest, as_buffer
 from .nvme_store import _Buffer
 from .param_swap import ParamSwap
-from .streaming import stream_groups
-from .unit_swap import Unit, retire_write
+from .streaming import retire_write, stream_groups
+from .unit_swap import Unit
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _REGION = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "grad": "grad"}

@@ -18,6 +18,17 @@ B = TypeVar("B")
 Io = Callable[[int, B], list[AioRequest]]
 
 
+def retire_write(writes: deque[tuple[B, list[AioRequest]]], *, wait: bool) -> B | None:
+    """The buffer of the oldest ``(buffer, requests)`` write in ``writes``, popped once its requests
+    are done (with ``wait``: once waited for); None while it is still in flight."""
+    if writes and (wait or all(r.done() for r in writes[0][1])):
+        buf, reqs = writes.popleft()
+        for r in reqs:
+            r.wait()
+        return buf
+    return None
+
+
 def stream_groups(num_groups: int, buffers: list[B], fn: Callable[[int, B], None], *,
                   read_io: Io | None, write_io: Io | None, overlap: bool,
                   before_reuse: Callable[[B], None] | None = None,
@@ -29,15 +40,14 @@ def stream_groups(num_groups: int, buffers: list[B], fn: Callable[[int, B], None
     writes: deque[tuple[B, list[AioRequest]]] = deque()
     reads: dict[int, tuple[B, list[AioRequest]]] = {}
 
-    def retire_write() -> None:
-        buf, reqs = writes.popleft()
-        for r in reqs:
-            r.wait()
+    def retire_oldest() -> None:
+        buf = retire_write(writes, wait=True)
+        assert buf is not None, "no buffer free and none being written"
         free.append(buf)
 
     def issue(g: int) -> None:
         if not free:
-            retire_write()
+            retire_oldest()
         buf = free.pop()
         if before_reuse is not None:
             before_reuse(buf)
@@ -62,11 +72,11 @@ def stream_groups(num_groups: int, buffers: list[B], fn: Callable[[int, B], None
                 writes.append((buf, write_io(g, buf)))
                 if overlap:
                     continue
-                retire_write()
+                retire_oldest()
             else:
                 free.append(buf)
         while writes:
-            retire_write()
+            retire_oldest()
     finally:  # on error: no request may still target a buffer or a file the caller is about to reuse
         for _, reqs in list(writes) + list(reads.values()):
             for r in reqs:

@@ -27,6 +27,7 @@ import torch
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
+from .streaming import retire_write
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
 VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
@@ -43,17 +44,6 @@ class Deferred(Protocol):
     def apply(self, unit: Unit, *, land: bool) -> None: ...
     def drain(self) -> None: ...
     def idle(self) -> None: ...
-
-
-def retire_write(writes: deque, *, wait: bool) -> Any:
-    """The buffer of the oldest ``(buffer, requests)`` write in ``writes``, popped once its requests
-    are done (with ``wait``: once waited for); None while it is still in flight."""
-    if writes and (wait or all(r.done() for r in writes[0][1])):
-        buf, reqs = writes.popleft()
-        for r in reqs:
-            r.wait()
-        return buf
-    return None
 
 
 @dataclass
