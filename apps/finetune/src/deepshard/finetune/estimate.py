@@ -67,9 +67,9 @@ def largest_unit(model_cfg) -> int:
 def unit_shards(model_cfg, world: int) -> list[int]:
     """Elements of each ZeRO-3 unit's shard on one rank (the root, then each block) as
     ``offload.params=nvme`` lays them out: FSDP2 pads every param's dim 0 to a multiple of ``world``,
-    and each param's shard starts at a multiple of ``VEC`` elements in the unit."""
+    and the swap places the padded shards (``slot_offsets``)."""
     from deepshard.finetune.models.llama import Llama
-    from deepshard.offload.unit_swap import VEC
+    from deepshard.offload.unit_swap import slot_offsets
 
     with torch.device("meta"):
         model = Llama(model_cfg)
@@ -77,10 +77,8 @@ def unit_shards(model_cfg, world: int) -> list[int]:
     units = [[p for p in model.parameters() if id(p) not in in_blocks]] + [list(b.parameters()) for b in model.layers]
     out = []
     for params in units:
-        pos = 0
-        for p in params:
-            rows = p.shape[0] if p.dim() else 1
-            pos = -(-pos // VEC) * VEC + -(-rows // world) * (p.numel() // max(rows, 1))
+        rows = [p.shape[0] if p.dim() else 1 for p in params]
+        _, pos = slot_offsets(-(-r // world) * (p.numel() // max(r, 1)) for p, r in zip(params, rows))
         if pos:  # a root that owns no params itself is no FSDP unit
             out.append(pos)
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,6 +44,17 @@ class Deferred(Protocol):
     def apply(self, unit: Unit, *, land: bool) -> None: ...
     def drain(self) -> None: ...
     def idle(self) -> None: ...
+
+
+def slot_offsets(numels: Iterable[int]) -> tuple[list[int], int]:
+    """Where each of a unit's padded shards (``numels`` elements, in FSDP2's order) starts in the unit,
+    each at a multiple of ``VEC``, and the unit's length in elements."""
+    starts, pos = [], 0
+    for n in numels:
+        pos = -(-pos // VEC) * VEC
+        starts.append(pos)
+        pos += n
+    return starts, pos
 
 
 @dataclass
@@ -103,16 +114,15 @@ class UnitSwap:
         the files (fresh: unwritten preallocated blocks read as zeros, the moments' initial value)."""
         offset = 0
         for unit in self.units:
-            pos = 0
-            for fp in unit.group.fsdp_params:
+            fps = unit.group.fsdp_params
+            for fp in fps:
                 data = fp._sharded_param_data
                 assert data.dtype == torch.float32, f"{fp}: sharded params must be fp32 masters, got {data.dtype}"
                 assert data.storage_offset() == 0 and data.untyped_storage().nbytes() == data.numel() * 4, \
                     f"{fp}: the shard does not own its storage; it cannot be swapped"
-                pos = -(-pos // VEC) * VEC
-                unit.slots.append(Slot(fp, pos, data.numel(), fp.sharded_param._local_tensor.numel(), -1))
-                pos += data.numel()
-            unit.numel = pos
+            starts, unit.numel = slot_offsets(fp._sharded_param_data.numel() for fp in fps)
+            unit.slots.extend(Slot(fp, start, fp._sharded_param_data.numel(), fp.sharded_param._local_tensor.numel(), -1)
+                              for fp, start in zip(fps, starts))
             unit.offset = offset
             offset += unit.nbytes
         self._by_storage = {s.data.untyped_storage()._cdata: (u, s) for u in self.units for s in u.slots}
