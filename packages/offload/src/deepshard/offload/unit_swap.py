@@ -27,10 +27,10 @@ import torch
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
+from .nvme_store import VEC  # every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
 from .streaming import retire_write
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
-VEC = 16  # elements: every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
 
 
 class Deferred(Protocol):
