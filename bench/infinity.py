@@ -217,6 +217,14 @@ def search(sizes: list[float], *, offload: bool, limit: int, base: dict) -> tupl
     return None, None, tried
 
 
+def _bandwidths(swap: dict, plain: dict) -> dict:
+    """A run's swap read/write rates beside the plain O_DIRECT stream's, and their ratios."""
+    return {"swap_read_GBps": swap["read_GBps"], "swap_write_GBps": swap["write_GBps"],
+            "plain_read_GBps": plain["read_GBps"], "plain_write_GBps": plain["write_GBps"],
+            "read_vs_plain": swap["read_GBps"] / plain["read_GBps"],
+            "write_vs_plain": swap["write_GBps"] / plain["write_GBps"]}
+
+
 def _steady(res: dict) -> float:
     """The fastest step after the first (the first pays one-time costs): this shared host's load
     from other processes varies from step to step and only ever adds time."""
@@ -273,9 +281,7 @@ def main() -> None:
                 "size_m": size, "num_params": res["num_params"],
                 "model_state_over_limit": res["model_state_bytes"] / limit,
                 "peak_over_limit": res["peak_bytes"] / limit, "step_s": res["step_s"][-1], "init_s": res["init_s"],
-                "swap_read_GBps": sw["read_GBps"], "swap_write_GBps": sw["write_GBps"],
-                "plain_read_GBps": pl["read_GBps"], "plain_write_GBps": pl["write_GBps"],
-                "read_vs_plain": sw["read_GBps"] / pl["read_GBps"], "write_vs_plain": sw["write_GBps"] / pl["write_GBps"],
+                **_bandwidths(sw, pl),
                 # the same bytes streamed plainly: reads at the plain read rate, writes at the plain write rate
                 "both_vs_plain": sw["GBps"] * (sw["read_bytes"] / pl["read_GBps"] + sw["write_bytes"] / pl["write_GBps"])
                 / (sw["read_bytes"] + sw["write_bytes"]),
@@ -285,13 +291,9 @@ def main() -> None:
             serial = run_worker({**base, "model": llama_spec(size, dim=base["dim"]), "offload": True,
                                  "aio": {"overlap_events": False}}, limit_bytes=limit)
             if serial["ok"]:
-                ss, sp = serial["swap"], serial["plain"]
-                report["infinity"]["io_alone"] = {
-                    "swap_read_GBps": ss["read_GBps"], "swap_write_GBps": ss["write_GBps"],
-                    "plain_read_GBps": sp["read_GBps"], "plain_write_GBps": sp["write_GBps"],
-                    "read_vs_plain": ss["read_GBps"] / sp["read_GBps"],
-                    "write_vs_plain": ss["write_GBps"] / sp["write_GBps"], "step_s": serial["step_s"][-1],
-                    "losses_equal": serial["losses"] == res["losses"]}
+                report["infinity"]["io_alone"] = {**_bandwidths(serial["swap"], serial["plain"]),
+                                                  "step_s": serial["step_s"][-1],
+                                                  "losses_equal": serial["losses"] == res["losses"]}
         base = {**base, "batch": args.compare_batch, "steps": args.compare_steps}
         psize, pres, ptried = search([float(s) for s in args.plain_sizes.split(",")], offload=False,
                                      limit=limit, base=base)

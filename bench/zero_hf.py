@@ -6,7 +6,8 @@ installed: the same weights, the same batches, the same AdamW hyper-parameters a
 One launch runs every engine in each of ``rounds`` interleaved rounds (odd rounds in reverse order,
 so a drift of the machine's load evens out; DeepSpeed's engines last in every round, as a dropped
 DeepSpeed engine keeps memory alive); each figure is the median over rounds of the engine's median
-step time, and each ratio also the median over rounds of that round's ratio (``*_paired``).  Per engine and round, in the same processes:
+step time, and each ratio also the median over rounds of that round's ratio (``*_paired``).  Per
+engine and round, in the same processes:
 
 - step time: forward + backward + optimizer step, warm-up steps excluded, the slower rank's;
 - peak RSS growth: the process's VmHWM, reset (``/proc/self/clear_refs``) after the previous engine
@@ -314,10 +315,6 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
         if "ddp" in rows:
             row["max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(row["losses"], rows["ddp"]["losses"]))
         row.update(ratios(rows, name))
-        base, _, _ = parse_engine(name)
-        ds = base.replace("ours", "ds")
-        if base.startswith("ours") and ds in rows:
-            row["rss_x_deepspeed"] = round(row["peak_rss_growth_mib"] / rows[ds]["peak_rss_growth_mib"], 3)
     for row in rows.values():
         del row["losses"]
     return rows
@@ -326,16 +323,19 @@ def summarize(per_rank: list[dict], names: list[str]) -> dict:
 def ratios(rows: dict, name: str) -> dict:
     """Step time of ``name`` over DDP's, FSDP2's and DeepSpeed's same stage: the ratio of the medians
     (``x_*``) and the median of each round's ratio (``x_*_paired``: engines of one round run minutes
-    apart, so a load that drifts over the run cancels out of the pair)."""
+    apart, so a load that drifts over the run cancels out of the pair); and its RSS growth over
+    DeepSpeed's."""
     base, _, _ = parse_engine(name)
-    ds = base.replace("ours", "ds")
-    out = {}
-    for key, ref in (("x_ddp", "ddp"), ("x_fsdp2", "fsdp2"), ("x_deepspeed", ds if base.startswith("ours") else None)):
+    ds = base.replace("ours", "ds") if base.startswith("ours") else None
+    mine, out = rows[name], {}
+    for key, ref in (("x_ddp", "ddp"), ("x_fsdp2", "fsdp2"), ("x_deepspeed", ds)):
         if ref in rows:
-            mine, theirs = rows[name], rows[ref]
+            theirs = rows[ref]
             out[key] = round(mine["step_s"] / theirs["step_s"], 3)
             out[key + "_paired"] = round(statistics.median(
                 a / b for a, b in zip(mine["step_s_rounds"], theirs["step_s_rounds"])), 3)
+    if ds in rows:
+        out["rss_x_deepspeed"] = round(mine["peak_rss_growth_mib"] / rows[ds]["peak_rss_growth_mib"], 3)
     return out
 
 
