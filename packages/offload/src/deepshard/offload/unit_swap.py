@@ -105,8 +105,8 @@ class UnitSwap:
         self._pool: list[torch.Tensor] = []
         self._writes: deque[tuple[torch.Tensor, list[AioRequest]]] = deque()
         self._by_storage: dict[int, tuple[Unit, Slot]] = {}
-        # unit refills: waited for at use / read ahead / from the deferred update's buffers
-        self.reads = {"demand": 0, "prefetched": 0, "kept": 0}
+        self.reads: dict[str, int] = {}
+        self.reset_io_stats()
         self.deferred: Deferred | None = None  # the optimizer's update still owed to some units
 
     def _layout(self) -> None:
@@ -286,6 +286,7 @@ class UnitSwap:
     def reset_io_stats(self) -> None:
         if self.engine is not None:
             self.engine.reset_stats()
+        # unit refills: waited for at use / read ahead / from the deferred update's buffers
         self.reads = {"demand": 0, "prefetched": 0, "kept": 0}
 
     def close(self) -> None:
