@@ -6,7 +6,8 @@ The reference is plain single-process torch written here: the whole global batch
 from the model, ``F.cross_entropy(reduction="sum") / (labels != -100).sum()``, torch.optim.AdamW
 with its own decay groups, clip_grad_norm_.  It shares no code with the engine, the steppers, the
 fused loss or the pipeline trainer.  Layouts (global batch 4 rows): world 1 x micro 4 and micro 2 x
-accum 2; world 2 x micro 2 at ZeRO 0-3; world 2 x micro 1 x accum 2 at ZeRO 0-3; pp=2 (1f1b, 2
+accum 2; world 2 x micro 2 at ZeRO 0-3; world 2 x micro 1 x accum 2 at ZeRO 0-3; world 4 x micro 1
+at ZeRO 1-3 (gloo's own reduce-scatter: world 2 runs it as a send/recv exchange); pp=2 (1f1b, 2
 microbatches of 2) and tp=2.  A mean of per-micro-batch means (the old rule) is off by ~7e-2 here.
 
 Also: bf16 with grad_accum=8 at ZeRO 2 accumulates in fp32 (within 1e-3 of the fp32 sum of the
@@ -30,7 +31,8 @@ MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, 
 SEQ, ROWS, STEPS = 16, 4, 5
 LR, BETAS, EPS, WD, CLIP = 2e-3, (0.9, 0.95), 1e-6, 0.1, 0.05
 ENGINE_LAYOUTS = {1: [(0, 4, 1), (0, 2, 2)],  # world: (zero stage, micro batch, grad accum)
-                  2: [(s, 2, 1) for s in range(4)] + [(s, 1, 2) for s in range(4)]}
+                  2: [(s, 2, 1) for s in range(4)] + [(s, 1, 2) for s in range(4)],
+                  4: [(s, 1, 1) for s in (1, 2, 3)]}
 PIPE_LAYOUTS = [("pp", 2), ("tp", 2)]  # (axis, size) at world 2, 2 microbatches of 2 rows
 
 
@@ -198,14 +200,14 @@ def _worker():
     if world == 2:
         for axis, size in PIPE_LAYOUTS:
             out[(axis, size)] = _pipe_run(axis, size)
-    else:
+    elif world == 1:
         out["bf16"] = _bf16_accum_grads()
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return {1: launch_local(_worker, 1)[0], 2: launch_local(_worker, 2)}
+    return {1: launch_local(_worker, 1)[0], 2: launch_local(_worker, 2), 4: launch_local(_worker, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +236,7 @@ def test_reference_trains_on_masked_variable_length_data(ref):
 
 @pytest.mark.parametrize("world,stage,micro,accum", [(w, *layout) for w, ls in ENGINE_LAYOUTS.items() for layout in ls])
 def test_engine_layouts_match_token_weighted_reference(runs, ref, world, stage, micro, accum):
-    for rank, result in enumerate(runs[world] if world == 2 else [runs[1]]):
+    for rank, result in enumerate(runs[world] if world > 1 else [runs[1]]):
         _check(*result[("engine", stage, micro, accum)], ref, f"world {world} rank {rank} zero {stage} "
                                                                f"micro {micro} x accum {accum}")
 

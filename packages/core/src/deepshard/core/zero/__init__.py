@@ -14,7 +14,7 @@ from deepshard.core.precision import DTYPES
 from deepshard.core.zero.fsdp import FullyShardedStage, ParamOffload, apply_fsdp
 from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
-from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
+from deepshard.core.zero.reducer import AllReduceReducer, FullGradScatterReducer, ReduceScatterReducer
 from deepshard.core.zero.stages import (
     ReplicatedStage,
     ShardedGradStage,
@@ -56,6 +56,8 @@ def apply_zero(
                           reduce_dtype=reduce_dtype)
     if config.stage == 2:
         reducer = ReduceScatterReducer(params, group, handoff=GradHandoff(), **reducer_kwargs)
+    elif config.stage == 1:  # full grads accumulate; reduce-scattered at the boundary (DeepSpeed's stage 1)
+        reducer = FullGradScatterReducer(params, group, **reducer_kwargs)
     else:
         reducer = AllReduceReducer(params, group, **reducer_kwargs)
     if config.stage == 0:

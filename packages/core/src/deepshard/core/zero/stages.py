@@ -18,7 +18,7 @@ from deepshard.core.dtensor_utils import dtensor_replication, local_tensor, stor
 from deepshard.core.zero.gather import ShardGatherer
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import local_shard
-from deepshard.core.zero.reducer import AllReduceReducer, ReduceScatterReducer
+from deepshard.core.zero.reducer import AllReduceReducer, FullGradScatterReducer, ReduceScatterReducer
 
 
 class ZeroStage(ABC):
@@ -167,10 +167,11 @@ class _GatheringStage(_BucketedStage):
 
 
 class ShardedOptimizerStage(_GatheringStage):
-    """Stage 1: grads all-reduced as in stage 0; each rank updates only its Shard(0) chunk."""
+    """Stage 1: full grads accumulate as in stage 0 and are reduce-scattered at the accumulation
+    boundary; each rank updates only its Shard(0) chunk, the one it got averaged."""
 
     zero_stage = 1
-    reducer: AllReduceReducer
+    reducer: FullGradScatterReducer
 
     def set_grad_sync(self, enabled: bool) -> None:
         self.reducer.sync = enabled
