@@ -138,6 +138,7 @@ def worker(spec: dict) -> dict:
     )
     from deepshard.finetune.models.llama import Llama, LlamaConfig
     from deepshard.offload import AioConfig, OffloadConfig, make_store_factory, param_offload
+    from deepshard.offload.pinned import host_buffer_stats
 
     init_distributed()
     torch.manual_seed(0)
@@ -165,6 +166,7 @@ def worker(spec: dict) -> dict:
                         materialize=swap.materializer(init) if swap is not None else init)
     init_s = time.perf_counter() - t0
     anon = {"after_init": rss_anon()}
+    mapped: dict[str, int] = {}  # the offload's own host buffers (pinned.pinned_empty), as allocated
     g = torch.Generator().manual_seed(1)
     seq, batch = spec.get("seq", 32), spec.get("batch", 2)
     vocab = spec["model"]["vocab_size"]
@@ -177,9 +179,11 @@ def worker(spec: dict) -> dict:
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         t1 = time.perf_counter()
         anon["after_forward"] = max(anon.get("after_forward", 0), rss_anon())
+        mapped["after_forward"] = max(mapped.get("after_forward", 0), host_buffer_stats()["mapped_bytes"])
         engine.backward(loss)
         t2 = time.perf_counter()
         anon["after_backward"] = max(anon.get("after_backward", 0), rss_anon())
+        mapped["after_backward"] = max(mapped.get("after_backward", 0), host_buffer_stats()["mapped_bytes"])
         engine.step()
         t3 = time.perf_counter()
         anon["after_step"] = max(anon.get("after_step", 0), rss_anon())
@@ -189,7 +193,7 @@ def worker(spec: dict) -> dict:
         if swap is not None:
             io.append(swap.io_stats())
     out = {"num_params": num_params, "model_state_bytes": 16 * num_params, "losses": losses, "step_s": step_s,
-           "init_s": init_s, "rss_anon": anon, "phase_s": phases[-1]}
+           "init_s": init_s, "rss_anon": anon, "buffers_mapped": mapped, "phase_s": phases[-1], "phases_s": phases}
     if swap is not None:
         last = io[-1]
         out["swap"] = {"read_bytes": last["read_bytes"], "write_bytes": last["write_bytes"],

@@ -1,9 +1,11 @@
 """ZeRO-Infinity at world size 2 (real gloo ranks): with ``offload.params=nvme`` + ``offload.device=nvme``
 the sharded params, their gradients and the Adam moments live in swap files, and training equals the
 same ZeRO-3 run without offload (fp32: losses and parameters within 1e-6), also with gradient
-accumulation and activation checkpointing; gradient clipping is on, so the global norm taken from
-the swapped gradients is checked too; a checkpoint saved from the swap files resumes without offload
-and the reverse.  One launch runs every configuration."""
+accumulation and activation checkpointing, and with as many deferred-step buffers as units
+(resident: every unit's state stays in them, gradients too, and a step reads nothing); gradient
+clipping is on, so the global norm taken from the swapped gradients is checked too; a checkpoint
+saved from the swap files resumes without offload and the reverse.  One launch runs every
+configuration."""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from zero_harness import MICRO, batches, engine_config  # noqa: E402
 from deepshard.core.launch import launch_local  # noqa: E402
 
 STEPS = 5
-# grad_accum, ac, reshard_after_forward, init through the swap's materializer (unit by unit to NVMe)
-CASES = {"plain": (1, "none", True, False), "accum_ac": (2, "full", False, True)}
+# grad_accum, ac, reshard_after_forward, init through the swap's materializer (unit by unit to NVMe),
+# offload.buffer_count (MICRO has 3 units: 3 buffers hold them all)
+CASES = {"plain": (1, "none", True, False, 2), "accum_ac": (2, "full", False, True, 2),
+         "resident_accum": (2, "full", True, True, 3)}
 
 
 def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshard: bool = True,
-            unit_init: bool = True):
+            unit_init: bool = True, buffer_count: int = 2):
     import torch.distributed as dist
 
     from deepshard.core import initialize
@@ -37,7 +41,7 @@ def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshar
     cfg = dataclasses.replace(cfg, ac=ac)
     on = nvme_path is not None
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=nvme_path, params="nvme" if on else "none",
-                        buffer_count=2, param_buffer_count=3, param_prefetch=2)
+                        buffer_count=buffer_count, param_buffer_count=3, param_prefetch=2)
     factory = make_store_factory(off, dist.get_rank(), "paramswap")
     swap = getattr(factory, "param_swap", None)
     with torch.device("meta"):
@@ -72,20 +76,25 @@ def _steps(engine, steps, grad_accum: int = 1, after_backward=None) -> list[floa
     return losses
 
 
-def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool):
-    engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init)
+def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool, buffer_count: int):
+    engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init, buffer_count)
     held = {}
+    stats: dict = {}
 
     def record_held(step: int) -> None:
         if step == 0:  # after backward: what the stage holds in memory right now
             held.update(grads=engine.stage.grad_bytes(), params=engine.stage.param_bytes(),
                         all_params=sum(p.to_local().numel() * 4 for p in engine.stage.params))
+        if step == 1 and swap is not None:  # the last 3 steps' I/O: the updates run in forwards 2-4
+            stats.update(whole=swap.io_stats(), unit_bytes=sum(u.nbytes for u in swap.units))
+            swap.reset_io_stats()
 
     losses = _steps(engine, range(STEPS), grad_accum, after_backward=record_held)
+    if swap is not None:
+        stats.update(last3=swap.io_stats())
     with swap.resident() if swap is not None else contextlib.nullcontext():
         full = {n.replace("_checkpoint_wrapped_module.", ""): p.data.full_tensor().clone()
                 for n, p in engine.model.named_parameters()}
-    stats = swap.io_stats() if swap is not None else {}
     engine.store.close()
     return losses, full, held, stats
 
@@ -138,7 +147,14 @@ def test_param_swap_matches_no_offload(runs, case):
         # after backward no gradient is held and only prefetched shards are resident
         assert held["grads"] == 0
         assert held["params"] < held["all_params"], held
-        assert stats["prefetched"] > 0 and stats["read_bytes"] > 0 and stats["write_bytes"] > 0
+        whole, last3 = stats["whole"], stats["last3"]
+        assert whole["prefetched"] > 0 and whole["read_bytes"] > 0 and whole["write_bytes"] > 0
+        if case == "resident_accum":  # each of 3 updates writes param + moments once; nothing read
+            assert last3["read_bytes"] == 0, last3
+            assert last3["write_bytes"] == 3 * 3 * stats["unit_bytes"], (last3, stats["unit_bytes"])
+        else:  # each update reads its 4 files (grads too) and writes 3, the backward its gradients
+            assert last3["read_bytes"] >= 3 * 4 * stats["unit_bytes"], (last3, stats["unit_bytes"])
+            assert last3["write_bytes"] >= 3 * 4 * stats["unit_bytes"], (last3, stats["unit_bytes"])
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ class InfinityBuffers(NamedTuple):
     def peak(self) -> int:
         """Both at once: the step's updates are owed from ``step()`` through the next forward (each runs
         at its unit's unshard), so the forward holds the deferred buffers beside the pool; they are
-        freed at the first unit's backward."""
+        freed at the first unit's backward (kept throughout when ``buffer_count >= units``)."""
         return self.pool + self.deferred
 
 

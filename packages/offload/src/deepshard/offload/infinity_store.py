@@ -29,7 +29,7 @@ from .aio import AioRequest, as_buffer
 from .nvme_store import _Buffer
 from .param_swap import ParamSwap
 from .streaming import retire_write, stream_groups
-from .unit_swap import Unit
+from .unit_swap import Unit, trim_heap
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _REGION = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "grad": "grad"}
@@ -48,11 +48,13 @@ class InfinityStore(StateStore):
         self.deferred = DeferredStep(self)
         swap.deferred = self.deferred
 
+    def buffer_count(self) -> int:
+        return min(self.swap.config.buffer_count, len(self.swap.units))
+
     def ensure_buffers(self) -> None:
         if not self.buffers:
             largest = max(u.numel for u in self.swap.units)
-            count = min(self.swap.config.buffer_count, len(self.swap.units))
-            self.buffers = [_Buffer(largest, torch.cuda.is_available()) for _ in range(count)]
+            self.buffers = [_Buffer(largest, torch.cuda.is_available()) for _ in range(self.buffer_count())]
 
     def _io(self, unit: Unit, buf: _Buffer, keys: tuple[str, ...], *, write: bool) -> list[AioRequest]:
         engine = self.swap.engine
@@ -69,7 +71,7 @@ class InfinityStore(StateStore):
     def _write_all(self, fn) -> None:
         """``fn(unit index, buffer)`` fills each unit's states in a buffer, written behind the next."""
         units = self.swap.units
-        self.deferred.drain()  # every buffer free, no request in flight
+        self.deferred.forget()  # every buffer free, no request in flight
         self.ensure_buffers()
         stream_groups(len(units), self.buffers, fn, read_io=None,
                       write_io=lambda g, b: self._io(units[g], b, STATES, write=True),
@@ -81,6 +83,7 @@ class InfinityStore(StateStore):
         swap.finish_writes()
         self.deferred.run_all()  # two steps with no forward between: the first one's updates first
         swap.release_all()  # resident copies would be stale after the update
+        trim_heap()  # the backward's freed blocks leave before the step's buffers and the forward
         self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
     def update(self, unit: Unit, buf: _Buffer, *, lr: float, step: int, grad_scale: float) -> None:
@@ -153,39 +156,50 @@ def _offset(buf: _Buffer, key: str) -> int:
 class DeferredStep:
     """The updates a step still owes, each run at the unit's next use (see the module docstring).
 
-    ``owed`` maps a unit's index to whether the step had a gradient for it (the grad file is
-    read only then); ``reads`` are read-aheads in flight into a buffer, ``writes`` the write-backs
-    of updated units (their buffer is free once they finish); ``holds`` the buffers that still hold
-    a unit's updated params (until reused): the backward right after the forward, which needs
-    the last units first, refills them from there instead of reading the param file again."""
+    ``owed`` maps a unit's index to whether the step had a gradient for it (read from the grad
+    file unless its buffer holds it); ``reads`` are read-aheads in flight into a buffer, ``writes``
+    the write-backs of updated units (their buffer is free once they finish); ``holds`` the buffers
+    that still hold a unit's current param and moments (those of its file, until reused), least
+    recently updated first: the backward right after the forward, which needs the last units
+    first, refills them from there instead of reading the param file again, and the next update of
+    a held unit reads no state.  ``grads``: units whose gradient (this step's sum so far) is in
+    their held buffer instead of the grad file.
+
+    When the buffers outnumber the units (``buffer_count >= units``: *resident*, a model small
+    enough that its 16 B/elt fit in the buffers the forward holds anyway) they are kept for the
+    whole run: every unit stays held, its gradient goes to its buffer, and a step reads nothing
+    and writes each unit's param and moments once (12 B/elt, behind the forward).  Otherwise they
+    are freed at the backward's first gradient, so the backward's activations never meet them."""
 
     def __init__(self, store: InfinityStore) -> None:
         self.store = store
         self.swap = store.swap
         self.index = {id(u): i for i, u in enumerate(self.swap.units)}
+        self.resident = store.buffer_count() >= len(self.swap.units)
         self.owed: dict[int, bool] = {}
         self.args: dict[str, float] = {}
         self.reads: dict[int, tuple[_Buffer, list[AioRequest]]] = {}
         self.writes: deque[tuple[_Buffer, list[AioRequest]]] = deque()
         self.holds: dict[int, _Buffer] = {}
+        self.grads: set[int] = set()
         self.overlap = self.swap.config.aio.overlap_events  # False: no read ahead, writes waited for
 
     def start(self, *, lr: float, step: int, grad_scale: float) -> None:
         assert not self.owed and not self.reads
-        self.holds.clear()  # stale once the step's update is owed
         self.store.ensure_buffers()
         self.args = {"lr": lr, "step": step, "grad_scale": grad_scale}
-        self.owed = {i: u.grad_written for i, u in enumerate(self.swap.units)}
+        self.owed = {i: u.grad_written or i in self.grads for i, u in enumerate(self.swap.units)}
         # the next forward's first units are read now, while the caller gets its next batch
         for i in range(min(len(self.store.buffers), self.swap.config.param_prefetch + 1, len(self.owed))):
             if not self.read_ahead(self.swap.units[i]):
                 break
 
     def idle(self) -> None:
-        """Nothing owed (the forward has run every update; a backward is under way): the buffers go
-        back, so the backward's activations never meet them.  One allocation per step, not per unit."""
-        if not self.owed and self.store.buffers:
-            self.drain()
+        """Nothing owed (the forward has run every update; a backward is under way): unless resident,
+        the buffers go back, so the backward's activations never meet them.  One allocation per
+        step, not per unit."""
+        if not self.owed and self.store.buffers and not self.resident:
+            self.forget()
             self.store.buffers = []
 
     def owes(self, unit: Unit) -> bool:
@@ -199,6 +213,22 @@ class DeferredStep:
         buf = self.holds.get(self.index[id(unit)])
         return None if buf is None else buf.f32["master"][:unit.numel]
 
+    def grad_region(self, unit: Unit) -> tuple[torch.Tensor, bool] | None:
+        """Where the unit's gradient goes instead of the grad file, resident: its buffer's grad
+        region and whether that already holds this step's earlier micro-steps (to add into)."""
+        i = self.index[id(unit)]
+        if not self.resident or i not in self.holds or (unit.grad_written and i not in self.grads):
+            return None
+        assert i not in self.owed and i not in self.reads
+        return self.holds[i].f32["grad"][:unit.numel], i in self.grads
+
+    def keep_grad(self, unit: Unit) -> None:
+        self.grads.add(self.index[id(unit)])
+
+    def drop_grads(self) -> None:
+        """The gradients the step did not take (a skipped step; zero_grad) are gone."""
+        self.grads &= set(self.owed)
+
     def read_ahead(self, unit: Unit) -> bool:
         i = self.index[id(unit)]
         return i in self.reads or (self.overlap and self._issue(i, wait=False))
@@ -211,19 +241,20 @@ class DeferredStep:
 
     def _idle(self, *, wait: bool) -> _Buffer | None:
         busy = {id(b) for b, _ in self.writes} | {id(b) for b, _ in self.reads.values()}
-        idle = [b for b in self.store.buffers if id(b) not in busy]
+        kept = {id(self.holds[i]) for i in self.grads}  # a gradient lives there: never reused
         held = {id(b) for b in self.holds.values()}
-        for b in idle:  # one holding no params first, then the params applied first
-            if id(b) not in held:
+        for b in self.store.buffers:  # one holding no params first, then the params updated first
+            if id(b) not in busy and id(b) not in held:
                 return b
         for b in self.holds.values():
-            if id(b) not in busy:
+            if id(b) not in busy and id(b) not in kept:
                 return b
-        freed = retire_write(self.writes, wait=wait)
-        if freed is not None:
-            return freed
+        if self.writes and id(self.writes[0][0]) not in kept:
+            freed = retire_write(self.writes, wait=wait)
+            if freed is not None:
+                return freed
         if wait:  # every buffer holds a read ahead: give up the one needed last
-            i = max(self.reads)
+            i = max(i for i in self.reads if i not in self.holds)
             b, reqs = self.reads.pop(i)
             for r in reqs:
                 r.wait()
@@ -231,15 +262,28 @@ class DeferredStep:
         return None
 
     def _issue(self, i: int, *, wait: bool) -> bool:
-        buf = self._free(wait=wait)
-        if buf is None:
-            return False
         unit = self.swap.units[i]
-        keys = STATES + (("grad",) if self.owed[i] else ())
-        if not self.owed[i]:
+        buf = self.holds.get(i)
+        keys: tuple[str, ...] = ()  # a held unit's state is in its buffer already
+        if buf is None:
+            buf = self._free(wait=wait)
+            if buf is None:
+                return False
+            keys = STATES
+        if self.owed[i] and i not in self.grads:
+            keys += ("grad",)
+        elif not self.owed[i]:
             buf.f32["grad"][:unit.numel].zero_()  # no gradient reached this unit that step
         self.reads[i] = (buf, self.store._io(unit, buf, keys, write=False))
         return True
+
+    def _settle(self, buf: _Buffer) -> None:
+        """Wait for the buffer's write-backs (a held unit's last update) before it is rewritten."""
+        mine = [w for w in self.writes if w[0] is buf]
+        for w in mine:
+            self.writes.remove(w)
+            for r in w[1]:
+                r.wait()
 
     def apply(self, unit: Unit, *, land: bool) -> None:
         """Update the unit (reading it first if no read ahead did), start its write-back, and with
@@ -250,11 +294,14 @@ class DeferredStep:
         buf, reqs = self.reads.pop(i)
         for r in reqs:
             r.wait()
+        self._settle(buf)
         self.store.update(unit, buf, **self.args)
         del self.owed[i]
+        self.grads.discard(i)
         if land:
             self.swap.fill(unit, buf.f32["master"][:unit.numel])
-        self.holds[i] = buf
+        self.holds.pop(i, None)
+        self.holds[i] = buf  # the most recently updated last
         self.writes.append((buf, self.store._io(unit, buf, STATES, write=True)))
         if not self.overlap:
             self.drain()
@@ -271,15 +318,27 @@ class DeferredStep:
         self.drain()
 
     def drop(self) -> None:
-        self.drain()
+        self.forget()
         self.owed = {}
 
+    def forget(self) -> None:
+        """No request in flight and the buffers' contents given up (the caller may overwrite or
+        free them): a gradient still in a buffer goes to the grad file first."""
+        self.drain()
+        for i in sorted(self.grads):
+            unit = self.swap.units[i]
+            for r in self.store._io(unit, self.holds[i], ("grad",), write=True):
+                r.wait()
+            unit.grad_written = True
+        self.grads.clear()
+        self.holds.clear()
+
     def drain(self) -> None:
-        """Wait for every request in flight (reads of owed units are simply issued again later)."""
+        """Wait for every request in flight (reads of owed units are simply issued again later;
+        held buffers keep what they hold)."""
         pending = [r for _, reqs in list(self.writes) + list(self.reads.values()) for r in reqs]
         self.writes.clear()
         self.reads.clear()
-        self.holds.clear()  # the caller may overwrite the buffers now
         error: OSError | None = None
         for r in pending:  # all of them, even after an error: no request may outlive its buffer
             try:

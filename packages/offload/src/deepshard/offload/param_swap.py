@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from .config import OffloadConfig
 from .param_init import fixed_mmap_threshold
-from .unit_swap import Unit, UnitSwap
+from .unit_swap import Unit, UnitSwap, mapped_blocks, training_mmap_threshold
 
 
 def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None:
@@ -42,7 +42,8 @@ def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if before is not None:
             before()
-        out = orig(*args, **kwargs)
+        with mapped_blocks():  # the unit's gathered params and gradients: mapped, as its shards
+            out = orig(*args, **kwargs)
         if after is not None:
             after()
         return out
@@ -100,6 +101,7 @@ class ParamSwap(UnitSwap):
         assert sorted(s.index for u in self.units for s in u.slots) == list(range(len(params)))
         self.num_params = len(params)
         self._norms = [torch.zeros(1) for _ in params]
+        training_mmap_threshold()
 
     def materializer(self, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
         """Wrap a sharded model's ``materialize(model)`` so no more than a unit or two is ever
@@ -148,27 +150,37 @@ class ParamSwap(UnitSwap):
             grads.append(None if g is None else g._local_tensor if hasattr(g, "_local_tensor") else g)
         if all(g is None for g in grads):
             return
-        buf = self._free_buffer(wait=True)
-        assert buf is not None
-        f32 = buf[:unit.nbytes].view(torch.float32)
-        if unit.grad_written:  # grad accumulation: FSDP2 would add into .grad; add into the file's
-            self._io(unit, "grad", buf, write=False).wait()
+        # resident (every unit's state in the deferred step's buffers): the gradient stays in its buffer
+        kept = self.deferred.grad_region(unit) if self.deferred is not None else None
+        buf = None
+        if kept is not None:
+            f32, accumulate = kept
         else:
+            buf = self._free_buffer(wait=True)
+            assert buf is not None
+            f32, accumulate = buf[:unit.nbytes].view(torch.float32), unit.grad_written
+            if accumulate:  # grad accumulation: FSDP2 would add into .grad; add into the file's
+                self._io(unit, "grad", buf, write=False).wait()
+        if not accumulate:
             f32.zero_()
         views = []
         with torch.no_grad():
             for s, g in zip(unit.slots, grads):
                 view = f32[s.offset:s.offset + s.local_numel]
                 if g is not None:
-                    if unit.grad_written:
+                    if accumulate:
                         view.add_(g.reshape(-1))
                     else:
                         view.copy_(g.reshape(-1))
                 views.append(view)
             for s, n in zip(unit.slots, torch._foreach_norm(views, 2, dtype=torch.float32)):
                 self._norms[s.index] = n.reshape(1)
-        self._writes.append((buf, [self._io(unit, "grad", buf, write=True)]))
-        unit.grad_written = True
+        if buf is None:
+            assert self.deferred is not None
+            self.deferred.keep_grad(unit)
+        else:
+            self._writes.append((buf, [self._io(unit, "grad", buf, write=True)]))
+            unit.grad_written = True
         for s in unit.slots:
             s.fsdp_param.sharded_param.grad = None
 
@@ -184,6 +196,8 @@ class ParamSwap(UnitSwap):
     def zero_grad(self) -> None:
         """The step consumed (or skipped) the gradients: the next backward starts a fresh sum."""
         self.finish_writes()
+        if self.deferred is not None:
+            self.deferred.drop_grads()
         for unit in self.units:
             unit.grad_written = False
         self._norms = [torch.zeros(1) for _ in range(self.num_params)]
