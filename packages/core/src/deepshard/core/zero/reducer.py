@@ -107,7 +107,8 @@ class AllReduceReducer(_HookedReducer):
     """DDP semantics: average the full gradient over the group, in buckets of fp32 flat buffers.
 
     fp32 params keep their gradients as views of the buffers (DDP's ``gradient_as_bucket_view``):
-    autograd accumulates into them in place, with no packing copy and no copy back.  bf16/fp16
+    after each step's first gradient is copied in, autograd accumulates into them in place, with no
+    packing copy and no copy back.  bf16/fp16
     params cannot hold an fp32 ``.grad``: each micro-step's gradient is folded into its fp32 view
     by the post-accumulate hook and dropped, so the accumulation is fp32 too.
     """
@@ -138,17 +139,25 @@ class AllReduceReducer(_HookedReducer):
         return sum(flat.nbytes for flat in self.flats)
 
     def zero_grad(self) -> None:
-        """Zero the buckets; fp32 grads are (re)attached as views of their bucket."""
-        for flat in self.flats:
-            flat.zero_()
-        for i, p in enumerate(self.params):
-            p.grad = like_param(p, self.grad(i)) if self.as_views[i] else None
+        """Forget the step's gradients without a pass over the buckets: each param's first gradient of
+        the next step is copied into its view (:meth:`_accumulate`), and a view no gradient reached is
+        zeroed when its bucket launches.  (Zeroing 17M fp32 elements took 12 ms a step here.)"""
+        self._homed = [False] * len(self.params)
+        for p in self.params:
+            p.grad = None
 
     def _accumulate(self, i: int) -> None:
         p = self.params[i]
-        if not self.as_views[i] and p.grad is not None:
+        if p.grad is None:
+            return
+        if not self.as_views[i]:
             self.grad(i).add_(local_tensor(p.grad))
             p.grad = None
+        elif not self._homed[i]:  # the step's first gradient: into the view, where autograd adds the rest
+            view = self.grad(i)
+            view.copy_(local_tensor(p.grad))
+            p.grad = like_param(p, view)
+            self._homed[i] = True
 
     def _gather_home(self, b: int) -> None:
         """Make bucket ``b``'s flat buffer hold every one of its gradients before it is reduced."""
@@ -164,6 +173,7 @@ class AllReduceReducer(_HookedReducer):
                 else:
                     continue
                 p.grad = like_param(p, view)
+                self._homed[i] = True
             else:
                 self._accumulate(i)
 
