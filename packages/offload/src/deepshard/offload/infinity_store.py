@@ -29,7 +29,7 @@ from .aio import AioRequest, as_buffer
 from .nvme_store import _Buffer
 from .param_swap import ParamSwap
 from .streaming import retire_write, stream_groups
-from .unit_swap import Unit, trim_heap
+from .unit_swap import Unit
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _REGION = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "grad": "grad"}
@@ -83,7 +83,6 @@ class InfinityStore(StateStore):
         swap.finish_writes()
         self.deferred.run_all()  # two steps with no forward between: the first one's updates first
         swap.release_all()  # resident copies would be stale after the update
-        trim_heap()  # the backward's freed blocks leave before the step's buffers and the forward
         self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
     def update(self, unit: Unit, buf: _Buffer, *, lr: float, step: int, grad_scale: float) -> None:

@@ -16,7 +16,6 @@ sharded params are the fp32 masters).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -28,58 +27,11 @@ import torch
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
+from .heap import mapped_blocks
 from .nvme_store import VEC  # every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
-from .param_init import _M_MMAP_THRESHOLD, MMAP_THRESHOLD
 from .streaming import retire_write
 
 FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
-
-
-# glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2): blocks below it come from the heap
-TRAINING_MMAP_THRESHOLD = 32 * 2**20
-_libc: Any = None  # libc once training's threshold is set (None: left as it is)
-
-
-def _set_mmap_threshold(nbytes: int) -> None:
-    if _libc is not None:
-        _libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back (between the backward and the next forward): else the
-    backward's high water would stay resident beside the forward's deferred-step buffers."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-def training_mmap_threshold() -> None:
-    """Once every unit is on NVMe (init done): blocks up to 32 MiB come from malloc's heap again,
-    except a unit's shards (:meth:`UnitSwap.fill` maps each one separately, as init did, so a
-    freed shard leaves the process and the shards never pile up in the heap).
-
-    Init needs :func:`~.param_init.fixed_mmap_threshold` throughout.  Training's other blocks --
-    gathered params, gradients, activations -- are transient and reuse what the last one freed, so
-    the heap stays at the working set; mapped separately, every one was page-faulted in again on
-    each touch, which cost ~25% of a step in compute's own kernels (2M params, 16 x 64 tokens: no
-    offload 0.28 s; with every block mapped 0.36 s).  Shards in the heap, interleaved with the
-    forward's saved activations, left holes that added up to the model (52M params: +210 MB)."""
-    global _libc
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or _libc is not None:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        libc = ctypes.CDLL("libc.so.6")
-        _libc = libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    _set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
-
-
-@contextlib.contextmanager
-def mapped_blocks() -> Iterator[None]:
-    """Inside: every block over 128 KiB is mapped on its own (freed, it leaves the process)."""
-    _set_mmap_threshold(MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        _set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
 
 
 class Deferred(Protocol):
