@@ -30,7 +30,6 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from .config import OffloadConfig
-from .heap import mapped_blocks, training_heap
 from .param_init import fixed_mmap_threshold
 from .unit_swap import Unit, UnitSwap
 
@@ -43,8 +42,7 @@ def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if before is not None:
             before()
-        with mapped_blocks():  # the unit's gathered params and gradients: mapped, as its shards
-            out = orig(*args, **kwargs)
+        out = orig(*args, **kwargs)
         if after is not None:
             after()
         return out
@@ -67,7 +65,6 @@ class ParamSwap(UnitSwap):
         """Hook the FSDP units of ``model`` (after ``fully_shard``): the root first, then ``blocks``
         in forward order.  Params may still be on the meta device; the files open in :meth:`open`."""
         fixed_mmap_threshold()
-        training_heap(False)  # until this run's units are on NVMe (an earlier run's may have been resident)
         for name, module in [("root", model)] + [(f"block{i}", b) for i, b in enumerate(blocks)]:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
@@ -103,7 +100,6 @@ class ParamSwap(UnitSwap):
         assert sorted(s.index for u in self.units for s in u.slots) == list(range(len(params)))
         self.num_params = len(params)
         self._norms = [torch.zeros(1) for _ in params]
-        training_heap(self.config.buffer_count >= len(self.units))  # resident: compute-bound (heap.py)
 
     def materializer(self, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
         """Wrap a sharded model's ``materialize(model)`` so no more than a unit or two is ever

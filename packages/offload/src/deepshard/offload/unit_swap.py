@@ -27,7 +27,6 @@ import torch
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
-from .heap import mapped_blocks
 from .nvme_store import VEC  # every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
 from .streaming import retire_write
 
@@ -205,12 +204,10 @@ class UnitSwap:
 
     def fill(self, unit: Unit, f32: torch.Tensor) -> None:
         """Refill the unit's FSDPParams' shard storages from ``f32`` (the unit's flat layout)."""
-        with mapped_blocks():  # freed, the shards leave the process
-            for s in unit.slots:
-                s.data.untyped_storage().resize_(s.numel * 4)
         with torch.no_grad():
             for s in unit.slots:
                 data = s.data
+                data.untyped_storage().resize_(s.numel * 4)
                 with torch.autograd._unsafe_preserve_version_counter(data):
                     data.copy_(f32[s.offset:s.offset + s.numel])
         unit.resident = True
