@@ -14,7 +14,9 @@ next needed, at its unshard in the next forward, in forward order, while the rea
 forward's compute.  The updated params land straight in the unit's shards, so the forward reads
 no param file of its own.  The arithmetic is the same :func:`adamw_update` on the same unit, so
 the result is bit-identical to an eager step; anything that reads the files (a checkpoint save,
-:meth:`ParamSwap.resident`) first runs the updates still owed.
+:meth:`ParamSwap.resident`) first runs the updates still owed.  With as many buffers as units
+(*resident*) the buffers keep every unit's state and gradient between steps: a step then reads
+nothing and writes 12 bytes per element (see :class:`DeferredStep`).
 """
 
 from __future__ import annotations

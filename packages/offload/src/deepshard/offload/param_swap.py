@@ -11,7 +11,8 @@ Hooks: three methods of each unit's ``FSDPParamGroup`` are wrapped on the instan
 class): ``unshard`` (refill first, then read ahead), ``wait_for_unshard`` (after it, the
 unsharded params hold the data: free the shards) and ``post_backward`` (after the reduce-scatter,
 the unit's gradient shards go to the gradient swap file, accumulated there across micro-steps,
-and ``.grad`` is dropped, so no whole-model gradient is ever resident).  Each gradient's norm is
+and ``.grad`` is dropped, so no whole-model gradient is ever resident; when the optimizer's
+buffers hold every unit (resident), into the unit's buffer instead of the file).  Each gradient's norm is
 taken when it is written, so the optimizer's global norm needs no gradient in memory
 (:meth:`ParamSwap.grad_norms`).  The optimizer step itself (:mod:`.infinity_store`) runs unit by
 unit on the same files, each unit's update deferred to its unshard in the next forward (a
