@@ -12,7 +12,9 @@ bandwidth beside it.  Then, at the largest size that still trains in L *without*
 same way), the step time of params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by
 prefetch), at ``--compare-batch`` x ``--seq`` tokens per step (the swapped bytes per step are fixed
 by the model, the compute grows with the tokens: ``--compare-batch 8`` shows the slowdown at half
-as many).  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
+as many).  At that size every unit fits the step's buffers (resident: a step reads nothing and writes
+12 B/param), so the same run with ``buffer_count=1`` (``streaming``: every unit's state read and
+written each step) is reported beside it.  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
     python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
 
@@ -235,6 +237,17 @@ def _steady(res: dict) -> float:
     return min(res["step_s"][1:])
 
 
+def _slowdown(inf: dict, plain: dict) -> dict:
+    """An offloaded run's step time over the run without offload, and the bytes its last step moved
+    (a model whose units all fit the step's buffers, ``buffer_count >= units``, reads nothing)."""
+    if not inf["ok"]:
+        return {"step_s_infinity": None, "slowdown": None, "median_slowdown": None, "losses_equal": False}
+    return {"step_s_infinity": _steady(inf), "slowdown": _steady(inf) / _steady(plain),
+            "median_slowdown": statistics.median(inf["step_s"][1:]) / statistics.median(plain["step_s"][1:]),
+            "read_bytes_per_step": inf["swap"]["read_bytes"], "write_bytes_per_step": inf["swap"]["write_bytes"],
+            "losses_equal": inf["losses"] == plain["losses"]}
+
+
 def deepspeed_note() -> str:
     """Why DeepSpeed's own NVMe offload is (not) compared here, checked on this host."""
     try:
@@ -303,16 +316,15 @@ def main() -> None:
                                      limit=limit, base=base)
         report["tried_no_offload"] = ptried
         if pres is not None:
-            inf = run_worker({**base, "model": llama_spec(psize, dim=base["dim"]), "offload": True}, limit_bytes=limit)
+            spec = {**base, "model": llama_spec(psize, dim=base["dim"]), "offload": True}
+            inf = run_worker(spec, limit_bytes=limit)
             report["at_largest_without_offload"] = {
                 "size_m": psize, "batch": args.compare_batch, "seq": args.seq,
                 "tokens_per_step": args.compare_batch * args.seq, "step_s_no_offload": _steady(pres),
-                "step_s_infinity": _steady(inf) if inf["ok"] else None,
-                "slowdown": _steady(inf) / _steady(pres) if inf["ok"] else None,
-                "median_slowdown": statistics.median(inf["step_s"][1:]) / statistics.median(pres["step_s"][1:])
-                if inf["ok"] else None,
+                **_slowdown(inf, pres),
                 "phase_s_no_offload": pres["phase_s"], "phase_s_infinity": inf.get("phase_s"),
-                "losses_equal": inf["ok"] and inf["losses"] == pres["losses"],
+                # one buffer fewer than the units: every step reads and writes every unit's state
+                "streaming": _slowdown(run_worker({**spec, "buffer_count": 1}, limit_bytes=limit), pres),
             }
         report["deepspeed"] = deepspeed_note()
     print(json.dumps(report, indent=1))
