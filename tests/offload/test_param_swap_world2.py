@@ -99,15 +99,16 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_
     return losses, full, held, stats
 
 
-def _resumed(nvme_path: str, ckpt_root: str, save_nvme: bool, load_nvme: bool) -> list[float]:
-    """2 steps in one layout, a checkpoint, 3 more steps after loading it into the other layout."""
+def _resumed(nvme_path: str, ckpt_root: str, save_nvme: bool, load_nvme: bool, buffer_count: int) -> list[float]:
+    """2 steps in one layout, a checkpoint, 3 more steps after loading it into the other layout
+    (``buffer_count=3``: the swapped side is resident, its state and gradients in the step's buffers)."""
     from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
 
-    first, _ = _engine(nvme_path if save_nvme else None)
+    first, _ = _engine(nvme_path if save_nvme else None, buffer_count=buffer_count)
     losses = _steps(first, range(2))
     path = save_checkpoint(ckpt_root, 2, first.optimizer, first.mesh["dp"], model=first.model)
     first.store.close()
-    second, _ = _engine(nvme_path if load_nvme else None)
+    second, _ = _engine(nvme_path if load_nvme else None, buffer_count=buffer_count)
     load_checkpoint(path, second.optimizer, second.mesh["dp"], model=second.model)
     losses += _steps(second, range(2, STEPS))
     second.store.close()
@@ -121,7 +122,9 @@ def _worker(nvme_path: str, ckpt_root: str):
     out = {(name, on): _train(nvme_path if on else None, *case) for name, case in CASES.items()
            for on in (False, True)}
     for save, load in ((True, False), (False, True)):
-        out[("resumed", save, load)] = _resumed(nvme_path, f"{ckpt_root}/{int(save)}{int(load)}", save, load)
+        for count in (2, 3):
+            out[("resumed", save, load, count)] = _resumed(nvme_path, f"{ckpt_root}/{int(save)}{int(load)}{count}",
+                                                           save, load, count)
     return out
 
 
@@ -158,11 +161,12 @@ def test_param_swap_matches_no_offload(runs, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("save", "load"), [(True, False), (False, True)], ids=["nvme_to_none", "none_to_nvme"])
-def test_checkpoint_resumes_across_the_layout(runs, save, load):
+@pytest.mark.parametrize(("save", "load", "count"), [(True, False, 2), (False, True, 2), (True, False, 3), (False, True, 3)],
+                         ids=["nvme_to_none", "none_to_nvme", "resident_to_none", "none_to_resident"])
+def test_checkpoint_resumes_across_the_layout(runs, save, load, count):
     """Saved from the swap files and loaded into no offload, and the reverse: the losses go on as if
     one run (the uninterrupted run without offload is the reference)."""
     for rank in (0, 1):
         base = runs[rank][("plain", False)][0]
-        assert runs[rank][("resumed", save, load)] == pytest.approx(base, rel=1e-6)
+        assert runs[rank][("resumed", save, load, count)] == pytest.approx(base, rel=1e-6)
 
