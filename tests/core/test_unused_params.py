@@ -76,11 +76,31 @@ def _run(stage: int) -> dict[str, torch.Tensor]:
             for n, p in engine.model.named_parameters()}
 
 
-def _worker() -> dict[int, dict[str, torch.Tensor]]:
+def _first_grads(stage: int) -> list[torch.Tensor]:
+    """This rank's gradients (``stage.local_grads()``: its Shard(0) rows from stage 1 on) after step 0's
+    two backward passes, before any optimizer step."""
+    import torch.distributed as dist
+
+    from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, initialize
+
+    rank = dist.get_rank()
+    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=100, allgather_bucket_size=100),
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=1e-6, weight_decay=WD, grad_clip=0.0), grad_accum=2)
+    model = Branchy()
+    engine = initialize(model, config, blocks=[model.inp, model.branch])
+    x = data()
+    for m, use in enumerate(BRANCH[0]):
+        engine.backward(engine(x[0, m, rank], use))
+    return [g.detach().clone() for g in engine.stage.local_grads()]
+
+
+def _worker() -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {stage: _run(stage) for stage in (0, 1, 2, 3)}
+    out: dict = {stage: _run(stage) for stage in (0, 1, 2, 3)}
+    out["grads"] = {stage: _first_grads(stage) for stage in (0, 1, 2, 3)}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +117,29 @@ def test_unreached_parameters_get_a_zero_gradient(runs, stage):
             got = by_stage[stage][name]
             err = ((got - want).norm() / want.norm()).item()
             assert err < 1e-5, f"stage {stage} rank {rank}: {name} differs from the reference by {err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_reduced_gradients_are_the_global_batch_average(runs, stage):
+    """Each rank's own rows after the accumulation boundary are the reference's gradient, to 1e-6: the
+    parity tests above cannot see a wrong divisor (AdamW without clipping is scale-invariant), this can."""
+    model = Branchy()
+    x = data()
+    loss = sum(model(x[0, m].reshape(-1, DIM), use) for m, use in enumerate(BRANCH[0])) / len(BRANCH[0])
+    loss.backward()
+    ref = [p.grad for p in model.parameters()]
+    for rank, out in enumerate(runs):
+        got = out["grads"][stage]
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            per = -(-r.shape[0] // 2)  # Shard(0): ceil(rows / 2) rows each, rank 1's of a 1-row bias empty
+            want = r if stage == 0 else r[rank * per:(rank + 1) * per]
+            assert g.shape == want.shape, (stage, rank, g.shape, want.shape)
+            if not want.numel():
+                continue
+            err = ((g - want).norm() / want.norm()).item()
+            assert err < 1e-6, f"stage {stage} rank {rank}: gradient differs from the reference by {err:.2e}"
 
 
 def test_reference_really_skips_the_branch():
