@@ -56,7 +56,10 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(stage: int) -> dict[str, torch.Tensor]:
+def _run(stage: int) -> dict:
+    """Every step of ``BRANCH`` on this rank; returns the final full params and this rank's gradients
+    (``stage.local_grads()``: its Shard(0) rows from stage 1 on) after step 0's backward passes,
+    before its optimizer step."""
     import torch.distributed as dist
 
     from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, initialize
@@ -67,44 +70,28 @@ def _run(stage: int) -> dict[str, torch.Tensor]:
     model = Branchy()
     engine = initialize(model, config, blocks=[model.inp, model.branch])
     x = data()
+    first_grads: list[torch.Tensor] = []
     for step, uses in enumerate(BRANCH):
         for m, use in enumerate(uses):
             engine.backward(engine(x[step, m, rank], use))
+        if step == 0:
+            first_grads = [g.detach().clone() for g in engine.stage.local_grads()]
         engine.step()
     engine.gather_params()
-    return {n: (p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data).detach().clone()
-            for n, p in engine.model.named_parameters()}
+    params = {n: (p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data).detach().clone()
+              for n, p in engine.model.named_parameters()}
+    return {"params": params, "first_grads": first_grads}
 
 
-def _first_grads(stage: int) -> list[torch.Tensor]:
-    """This rank's gradients (``stage.local_grads()``: its Shard(0) rows from stage 1 on) after step 0's
-    two backward passes, before any optimizer step."""
-    import torch.distributed as dist
-
-    from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, initialize
-
-    rank = dist.get_rank()
-    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=100, allgather_bucket_size=100),
-                          optim=OptimConfig(lr=LR, betas=BETAS, eps=1e-6, weight_decay=WD, grad_clip=0.0), grad_accum=2)
-    model = Branchy()
-    engine = initialize(model, config, blocks=[model.inp, model.branch])
-    x = data()
-    for m, use in enumerate(BRANCH[0]):
-        engine.backward(engine(x[0, m, rank], use))
-    return [g.detach().clone() for g in engine.stage.local_grads()]
-
-
-def _worker() -> dict:
+def _worker() -> dict[int, dict]:
     from deepshard.core import init_distributed
 
     init_distributed()
-    out: dict = {stage: _run(stage) for stage in (0, 1, 2, 3)}
-    out["grads"] = {stage: _first_grads(stage) for stage in (0, 1, 2, 3)}
-    return out
+    return {stage: _run(stage) for stage in (0, 1, 2, 3)}
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[int, dict[str, torch.Tensor]]]:
+def runs() -> list[dict[int, dict]]:
     return launch_local(_worker, 2)
 
 
@@ -114,7 +101,7 @@ def test_unreached_parameters_get_a_zero_gradient(runs, stage):
     ref = reference()
     for rank, by_stage in enumerate(runs):
         for name, want in ref.items():
-            got = by_stage[stage][name]
+            got = by_stage[stage]["params"][name]
             err = ((got - want).norm() / want.norm()).item()
             assert err < 1e-5, f"stage {stage} rank {rank}: {name} differs from the reference by {err:.2e}"
 
@@ -130,7 +117,7 @@ def test_reduced_gradients_are_the_global_batch_average(runs, stage):
     loss.backward()
     ref = [p.grad for p in model.parameters()]
     for rank, out in enumerate(runs):
-        got = out["grads"][stage]
+        got = out[stage]["first_grads"]
         assert len(got) == len(ref)
         for g, r in zip(got, ref):
             per = -(-r.shape[0] // 2)  # Shard(0): ceil(rows / 2) rows each, rank 1's of a 1-row bias empty
