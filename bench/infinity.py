@@ -14,7 +14,8 @@ prefetch), at ``--compare-batch`` x ``--seq`` tokens per step (the swapped bytes
 by the model, the compute grows with the tokens: ``--compare-batch 8`` shows the slowdown at half
 as many).  At that size every unit fits the step's buffers (resident: a step reads nothing and writes
 12 B/param), so the same run with ``buffer_count=1`` (``streaming``: every unit's state read and
-written each step) is reported beside it.  DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
+written each step) is reported beside it.  DeepSpeed's own NVMe offload is tried last and, where it
+cannot run, the reason is said.
 
     python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
 
