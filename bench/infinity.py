@@ -8,14 +8,17 @@ plain O_DIRECT stream of the same bytes on the same path, measured in the same p
 (goal >= 0.8).  That run overlaps its I/O with compute on the host's CPUs, so its busy time counts
 compute's share of them too; the same size trained again with ``aio.overlap_events=false`` (every
 request waited for as issued: I/O alone, as the plain stream is) gives the swap path's own
-bandwidth beside it.  Then, at the largest size that still trains in L *without* offload (searched the
-same way), the step time of params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by
-prefetch), at ``--compare-batch`` x ``--seq`` tokens per step (the swapped bytes per step are fixed
-by the model, the compute grows with the tokens: ``--compare-batch 8`` shows the slowdown at half
-as many).  At that size every unit fits the step's buffers (resident: a step reads nothing and writes
-12 B/param), so the same run with ``buffer_count=1`` (``streaming``: every unit's state read and
-written each step) is reported beside it.  DeepSpeed's own NVMe offload is tried last and, where it
-cannot run, the reason is said.
+bandwidth beside it (each figure the median of ``--io-rounds`` such runs).  Then, at the largest
+size that still trains in L *without* offload (searched the same way), the step time of
+params=nvme + offload=nvme over no offload (goal <= 1.5: I/O hidden by prefetch; each ratio the
+median of ``--compare-rounds`` rounds that run them in turn), at ``--compare-batch`` x ``--seq``
+tokens per step (the swapped bytes per step are fixed by the model, the compute grows with the
+tokens: ``--compare-batch 8`` shows the slowdown at half as many).  At that size every unit fits
+the step's buffers (resident: a step reads nothing and writes 12 B/param), so the same run with
+``buffer_count=1`` (``streaming``: every unit's state read and written each step) is reported
+beside it, and both again over a run without offload under offload's malloc policy
+(``same_malloc``: the page faults of a fixed mmap threshold apart from the swapping's cost).
+DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
     python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
 
@@ -73,11 +76,12 @@ def llama_spec(params_m: float, *, dim: int = 256, vocab: int = 512) -> dict:
             "ffn_hidden": ffn, "max_seq_len": 64}
 
 
-def run_worker(spec: dict, *, limit_bytes: int | None, timeout_s: float = 900) -> dict:
-    """``spec`` trained in a fresh process (inside a memory cgroup when ``limit_bytes``); its JSON,
-    plus ``peak_bytes`` (the group's max usage) and ``ok`` (False: killed, e.g. by the OOM killer)."""
+def run_worker(spec: dict, *, limit_bytes: int | None, timeout_s: float = 900, env: dict | None = None) -> dict:
+    """``spec`` trained in a fresh process (inside a memory cgroup when ``limit_bytes``, with ``env``
+    added to its environment); its JSON, plus ``peak_bytes`` (the group's max usage) and ``ok``
+    (False: killed, e.g. by the OOM killer)."""
     cmd = [sys.executable, os.path.abspath(__file__), "worker", json.dumps(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
     with contextlib.ExitStack() as stack:
         group = stack.enter_context(memory_cgroup(limit_bytes)) if limit_bytes else None
         if group is not None:  # join the group before exec: everything the worker maps is charged
@@ -249,6 +253,57 @@ def _slowdown(inf: dict, plain: dict) -> dict:
             "losses_equal": inf["losses"] == plain["losses"]}
 
 
+def compare(first_plain: dict, spec: dict, *, limit: int, rounds: int) -> dict:
+    """Without offload, the default offload (resident at this size) and ``streaming``, run in turn
+    ``rounds`` times (the first run without offload is the search's): this host's load varies by
+    tens of percent from minute to minute, so each ratio is the median of its rounds' own ratios."""
+    from deepshard.offload.param_init import MMAP_THRESHOLD
+
+    per_round = []
+    for r in range(rounds):
+        plain = first_plain if r == 0 else run_worker({**spec, "offload": False}, limit_bytes=limit)
+        if not plain["ok"]:
+            continue
+        inf = run_worker({**spec, "offload": True}, limit_bytes=limit)
+        # one buffer fewer than the units: every step reads and writes every unit's state
+        streaming = run_worker({**spec, "offload": True, "buffer_count": 1}, limit_bytes=limit)
+        # no offload under the malloc policy the offload runs with (see same_malloc below)
+        fixed = run_worker({**spec, "offload": False}, limit_bytes=limit,
+                           env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+        per_round.append({"step_s_no_offload": _steady(plain), "default": _slowdown(inf, plain),
+                          "streaming": _slowdown(streaming, plain), "phase_s_no_offload": plain["phase_s"],
+                          "phase_s_infinity": inf.get("phase_s"),
+                          "same_malloc": {"step_s_no_offload": _steady(fixed) if fixed["ok"] else None,
+                                          "default": _slowdown(inf, fixed)["slowdown"] if fixed["ok"] else None,
+                                          "streaming": _slowdown(streaming, fixed)["slowdown"] if fixed["ok"] else None}})
+
+    def median_of(mode: str) -> dict:
+        runs = [row[mode] for row in per_round]
+        ok = [x for x in runs if x["slowdown"] is not None]
+        out = {k: v for k, v in runs[-1].items() if k.endswith("_per_step")}
+        out.update({"slowdown": statistics.median(x["slowdown"] for x in ok) if ok else None,
+                    "median_slowdown": statistics.median(x["median_slowdown"] for x in ok) if ok else None,
+                    "slowdown_rounds": [x["slowdown"] for x in runs],
+                    "losses_equal": all(x["losses_equal"] for x in runs)})
+        return out
+
+    def same_malloc(key: str) -> float | None:
+        vals = [row["same_malloc"][key] for row in per_round if row["same_malloc"][key] is not None]
+        return statistics.median(vals) if vals else None
+
+    return {"rounds": len(per_round),
+            # Offload returns freed host blocks to the OS (param_init.fixed_mmap_threshold: 128 KiB),
+            # so on a CPU host every activation is page-faulted in anew; the run without offload keeps
+            # glibc's dynamic threshold and reuses them.  The same run without offload under the
+            # fixed threshold separates that cost from the swapping's (on a GPU, activations live in
+            # the CUDA caching allocator, which the threshold does not touch).
+            "same_malloc": {k: same_malloc(k) for k in ("step_s_no_offload", "default", "streaming")},
+            "step_s_no_offload": statistics.median(row["step_s_no_offload"] for row in per_round),
+            **median_of("default"), "streaming": median_of("streaming"),
+            "phase_s_no_offload": per_round[-1]["phase_s_no_offload"],
+            "phase_s_infinity": per_round[-1]["phase_s_infinity"]}
+
+
 def deepspeed_note() -> str:
     """Why DeepSpeed's own NVMe offload is (not) compared here, checked on this host."""
     try:
@@ -280,6 +335,10 @@ def main() -> None:
                     help="batch of the with/without offload step-time comparison (more compute per byte swapped)")
     ap.add_argument("--compare-steps", type=int, default=8,
                     help="steps of the comparison runs; their step time is the fastest after the first")
+    ap.add_argument("--io-rounds", type=int, default=3,
+                    help="runs of the largest size with its I/O alone; bandwidth ratios are their medians")
+    ap.add_argument("--compare-rounds", type=int, default=3,
+                    help="rounds of the comparison (no offload, default, streaming in turn); ratios are medians")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--sizes", default="200,150,125,100", help="millions of params, largest first")
     ap.add_argument("--plain-sizes", default="5,3,2", help="sizes for the no-offload search")
@@ -306,27 +365,29 @@ def main() -> None:
                 "param_reads_prefetched": sw["param_reads_prefetched"],
                 "param_reads_on_demand": sw["param_reads_on_demand"],
             }
-            serial = run_worker({**base, "model": llama_spec(size, dim=base["dim"]), "offload": True,
-                                 "aio": {"overlap_events": False}}, limit_bytes=limit)
-            if serial["ok"]:
-                report["infinity"]["io_alone"] = {**_bandwidths(serial["swap"], serial["plain"]),
-                                                  "step_s": serial["step_s"][-1],
-                                                  "losses_equal": serial["losses"] == res["losses"]}
+            alone = []  # the disk's rate drifts by tens of percent between runs: median of the rounds
+            for _ in range(args.io_rounds):
+                serial = run_worker({**base, "model": llama_spec(size, dim=base["dim"]), "offload": True,
+                                     "aio": {"overlap_events": False}}, limit_bytes=limit)
+                if serial["ok"]:
+                    alone.append({**_bandwidths(serial["swap"], serial["plain"]), "step_s": serial["step_s"][-1],
+                                  "losses_equal": serial["losses"] == res["losses"]})
+            if alone:
+                report["infinity"]["io_alone"] = {
+                    **{k: statistics.median(x[k] for x in alone) for k in alone[0] if k != "losses_equal"},
+                    "rounds": len(alone), "read_vs_plain_rounds": [x["read_vs_plain"] for x in alone],
+                    "write_vs_plain_rounds": [x["write_vs_plain"] for x in alone],
+                    "losses_equal": all(x["losses_equal"] for x in alone)}
         base = {**base, "batch": args.compare_batch, "steps": args.compare_steps}
         psize, pres, ptried = search([float(s) for s in args.plain_sizes.split(",")], offload=False,
                                      limit=limit, base=base)
         report["tried_no_offload"] = ptried
         if pres is not None:
-            spec = {**base, "model": llama_spec(psize, dim=base["dim"]), "offload": True}
-            inf = run_worker(spec, limit_bytes=limit)
             report["at_largest_without_offload"] = {
                 "size_m": psize, "batch": args.compare_batch, "seq": args.seq,
-                "tokens_per_step": args.compare_batch * args.seq, "step_s_no_offload": _steady(pres),
-                **_slowdown(inf, pres),
-                "phase_s_no_offload": pres["phase_s"], "phase_s_infinity": inf.get("phase_s"),
-                # one buffer fewer than the units: every step reads and writes every unit's state
-                "streaming": _slowdown(run_worker({**spec, "buffer_count": 1}, limit_bytes=limit), pres),
-            }
+                "tokens_per_step": args.compare_batch * args.seq,
+                **compare(pres, {**base, "model": llama_spec(psize, dim=base["dim"])}, limit=limit,
+                          rounds=args.compare_rounds)}
         report["deepspeed"] = deepspeed_note()
     print(json.dumps(report, indent=1))
 
