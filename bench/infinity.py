@@ -265,7 +265,7 @@ def compare(first_plain: dict, spec: dict, *, limit: int, rounds: int) -> dict:
         if not plain["ok"]:
             continue
         inf = run_worker({**spec, "offload": True}, limit_bytes=limit)
-        # one buffer fewer than the units: every step reads and writes every unit's state
+        # a single buffer (resident needs one per unit): every step reads and writes every unit's state
         streaming = run_worker({**spec, "offload": True, "buffer_count": 1}, limit_bytes=limit)
         # no offload under the malloc policy the offload runs with (see same_malloc below)
         fixed = run_worker({**spec, "offload": False}, limit_bytes=limit,
@@ -338,7 +338,8 @@ def main() -> None:
     ap.add_argument("--io-rounds", type=int, default=3,
                     help="runs of the largest size with its I/O alone; bandwidth ratios are their medians")
     ap.add_argument("--compare-rounds", type=int, default=3,
-                    help="rounds of the comparison (no offload, default, streaming in turn); ratios are medians")
+                    help="rounds of the comparison (no offload, default, streaming, no offload's same_malloc "
+                         "in turn); ratios are medians")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--sizes", default="200,150,125,100", help="millions of params, largest first")
     ap.add_argument("--plain-sizes", default="5,3,2", help="sizes for the no-offload search")
