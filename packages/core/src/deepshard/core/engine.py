@@ -1,4 +1,4 @@
-"""``initialize(model, config)``: a thin composition of mesh, ZeRO stage, precision, optimizer.
+"""``initialize(model, config)``: a thin composition of mesh, the parallelize recipe, optimizer.
 
 The engine owns no training logic beyond micro-step bookkeeping; every part is usable alone.
 """
@@ -6,6 +6,7 @@ The engine owns no training logic beyond micro-step bookkeeping; every part is u
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -13,24 +14,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.memory import ModelStateBytes, model_state_memory
 from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device
-from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
+from deepshard.core.parallelize import ShardedPart, parallelize_model
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
-from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
-
-
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks: ``model.layers`` by convention (torchtitan and HF Llama agree)."""
-    blocks = getattr(model, "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError("initialize(): pass blocks= explicitly, the model has no `layers` ModuleList")
-    return blocks
+from deepshard.core.zero import ParamOffload, ZeroStage
 
 
 class Engine:
@@ -123,37 +115,33 @@ def initialize(
     *,
     mesh: DeviceMesh | None = None,
     blocks: Sequence[nn.Module] | None = None,
+    parallelize_fn: Callable[[nn.Module], ShardedPart] | None = None,
     store_factory: StoreFactory = DeviceStateStore,
     offload_params: bool | ParamOffload = False,
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> Engine:
-    """Apply activation checkpointing, precision and ZeRO to ``model`` (fp32, on its device).
+    """Parallelize ``model`` (fp32, on its device) and build its optimizer.
 
-    ``mesh`` defaults to a pure data-parallel mesh over all ranks (a 1-rank group is started
-    when none exists).  ``store_factory`` decides where optimizer state lives.  A ``model`` built
-    on the meta device (stage 3: no rank ever holds the whole model, DeepSpeed's zero.Init) is
-    moved to the device after sharding and initialized by ``materialize(model)``.
+    ``parallelize_fn(model)`` applies the model family's recipe (the app's ``parallelize_llama``:
+    TP, activation checkpointing, precision, ZeRO, through :func:`parallelize_model`); without it,
+    :func:`parallelize_model` runs from ``config`` over ``blocks`` (default ``model.layers``) with
+    no TP plan.  ``mesh`` defaults to a pure data-parallel mesh over all ranks (a 1-rank group is
+    started when none exists).  ``store_factory`` decides where optimizer state lives.  A ``model``
+    built on the meta device (stage 3: no rank ever holds the whole model, DeepSpeed's zero.Init)
+    is moved to the device after sharding and initialized by ``materialize(model)``.
     """
     if mesh is None:
         init_distributed()
         mesh = build_mesh(ParallelDims())
-    dp_mesh = mesh["dp"]
-    blocks = find_blocks(model) if blocks is None else blocks
-    if isinstance(blocks, nn.Module):
-        apply_ac(blocks, config.ac)
-    elif config.ac != "none":
-        raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
-    dtype = config.precision.torch_dtype
     stage_num = config.zero.stage
-    num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
-
-    fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=stage_num, dtype=dtype)  # before ZeRO
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and (stage_num != 3 or materialize is None):
         raise ValueError(f"zero.stage={stage_num}: a model on the meta device needs zero.stage=3 and a "
                          f"materialize function (stages 0-2 keep full replicated params)")
-    stage = apply_zero(model, dp_mesh, config.zero, blocks=list(blocks), param_dtype=dtype,
-                       offload_params=offload_params)
+    if parallelize_fn is None:
+        parallelize_fn = partial(parallelize_model, mesh=mesh, zero=config.zero, dtype=config.precision.dtype,
+                                 ac=config.ac, blocks=blocks, offload_params=offload_params)
+    part = parallelize_fn(model)
     if on_meta:
         device = local_device()
         model.to_empty(device="cpu" if offload_params else device)
@@ -162,5 +150,8 @@ def initialize(
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
         with torch.no_grad():
             materialize(model)
-    optimizer = build_optimizer(stage, config, store_factory=store_factory, fp32_masters=fp32_masters)
-    return Engine(model, stage, optimizer, config, mesh, num_params)
+    optimizer = build_optimizer(part.zero, config, store_factory=store_factory, fp32_masters=part.fp32_masters)
+    num_params = part.num_params
+    if num_params is None:
+        num_params = sum(local_tensor(p).numel() for p in part.zero.params) * (mesh["dp"].size() if stage_num == 3 else 1)
+    return Engine(model, part.zero, optimizer, config, mesh, num_params)

@@ -20,24 +20,12 @@ from deepshard.core import DeviceStateStore, EngineConfig, StateStore
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.memory import ModelStateBytes, model_state_memory
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
+from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart
 from deepshard.core.state_store import StoreFactory
 from deepshard.core.zero import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
-IGNORE_INDEX = -100  # labels that do not count in the loss
-
 __all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPart", "build_trainer"]
-
-
-
-@dataclass
-class ShardedPart:
-    """What a ``parallelize_fn`` returns per stage module: its ZeRO stage, and for bf16/fp16 at
-    stages 0-2 the fp32 master shards ``deepshard.core.mixed_precision.apply_mixed_precision``
-    returned (so the masters start from the exact init, as ``deepshard.core.initialize`` does)."""
-
-    zero: ZeroStage
-    fp32_masters: list[torch.Tensor] | None = None
 
 
 class CompositeStage(ZeroStage):
@@ -121,7 +109,8 @@ class PipelineTrainer:
 
     model = None  # stage modules keep the full model's FQNs; the optimizer holds every param (see modules)
 
-    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, mesh: DeviceMesh, dtype: str = "fp32") -> None:
+    def __init__(self, pipeline: Pipeline, optimizer: ZeroOptimizer, *, mesh: DeviceMesh, dtype: str = "fp32",
+                 num_params: int | None = None) -> None:
         self.pipeline = pipeline
         self.optimizer = optimizer
         self.mesh = mesh
@@ -130,7 +119,7 @@ class PipelineTrainer:
         self.dtype = dtype
         self.world = dist.get_world_size()
         self.loss_ranks = self.world // pipeline.pp_mesh.size()  # ranks holding the last stage
-        self.num_params = self._rank_param_count()
+        self.num_params = self._rank_param_count() if num_params is None else num_params
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -199,4 +188,6 @@ def build_trainer(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
     zero = parts[0].zero if len(parts) == 1 else CompositeStage([p.zero for p in parts])
     masters = [t for p in parts for t in p.fp32_masters] if all(p.fp32_masters is not None for p in parts) else None
     optimizer = build_optimizer(zero, config, store_factory=store_factory, fp32_masters=masters)
-    return PipelineTrainer(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype)
+    counted = [p.num_params for p in parts]
+    num_params = sum(counted) if None not in counted else None
+    return PipelineTrainer(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype, num_params=num_params)

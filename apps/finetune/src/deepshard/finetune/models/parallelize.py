@@ -1,4 +1,4 @@
-"""How the Llama model is parallelized: its TP plan, and TP -> AC -> ZeRO in torchtitan's order.
+"""How the Llama model is parallelized: its TP plan, handed to core's one recipe (TP -> AC -> precision -> ZeRO).
 
 ``parallelize_llama`` works on the whole model or on one pipeline stage (a stage lacks the
 embedding or the head: the plan only names what exists), and is what ``pipeline_llama`` hands
@@ -31,22 +31,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import EngineConfig, ZeroConfig
 from deepshard.core.mesh import local_device
-from deepshard.core.mixed_precision import apply_mixed_precision
-from deepshard.core.precision import DTYPES
+from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart, parallelize_model
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
-from deepshard.core.tensor_parallel import (
-    ColwiseWithChildren,
-    ReplicateParallel,
-    RowwiseWithChildren,
-    apply_tp,
-)
-from deepshard.core.zero import apply_zero
+from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParallel, RowwiseWithChildren
+from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
-from deepshard.pipeline import PipelineTrainer, ShardedPart, build_pipeline, build_trainer
+from deepshard.pipeline import PipelineTrainer, build_pipeline, build_trainer
 
 __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
 
@@ -89,21 +82,16 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
-                      ac: str = "none", offload_params: bool = False) -> ShardedPart:
-    """TP on ``mesh["tp"]``, activation checkpointing, then ZeRO on ``mesh["dp"]``, in place.
+                      ac: str = "none", offload_params: bool | ParamOffload = False) -> ShardedPart:
+    """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
 
-    ``model`` is fp32 with real weights.  Stages 0-2 compute in ``dtype`` (the fp32 local shards
-    are kept for the master weights); stage 3 keeps fp32 shards and casts per all-gather.
+    ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
+    0-2 compute in ``dtype`` (the fp32 local shards are kept for the master weights); stage 3
+    keeps fp32 shards and casts per all-gather.  The engine and every pipeline stage take this.
     """
     check_tp(model.cfg, mesh["tp"].size())
-    apply_tp(model, mesh["tp"], llama_tp_plan(model))
-    apply_ac(model.layers, ac)
-    dp_mesh = mesh["dp"]
-    torch_dtype = DTYPES[dtype]
-    fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
-    stage = apply_zero(model, dp_mesh, zero, blocks=list(model.layers), param_dtype=torch_dtype,
-                       offload_params=offload_params)
-    return ShardedPart(stage, fp32_masters)
+    return parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
+                             tp_plan=llama_tp_plan(model), offload_params=offload_params)
 
 
 def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = None) -> Callable[[nn.Module], None]:
@@ -143,7 +131,7 @@ def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = No
 def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The pipeline's last-stage loss: the summed token loss over labels != -100 (the trainer divides
     by the step's global valid-token count)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
