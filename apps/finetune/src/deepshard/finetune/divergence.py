@@ -97,12 +97,22 @@ class DivergenceGuard:
 
 def inject_test_fault(model: torch.nn.Module | None, step: int) -> None:
     """Test-only, does nothing unless ``DEEPSHARD_TEST_FAULT`` is set.  ``nan@K``: from step K on the
-    embedding's output is NaN, so a real NaN flows through the loss into every gradient.
+    embedding's output is NaN, so a real NaN flows through the loss into every gradient; ``nan@K:N``:
+    for the N steps K..K+N-1 only (a transient fault the run recovers from).
     ``error@K``: the last rank raises at step K (a worker error the launcher must report)."""
     kind, _, at = os.environ.get(FAULT_ENV, "").partition("@")
-    if not at or step != int(at):
+    first, _, count = at.partition(":")
+    if not first:
+        return
+    if kind == "nan" and model is not None and count and step == int(first) + int(count):
+        _NAN_HOOKS.pop(id(model)).remove()
+    if step != int(first):
         return
     if kind == "nan" and model is not None:
-        model.get_submodule("embed_tokens").register_forward_hook(lambda mod, inp, out: out * float("nan"))
+        hook = model.get_submodule("embed_tokens").register_forward_hook(lambda mod, inp, out: out * float("nan"))
+        _NAN_HOOKS[id(model)] = hook
     elif kind == "error" and dist.get_rank() == dist.get_world_size() - 1:
         raise RuntimeError(f"injected test fault at step {step} ({FAULT_ENV}={kind}@{at})")
+
+
+_NAN_HOOKS: dict[int, torch.utils.hooks.RemovableHandle] = {}  # nan@K:N: removed after N steps
