@@ -106,19 +106,71 @@ def dead_pid():
 def test_only_dead_runs_temp_dirs_are_removed_and_each_is_logged(tmp_path, dead_pid, caplog):
     _ckpt(tmp_path, 4)
     host = socket.gethostname()
-    live = _temp(tmp_path, "step-00000006.tmp-live0001", {"host": host, "pid": os.getpid()})
-    dead = _temp(tmp_path, "step-00000006.tmp-dead0001", {"host": host, "pid": dead_pid})
-    remote = _temp(tmp_path, "step-00000006.tmp-remote01", {"host": host + "-elsewhere", "pid": 1,
+    live = _temp(tmp_path, "step-00000006.tmp-a1a1a1a1", {"host": host, "pid": os.getpid()})
+    dead = _temp(tmp_path, "step-00000006.tmp-deadbeef", {"host": host, "pid": dead_pid})
+    remote = _temp(tmp_path, "step-00000006.tmp-0e0e0e01", {"host": host + "-elsewhere", "pid": 1,
                                                             "started": time.time()})
-    old_remote = _temp(tmp_path, "step-00000006.tmp-remote02", {"host": host + "-elsewhere", "pid": 1,
+    old_remote = _temp(tmp_path, "step-00000006.tmp-0e0e0e02", {"host": host + "-elsewhere", "pid": 1,
                                                                 "started": time.time() - 7 * 3600})
-    orphan = _temp(tmp_path, "step-00000006.tmp-orphan01", None)
+    orphan = _temp(tmp_path, "step-00000006.tmp-00000001", None)  # no marker: no save of ours made it
     assert {p.name: alive for p, alive, _ in temp_dirs(tmp_path)} == {
-        live.name: True, dead.name: False, remote.name: True, old_remote.name: False, orphan.name: False}
+        live.name: True, dead.name: False, remote.name: True, old_remote.name: False}
     with caplog.at_level(logging.WARNING, logger="deepshard.checkpoint"):
         assert find_resume(tmp_path) == tmp_path / "step-00000004"
-    assert live.is_dir() and remote.is_dir() and not dead.exists() and not orphan.exists() and not old_remote.exists()
+    assert live.is_dir() and remote.is_dir() and not dead.exists() and not old_remote.exists()
+    assert orphan.is_dir()
     assert f"{dead.name} is an unfinished save of a dead run (pid {dead_pid}): skipped and removed" in caplog.text
     assert f"{live.name} is an unfinished save still being written (pid {os.getpid()})" in caplog.text
+    assert f"{orphan.name} is named like a save's temp dir but has no .owner.json" in caplog.text
     prune(tmp_path, keep_last=1)  # retention leaves a live concurrent save alone too
-    assert live.is_dir() and remote.is_dir()
+    assert live.is_dir() and remote.is_dir() and orphan.is_dir()
+
+def _user_dir(root, name: str):
+    """A directory a user keeps beside the checkpoints, with a file in it."""
+    p = root / name
+    p.mkdir()
+    (p / "notes.txt").write_text("mine\n")
+    return p
+
+
+def test_directories_we_did_not_create_are_never_removed(tmp_path, dead_pid, caplog):
+    """Only our own saves' temp dirs (exact names, with the .owner.json marker) and checkpoints (with a
+    manifest) are ever removed; names that merely contain .tmp-/.init-/.old-, look-alikes without the
+    marker and step-N folders without a manifest are left alone; what is removed is logged."""
+    host = socket.gethostname()
+    users = [_user_dir(tmp_path, n) for n in (
+        "project.tmp-notes", "photos.old-2023", "build.init-cache", "plain",
+        "step-00000007.tmp-0123abcd",  # our exact pattern, but no marker: not written by a save of ours
+        "step-00000007.old-0123abcd", "step-00000007.init-0123abcd", "step-00000001")]  # step-1: no manifest
+    ours = [_temp(tmp_path, f"step-00000006.{kind}-deadbeef", {"host": host, "pid": dead_pid})
+            for kind in ("tmp", "init", "old")]
+    for p in ours:
+        (p / "__0_0.distcp").write_bytes(b"x")
+    _ckpt(tmp_path, 2)
+    _ckpt(tmp_path, 4)
+    with caplog.at_level(logging.INFO, logger="deepshard.checkpoint"):
+        assert find_resume(tmp_path) == tmp_path / "step-00000004"
+        assert not ours[0].exists() and not ours[1].exists()  # resume=auto removes dead saves' temp dirs
+        new = _ckpt(tmp_path, 8)
+        prune(tmp_path, keep_last=1, keep=[new])
+    assert all((p / "notes.txt").read_text() == "mine\n" for p in users), [p.name for p in users if not p.exists()]
+    assert not any(p.exists() for p in ours)
+    assert _steps(tmp_path) == [8, 1]  # step-1 is not a checkpoint of ours: retention leaves it
+    for p in ours:
+        assert p.name in caplog.text
+    assert "step-00000002" in caplog.text and "step-00000004" in caplog.text  # retention says what it removed
+    assert "step-00000007.tmp-0123abcd" in caplog.text  # a look-alike is named once, left in place
+
+
+def test_a_user_directory_named_like_the_step_being_saved_is_named_not_replaced(tmp_path):
+    """publish never replaces a step-N that is not one of our checkpoints: CheckpointError naming it."""
+    from deepshard.core.checkpoint_manifest import CheckpointError, publish, write_owner
+
+    theirs = _user_dir(tmp_path, "step-00000005")
+    tmp = tmp_path / "step-00000005.tmp-0badc0de"
+    tmp.mkdir()
+    write_owner(tmp)
+    write_manifest(tmp, {"format": FORMAT, "step": 5, "files": {}})
+    with pytest.raises(CheckpointError, match=r"step-00000005.*not a deepshard checkpoint"):
+        publish(tmp, tmp_path / "step-00000005")
+    assert (theirs / "notes.txt").read_text() == "mine\n"

@@ -56,6 +56,7 @@ from deepshard.core.checkpoint_manifest import (
     OWNER,
     CheckpointError,
     describe_files,
+    in_the_way,
     latest_good,
     list_files,
     prune,
@@ -195,13 +196,19 @@ def save_checkpoint(
     trainer = {"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(), "app": app_state or {},
                "world_size": world, "zero_stage": optimizer.stage.zero_stage}
 
+    made: list[Path] = []  # rank 0: the temp dirs this save created, the only ones a failure removes
+
     def begin() -> None:
         if rank == 0:
             free_space_check(root, needed)
             staging = root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}"
             staging.mkdir()
+            made.append(staging)
             write_owner(staging)  # before the dir gets its .tmp- name, so no one takes it for dead
+            if tmp.exists() or tmp.is_symlink():
+                raise in_the_way(tmp, "the name of this save's temp dir")
             os.replace(staging, tmp)
+            made[-1] = tmp
 
     def extra() -> None:
         stall(step)
@@ -235,7 +242,7 @@ def save_checkpoint(
     except PhaseFailed as err:
         reason = str(err)
         if rank == 0:
-            reason = clean_up(root, [tmp, root / f"{final.name}.init-{tmp.name.rsplit('-', 1)[-1]}"], reason, needed)
+            reason = clean_up(root, made, reason, needed)
         raise CheckpointSaveError(root, step, _agree(reason)) from None
     total = sum(f["bytes"] for p in parts for f in p.values())
     log.info("checkpoint: saved %s (%.1f MB) in %.2fs", final, total / 1e6, time.perf_counter() - start)

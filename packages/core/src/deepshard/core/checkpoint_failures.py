@@ -106,12 +106,14 @@ def free_space_check(root: Path, needed: int) -> None:
 
 
 def clean_up(root: Path, partial: list[Path], reason: str, needed: int) -> str:
-    """Remove a failed save's temp dirs; the failure's reason, saying so when the disk filled up
-    (a full disk shows up as ENOSPC, or as a torch.save zip-writer 'enforce fail')."""
+    """Remove a failed save's temp dirs (``partial``: those this save created, nothing else); the
+    failure's reason, saying so when the disk filled up (a full disk shows up as ENOSPC, or as a
+    torch.save zip-writer 'enforce fail')."""
     free = shutil.disk_usage(root).free if root.is_dir() else needed
     partial = [p for p in partial if p.exists()]
     for p in partial:
         shutil.rmtree(p, ignore_errors=True)
+        log.info("checkpoint: removed %s, the temp dir of this failed save", p)
     full = reason.startswith("ENOSPC ")
     reason = reason.removeprefix("ENOSPC ")
     if (full or free < MARGIN_BYTES) and not reason.startswith("needs "):  # not the up-front check's own

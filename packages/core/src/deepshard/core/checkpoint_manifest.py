@@ -1,8 +1,14 @@
 """What makes a checkpoint directory trustworthy: a manifest of every file's size and checksum.
 
-A save writes into ``step-NNNNNNNN.tmp-XXXX`` and is renamed into place only once complete, with
+A save writes into ``step-NNNNNNNN.tmp-XXXXXXXX`` and is renamed into place only once complete, with
 ``manifest.json`` written last; so a directory named ``step-NNNNNNNN`` without a manifest, with a
 file of the wrong size or checksum, is a half-written or damaged save and is refused by name.
+
+What a run may remove is only what its saves made: temp dirs named exactly
+``step-NNNNNNNN.{tmp,init,old}-XXXXXXXX`` (8 hex digits) holding the ``.owner.json`` marker a save
+writes into them, and ``step-NNNNNNNN`` checkpoints with a deepshard manifest.  Anything else in the
+checkpoint dir (a user's folder whose name merely contains ``.tmp-``, a look-alike without the
+marker) is never removed; one in the way of a save is named in its error.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ MANIFEST = "manifest.json"
 OWNER = ".owner.json"  # who is writing a temp dir (host, pid): tells a dead run's leftovers from a live save
 FORMAT = "deepshard-checkpoint/2"  # /1 pickled its scalars: not loaded, since unpickling can run code
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-TEMP_MARKERS = (".tmp-", ".init-")
+TEMP_DIR = re.compile(r"^step-(\d{8,})\.(tmp|init|old)-([0-9a-f]{8})$")  # exactly the names our saves give
 OTHER_HOST_STALE_S = 6 * 3600  # a temp dir another host started this long ago belongs to a dead run
 _CHUNK = 8 << 20
 
@@ -83,13 +89,42 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     _fsync_dir(directory)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a deepshard manifest (sound or not): one of our saves."""
+    mpath = path / MANIFEST
+    if path.is_symlink() or not path.is_dir() or mpath.is_symlink() or not mpath.is_file():
+        return False
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("deepshard-checkpoint/")
+
+
+def in_the_way(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{str(path)!r} is in the way: {what}; it was left alone (move or rename it)")
+
+
 def publish(tmp: Path, final: Path) -> None:
-    """Rename a finished temp directory into place (replacing an older save of the same step)."""
-    if final.exists():
+    """Rename a finished temp directory into place, replacing an older save of the same step, never
+    anything else (CheckpointError naming what is in the way)."""
+    if final.exists() or final.is_symlink():
+        if not is_checkpoint(final):
+            raise in_the_way(final, f"it is not a deepshard checkpoint (no {MANIFEST} of ours), so this save is "
+                                    f"not put in its place")
         old = final.with_name(final.name + ".old-" + tmp.name.rsplit("-", 1)[-1])
+        if old.exists() or old.is_symlink():
+            raise in_the_way(old, "the name this save gives the older checkpoint it replaces")
+        write_owner(final)  # the replaced save, renamed .old-, stays ours to remove if we die before the rmtree
         os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            os.replace(old, final)  # put the older save back
+            (final / OWNER).unlink(missing_ok=True)
+            raise
         shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint: %s replaced an older save of the same step (removed)", final)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
@@ -219,27 +254,40 @@ def owner_alive(directory: Path) -> tuple[bool, str]:
     return pid_alive(pid), f"pid {pid}"
 
 
-def temp_dirs(root: str | os.PathLike) -> list[tuple[Path, bool, str]]:
-    """``(path, owner alive, owner)`` for every unfinished save's temp dir under ``root``."""
+def _named_like_temp(root: str | os.PathLike) -> list[tuple[Path, bool]]:
+    """``(path, marked)`` for each real directory under ``root`` named exactly like a save's temp dir."""
     root = Path(root)
     if not root.is_dir():
         return []
-    out = []
-    for p in sorted(root.iterdir()):
-        if p.is_dir() and any(m in p.name for m in TEMP_MARKERS):
-            out.append((p, *owner_alive(p)))
-    return out
+    return [(p, (p / OWNER).is_file() and not (p / OWNER).is_symlink()) for p in sorted(root.iterdir())
+            if TEMP_DIR.match(p.name) and p.is_dir() and not p.is_symlink()]
+
+
+def temp_dirs(root: str | os.PathLike) -> list[tuple[Path, bool, str]]:
+    """``(path, owner alive, owner)`` for every temp dir our saves made under ``root`` (exact name and
+    the ``.owner.json`` marker): unfinished saves (``.init-``, ``.tmp-``) and replaced ones (``.old-``)."""
+    return [(p, *owner_alive(p)) for p, marked in _named_like_temp(root) if marked]
+
+
+def _what(p: Path) -> str:
+    return "a replaced save" if ".old-" in p.name else "an unfinished save"
 
 
 def remove_dead_temp_dirs(root: str | os.PathLike) -> list[str]:
-    """Remove the temp dirs of dead saves (leaving live concurrent ones); one line for each seen."""
+    """Remove the temp dirs of dead saves (leaving live concurrent ones); one line for each seen, and
+    for each look-alike without our marker (left alone: no save of ours made it)."""
     lines = []
-    for p, alive, owner in temp_dirs(root):
+    for p, marked in _named_like_temp(root):
+        if not marked:
+            lines.append(f"{p.name} is named like a save's temp dir but has no {OWNER}, so no deepshard save "
+                         f"made it: left in place")
+            continue
+        alive, owner = owner_alive(p)
         if alive:
-            lines.append(f"{p.name} is an unfinished save still being written ({owner}): skipped, left in place")
+            lines.append(f"{p.name} is {_what(p)} still being written ({owner}): skipped, left in place")
         else:
             shutil.rmtree(p, ignore_errors=True)
-            lines.append(f"{p.name} is an unfinished save of a dead run ({owner}): skipped and removed")
+            lines.append(f"{p.name} is {_what(p)} of a dead run ({owner}): skipped and removed")
     return lines
 
 
@@ -252,7 +300,7 @@ def set_aside(root: str | os.PathLike, newer_than: int) -> list[tuple[Path, Path
     stamp = time.strftime("%Y%m%dT%H%M%S")
     moved = []
     for cand in step_dirs(root):
-        if cand.step > newer_than:
+        if cand.step > newer_than and is_checkpoint(cand.path):  # a user's look-alike folder stays as it is
             dst = cand.path.with_name(f"abandoned-{cand.path.name}-{stamp}")
             n = 1
             while dst.exists():
@@ -274,11 +322,12 @@ def _verifies(path: Path) -> bool:
 def prune(root: str | os.PathLike, keep_last: int, *, keep: Iterable[str | os.PathLike] = (),
           is_good: Callable[[Path], bool] = _verifies) -> list[Path]:
     """Keep the newest ``keep_last`` checkpoints that verify (0 keeps all); remove older ones and
-    the temp dirs of dead saves.
+    the temp dirs of dead saves, logging each.
 
     ``keep`` (the checkpoint just written) is never removed and counts as good.  A checkpoint that
     fails ``is_good`` does not count: one newer than the ``keep_last``-th good one stays (for a
-    look), so a corrupt newest checkpoint can never push out the last good one.
+    look), so a corrupt newest checkpoint can never push out the last good one.  Only our own
+    checkpoints (a deepshard manifest) and temp dirs (see :func:`temp_dirs`) are ever removed.
     """
     root = Path(root)
     kept = {Path(p).resolve() for p in keep}
@@ -288,18 +337,17 @@ def prune(root: str | os.PathLike, keep_last: int, *, keep: Iterable[str | os.Pa
         for cand in step_dirs(root):
             if cand.path.resolve() in kept:
                 good += 1
+            elif not is_checkpoint(cand.path):
+                continue  # not a save of ours (no deepshard manifest): never counted, never removed
             elif good >= keep_last:
                 shutil.rmtree(cand.path, ignore_errors=True)
                 removed.append(cand.path)
+                log.info("checkpoint: removed %s (retention keeps the newest %d good ones)", cand.path, keep_last)
             elif is_good(cand.path):
                 good += 1
-    for p, alive, _ in temp_dirs(root):
+    for p, alive, owner in temp_dirs(root):
         if not alive:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
-    if root.is_dir():
-        for p in root.iterdir():
-            if ".old-" in p.name:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
+            log.warning("checkpoint: removed %s, %s of a dead run (%s)", p, _what(p), owner)
     return removed
