@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,26 @@ class StepStats:
     grad_norm: float
     lr: float
     loss_scale: float
+    # the global L2 norm of the trainable parameters the step left (non-finite if any is); None: the
+    # step was skipped, or the parameters are not in memory to measure (offload.params=nvme)
+    param_norm: float | None = None
+
+
+def _local_sq_norm(tensors: list[torch.Tensor], replication: list[int], device: torch.device) -> torch.Tensor:
+    """This rank's share of the global sum of squares: a tensor held by ``r`` ranks counts ``1/r``.
+
+    One ``_foreach_norm`` per (device, dtype, replication) group, in fp32 (an fp16 sum of squares
+    would overflow long before the values do); the total on ``device`` wherever the tensors are.
+    """
+    groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+    for t, r in zip(tensors, replication):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype, r), []).append(t)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, _, r), group in groups.items():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total += (torch.stack(norms).square().sum() / r).to(device)
+    return total
 
 
 def global_grad_sq_norm(grads: list[torch.Tensor], replication: list[int], *,
@@ -33,20 +54,30 @@ def global_grad_sq_norm(grads: list[torch.Tensor], replication: list[int], *,
     contributes ``1/r`` from each.  An inf/nan anywhere makes the result non-finite.  The total
     lives on the compute device (``device``, default ``local_device()``) wherever the grads are:
     with ``offload.params=cpu`` FSDP2 keeps gradient shards on the host, and nccl takes no host
-    tensor.  Norms are taken with one ``_foreach_norm`` per (device, dtype, replication) group, in
-    fp32 (an fp16 sum of squares would overflow long before the gradients do).
+    tensor.
     """
-    device = local_device() if device is None else device
-    groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
-    for g, r in zip(grads, replication):
-        if g.numel():
-            groups.setdefault((g.device, g.dtype, r), []).append(g)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, _, r), tensors in groups.items():
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        total += (torch.stack(norms).square().sum() / r).to(device)
+    total = _local_sq_norm(grads, replication, local_device() if device is None else device)
     dist.all_reduce(total)
     return total
+
+
+def _resident(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are in memory (a swapped-out param's storage is resized to 0)."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def global_param_norm(params: list[torch.Tensor], replication: list[int], *,
+                      device: torch.device | None = None) -> float | None:
+    """The global L2 norm of every rank's parameter shards (as :func:`global_grad_sq_norm` counts
+    them), in one all-reduce of two scalars; None when any rank's are not all in memory."""
+    device = local_device() if device is None else device
+    missing = sum(1.0 for p in params if p.numel() and not _resident(p))
+    held = [] if missing else params
+    both = torch.stack([_local_sq_norm(held, replication, device),
+                        torch.tensor(missing, dtype=torch.float32, device=device)])
+    dist.all_reduce(both)
+    sq, unmeasured = both.tolist()
+    return None if unmeasured else math.sqrt(sq) if math.isfinite(sq) else math.nan
 
 
 class ZeroOptimizer:
@@ -96,7 +127,13 @@ class ZeroOptimizer:
         self.stage.zero_grad()
         self.scaler.update(overflow=False)
         self.num_updates += 1
-        return StepStats(True, norm, lr, scale)
+        return StepStats(True, norm, lr, scale, param_norm=self.param_norm())
+
+    def param_norm(self) -> float | None:
+        """The global L2 norm of the trainable parameters now (NaN if any is not finite), one
+        all-reduce of two scalars; None where they are not in memory (offload.params=nvme, whose
+        update runs at each param's next use).  What a divergence check compares step to step."""
+        return global_param_norm(self.stage.local_params(), self.stage.replication())
 
 
 def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:
