@@ -33,12 +33,20 @@ def _validate(overrides: list[str]):
     (["parallel.pp=2", "pipeline.microbatches=1"], "pipeline.microbatches"),
     (["parallel.pp=2", "pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=3"], "pipeline.microbatches"),
     (["parallel.pp=2", "pipeline.schedule=dualpipe"], "pipeline.schedule"),
-    (["parallel.pp=2", "train.grad_accum=2"], "train.grad_accum"),
-    (["parallel.tp=2", "data.eval_fraction=0.1"], "data.eval_fraction"),
 ])
 def test_bad_parallel_layouts_name_the_key(overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _validate(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.pp=2", "train.grad_accum=2", "data.eval_fraction=0.1", "train.sample_prompt=hi", "data.doc_mask=true"],
+    ["parallel.tp=2", "train.grad_accum=2", "data.eval_fraction=0.1", "train.sample_prompt=hi", "data.doc_mask=true"],
+])
+def test_pp_and_tp_take_what_the_data_parallel_run_takes(overrides):
+    s = _validate(overrides)  # once refused under pp/tp: accumulation, eval, the sample, document masks
+    pp = s.pipeline.microbatches if s.parallel.pp > 1 else 1  # pp: the schedule runs microbatches x grad_accum
+    assert s.micro_batches_per_step == 2 * pp
 
 
 def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path, monkeypatch):

@@ -117,13 +117,15 @@ def test_step_loss_reduction_on_compute_device() -> None:
 
 def test_eval_reduction_on_compute_device() -> None:
     from deepshard.finetune.evaluate import evaluate
+    from deepshard.finetune.steppers import EngineStepper
 
     with fake_world(), use_local_device(META) as device:
         mesh = build_mesh(ParallelDims())
         dp = mesh["dp"]
+        stepper = EngineStepper(_Engine(mesh), grad_accum=1, device=device, micro_batch_size=2)
         with CollectiveRecorder() as rec:
-            evaluate(_Engine(mesh), _rows(5), dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                     group=dp.get_group(), micro_batch_size=2, device=device)
+            evaluate(stepper, _rows(5), dp_rank=dp.get_local_rank(), dp_size=dp.size(), group=dp.get_group(),
+                     device=device)
     _check(rec, expect=1)
 
 
@@ -149,13 +151,17 @@ def test_greedy_sample_broadcast_on_compute_device() -> None:
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
-    def model(ids: torch.Tensor) -> torch.Tensor:
-        assert ids.device == META
-        return torch.zeros(1, ids.shape[1], 10, device=ids.device)
+    class Model(torch.nn.Module):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            assert ids.device == META
+            return torch.zeros(1, ids.shape[1], 10, device=ids.device)
 
-    model.training, model.eval, model.train = False, lambda: None, lambda mode: None
+    from deepshard.finetune.steppers import EngineStepper
+
     with fake_world(), use_local_device(META) as device, CollectiveRecorder() as rec:
-        greedy_sample(model, Tok(), "x", num_tokens=2, max_seq_len=8, device=device)
+        engine = _Engine(build_mesh(ParallelDims()))
+        engine.model = Model()
+        greedy_sample(EngineStepper(engine, grad_accum=1, device=device), Tok(), "x", num_tokens=2, max_seq_len=8)
     _check(rec)
 
 

@@ -102,6 +102,9 @@ class TrainSchema:
     tensorboard_dir: typing.Optional[str] = None  # noqa: UP045 - default: <run dir>/tensorboard
     # without a dynamic loss scale (fp32, bf16): this many consecutive non-finite steps stop the run
     max_bad_steps: int = 3
+    # an update that leaves the parameters' global norm more than this many times the newest good
+    # state's is a bad step (divergence.py); 0: only non-finite parameters are
+    max_param_growth: float = 10.0
 
 
 @dataclass
@@ -193,12 +196,14 @@ class Settings:
 
     @property
     def uses_pipeline(self) -> bool:
-        """Pipeline or tensor parallel: the model goes through deepshard.pipeline, not the plain engine."""
-        return self.parallel.pp > 1 or self.parallel.tp > 1
+        """Pipeline parallel: the model goes through deepshard.pipeline (tp alone runs in the engine)."""
+        return self.parallel.pp > 1
 
     @property
     def micro_batches_per_step(self) -> int:
-        return self.pipeline.microbatches if self.uses_pipeline else self.train.grad_accum
+        """Micro-batches of ``train.micro_batch_size`` rows per dp rank and step: under pp the schedule
+        runs ``pipeline.microbatches`` of them for each of the ``train.grad_accum`` accumulations."""
+        return self.train.grad_accum * (self.pipeline.microbatches if self.uses_pipeline else 1)
 
     def tokens_per_step(self, dp_size: int) -> int:
         """Token positions of one optimizer step over all data-parallel ranks (the tokens/s numerator)."""
@@ -206,25 +211,14 @@ class Settings:
 
 
 def _validate_pipeline(settings: Settings) -> None:
-    """pp/tp runs: the schedule, the split, the TP divisibility, and what they do not support yet."""
-    from deepshard.finetune.models.parallelize import check_tp
+    """pp runs: the schedule (over every micro-batch of a step: ``pipeline.microbatches x
+    train.grad_accum``) and the split."""
     from deepshard.pipeline import validate_pipeline
 
-    p, par, d, t = settings.pipeline, settings.parallel, settings.data, settings.train
+    p, par = settings.pipeline, settings.parallel
     virtual = p.virtual_stages or (2 if p.schedule in ("interleaved_1f1b", "zero_bubble") else 1)
-    validate_pipeline(schedule=p.schedule, pp=par.pp, microbatches=p.microbatches, virtual_stages=virtual,
-                      num_layers=settings.model.n_layers, partition=p.partition)
-    check_tp(settings.model, par.tp)
-    unsupported = [("train.grad_accum", t.grad_accum, t.grad_accum != 1, "use pipeline.microbatches"),
-                   ("data.eval_fraction", d.eval_fraction, d.eval_fraction > 0, "set it to 0"),
-                   ("train.sample_prompt", t.sample_prompt, bool(t.sample_prompt), "leave it unset"),
-                   ("data.doc_mask", d.doc_mask, d.doc_mask and d.pack,
-                    "set data.doc_mask=false"),
-                   ("model.name", settings.model_name, settings.model_name == "hf", "use model=tiny|small")]
-    for key, value, bad, fix in unsupported:
-        if bad:
-            raise ValueError(f"{key}={value!r} with parallel.pp={par.pp} parallel.tp={par.tp}: not supported with "
-                             f"pipeline/tensor parallelism yet; {fix}")
+    validate_pipeline(schedule=p.schedule, pp=par.pp, microbatches=settings.micro_batches_per_step,
+                      virtual_stages=virtual, num_layers=settings.model.n_layers, partition=p.partition)
 
 
 def _positive(key: str, value: int) -> None:
@@ -260,6 +254,9 @@ def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainSchema:
         _positive(f"train.{key}", getattr(t, key))  # grad_accum: EngineConfig checks it
     for key in ("eval_every", "global_batch_size"):
         _at_least(f"train.{key}", getattr(t, key), 0)
+    if not (t.max_param_growth == 0 or t.max_param_growth > 1):
+        raise ValueError(f"train.max_param_growth={t.max_param_growth}: must be 0 (off) or > 1 (a factor on the "
+                         f"parameter norm of the newest good state)")
     return t
 
 
@@ -377,11 +374,16 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                         launcher=launcher, peft=lora_settings(cfg["peft"]))
     if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
         check_lora_parallel(settings.peft, tp=parallel.tp)
-    if settings.offload.params == "nvme" and (settings.uses_pipeline or settings.peft is not None):
-        raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of a data-parallel run: not with "
-                         "parallel.pp/tp > 1 or +peft=lora yet (use offload.params=cpu or none there)")
+    if settings.offload.params == "nvme" and (parallel.pp > 1 or parallel.tp > 1 or settings.peft is not None):
+        raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of plain (not tensor-parallel) "
+                         "parameters, whole blocks of one model: not with parallel.pp/tp > 1 or +peft=lora "
+                         "(use offload.params=cpu or none there)")
     if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
         _check_param_swap(settings, world)
+    if parallel.tp > 1:
+        from deepshard.finetune.models.parallelize import check_tp
+
+        check_tp(settings.model, parallel.tp)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     return dataclasses.replace(settings, parallel=parallel.resolve(world))

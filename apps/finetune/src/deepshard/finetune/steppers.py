@@ -1,13 +1,17 @@
-"""One optimizer step of the run, over the two ways a model is parallelized.
+"""The run's steps over either trainer: one protocol, so the loop never asks which it holds.
 
-``EngineStepper``: data parallel only (ZeRO 0-3 through ``deepshard.core.initialize``), gradient
-accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipeline and/or tensor
-parallel (``parallel.pp`` / ``parallel.tp`` > 1) through ``deepshard.pipeline``; its micro-batches
-are the pipeline's (``pipeline.microbatches``).  The loop in train.py sees one interface.
+``EngineStepper``: ZeRO 0-3 and tensor parallelism through ``deepshard.core.initialize``, gradient
+accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipeline parallelism
+(``parallel.pp`` > 1, with dp and tp) through ``deepshard.pipeline``; a step runs
+``pipeline.microbatches x train.grad_accum`` micro-batches through one schedule.  Both offer the
+same calls: ``stepper(batches)`` (one optimizer step), ``loss_sum(batch)`` (forward only, for
+evaluation), ``next_token(ids)`` (greedy decoding, for the end-of-run sample), and
+``rows_per_forward`` (how many rows ``loss_sum`` takes at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.memory import ModelStateBytes
 from deepshard.core.optim import StepStats
-from deepshard.finetune.evaluate import IGNORE, model_inputs
+from deepshard.core.parallelize import IGNORE_INDEX
 
 
 @dataclass
@@ -33,10 +37,11 @@ class EngineStepper:
     then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
     the global valid-token count, whatever the micro-batch and rank layout (the README's "The loss of a step")."""
 
-    def __init__(self, engine, *, grad_accum: int, device: torch.device) -> None:
+    def __init__(self, engine, *, grad_accum: int, device: torch.device, micro_batch_size: int = 1) -> None:
         self.engine = engine
         self.grad_accum = grad_accum
         self.device = device
+        self.rows_per_forward = micro_batch_size
         self.prof = None  # the run's StepProfiler, set once the engine exists
         self.dp_group = engine.mesh["dp"].get_group()
 
@@ -57,28 +62,90 @@ class EngineStepper:
         dist.all_reduce(total, group=self.dp_group)
         return StepOutput((total / num_items.clamp(min=1.0)).item(), stats, memory)
 
+    @torch.no_grad()
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's summed token loss over the batch (forward only, the model in eval mode)."""
+        args, kwargs = model_inputs(batch, self.device)
+        with _eval_mode(self.engine.model):
+            return self.engine(*args, **kwargs, reduction="sum").detach().float()
+
+    @torch.no_grad()
+    def next_token(self, ids: list[int], *, max_seq_len: int) -> int:
+        """The greedy next token after ``ids`` (its last ``max_seq_len``), rank 0's on every rank."""
+        with _eval_mode(self.engine.model):
+            logits = self.engine.model(torch.tensor([ids[-max_seq_len:]], device=self.device))
+        if hasattr(logits, "full_tensor"):  # a DTensor (tensor-parallel head)
+            logits = logits.full_tensor()
+        token = logits[0, -1].float().argmax().reshape(1)
+        if dist.is_initialized():
+            dist.broadcast(token, src=0)
+        return int(token)
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[tuple, dict]:
+    """Positional (input_ids, labels) and, for packed rows, ``doc_ids`` (attention within documents)."""
+    args = (batch["input_ids"].to(device), batch["labels"].to(device))
+    return args, ({"doc_ids": batch["doc_ids"].to(device)} if "doc_ids" in batch else {})
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
 
 def valid_tokens(labels: torch.Tensor) -> int:
     """Label positions that count in the loss (labels != -100)."""
-    return int((labels != IGNORE).sum())
+    return int((labels != IGNORE_INDEX).sum())
 
 
 class PipelineStepper:
-    """``pipeline.microbatches`` micro-batches stacked into one batch for the schedule."""
+    """A step stacks ``microbatches`` micro-batches (``pipeline.microbatches x train.grad_accum``) into
+    one batch for the schedule; ``doc_ids`` ride along to every stage."""
 
-    def __init__(self, trainer, mesh: DeviceMesh, *, microbatches: int, device: torch.device) -> None:
+    def __init__(self, trainer, mesh: DeviceMesh, *, microbatches: int, device: torch.device,
+                 micro_batch_size: int = 1, seq_len: int | None = None, pad_id: int = 0) -> None:
         self.engine = self.trainer = trainer  # a deepshard.core Trainer, as the engine is
         self.microbatches = microbatches
         self.device = device
+        # the schedule's stages were shaped by the first step: forward-only calls send the same shapes
+        self.rows_per_forward = microbatches * micro_batch_size
+        self.seq_len = seq_len
+        self.pad_id = pad_id
         self.prof = None
 
-    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
-        parts = [next(batches) for _ in range(self.microbatches)]
+    def _stack(self, parts: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         ids = torch.cat([p["input_ids"] for p in parts]).to(self.device)
         labels = torch.cat([p["labels"] for p in parts]).to(self.device)
+        kwargs = {"doc_ids": torch.cat([p["doc_ids"] for p in parts]).to(self.device)} if "doc_ids" in parts[0] else {}
+        return ids, labels, kwargs
+
+    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+        ids, labels, kwargs = self._stack([next(batches) for _ in range(self.microbatches)])
         with self.prof.phase("forward"):  # forward, backward and the step run inside the schedule
-            result = self.trainer.train_step(ids, labels)
+            result = self.trainer.train_step(ids, labels, **kwargs)
         memory = None
         if measure_memory:  # after the step the grads are gone: count them as the stage holds them
             memory = self.trainer.memory()["measured"]
         return StepOutput(result.loss, result.stats, memory)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This replica's summed token loss over ``rows_per_forward`` rows (forward only)."""
+        ids, labels, kwargs = self._stack([batch])
+        return self.trainer.loss_sum(ids, labels, **kwargs)
+
+    def next_token(self, ids: list[int], *, max_seq_len: int) -> int:
+        """The greedy next token after ``ids``: the context (its last ``seq_len`` tokens) padded on the
+        right to the training shape (causal attention: the padding changes nothing before it)."""
+        context = ids[-min(max_seq_len, self.seq_len):]
+        row = context + [self.pad_id] * (self.seq_len - len(context))
+        batch = torch.tensor([row] * self.rows_per_forward, device=self.device)
+        positions = torch.full((self.rows_per_forward,), len(context) - 1, device=self.device)
+        token = self.trainer.greedy_tokens(batch, positions)[:1]
+        if dist.is_initialized():
+            dist.broadcast(token, src=0)
+        return int(token)

@@ -8,6 +8,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,30 +79,35 @@ def _materializer(s: Settings, offload_params: object):
     return offload_params.materializer(init) if hasattr(offload_params, "materializer") else init
 
 
-def build_stepper(s: Settings, mesh, *, rank: int) -> EngineStepper | PipelineStepper:
-    """The engine (data parallel) or the pipeline trainer (pp/tp > 1), wrapped as a stepper."""
+def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineStepper | PipelineStepper:
+    """The engine (ZeRO on dp, TP on tp) or the pipeline trainer (pp > 1), each assembled by the one
+    recipe (``parallelize_llama``), wrapped as a stepper."""
+    from deepshard.finetune.models.parallelize import llama_stage_init, parallelize_llama, pipeline_llama
+
     device = local_device()
     store_factory = make_store_factory(s.offload, rank, run_id())
     offload_params = param_offload(s.offload, store_factory)  # False, True (cpu) or the NVMe param swap
+    t = s.train
     if s.uses_pipeline:
-        from deepshard.finetune.models.parallelize import llama_stage_init, pipeline_llama
-
         model = build_model(s, device, materialize=False)  # on meta (+peft=lora: with its adapters)
-        if s.model_name == "hf":
-            raise ValueError("model=hf with parallel.pp/tp > 1: not supported yet (use parallel.pp=1 parallel.tp=1)")
         p = s.pipeline
-        # each stage copies its part of the full model as the engine path builds it (seeded init, adapters)
-        init_fn = llama_stage_init(s.train.seed, full=lambda: build_model(s, torch.device("cpu")))
-        trainer = pipeline_llama(model, mesh, s.engine, schedule=p.schedule, microbatches=p.microbatches,
+        # each stage copies its part of the full model as the engine path builds it (HF weights, seeded
+        # init, adapters): the stages together equal the unsplit model
+        init_fn = llama_stage_init(t.seed, full=lambda: build_model(s, torch.device("cpu")))
+        trainer = pipeline_llama(model, mesh, s.engine, schedule=p.schedule, microbatches=s.micro_batches_per_step,
                                  partition=p.partition, virtual_stages=p.virtual_stages or None,
                                  init_fn=init_fn, store_factory=store_factory,
                                  offload_params=offload_params, device=device)
-        return PipelineStepper(trainer, mesh, microbatches=p.microbatches, device=device)
+        return PipelineStepper(trainer, mesh, microbatches=s.micro_batches_per_step, device=device,
+                               micro_batch_size=t.micro_batch_size, seq_len=s.data.seq_len, pad_id=pad_id)
     sharded_init = s.engine.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
-    engine = initialize(build_model(s, device, materialize=not sharded_init), s.engine, mesh=mesh,
-                        store_factory=store_factory, offload_params=offload_params,
+    e = s.engine
+    recipe = partial(parallelize_llama, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
+                     offload_params=offload_params)
+    engine = initialize(build_model(s, device, materialize=not sharded_init), e, mesh=mesh,
+                        parallelize_fn=recipe, store_factory=store_factory, offload_params=offload_params,
                         materialize=_materializer(s, offload_params) if sharded_init else None)
-    return EngineStepper(engine, grad_accum=s.train.grad_accum, device=device)
+    return EngineStepper(engine, grad_accum=t.grad_accum, device=device, micro_batch_size=t.micro_batch_size)
 
 
 @dataclass
@@ -147,7 +153,7 @@ def start_run(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset
     dp = mesh["dp"]
     torch.manual_seed(settings.train.seed)
     tokenizer = load_tokenizer(settings.model_path)
-    stepper = build_stepper(settings, mesh, rank=rank)
+    stepper = build_stepper(settings, mesh, rank=rank, pad_id=tokenizer.pad_token_id or 0)
     engine = stepper.engine
     dataset, eval_set = datasets or build_datasets(settings.data, tokenizer, settings.model.vocab_size)
     t = settings.train
@@ -161,7 +167,7 @@ def start_run(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset
     stepper.prof = BeatingProfiler(prof, beat)
     guard = DivergenceGuard.for_run(settings, engine.optimizer.scaler, say=logger.print)
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
-                 "micro_batch_size": t.micro_batch_size, "device": local_device()}
+                 "device": local_device()}
     run = Run(settings=settings, rank=rank, world=world, run_dir=run_dir, stepper=stepper, tokenizer=tokenizer,
               dataset=dataset, eval_set=eval_set, ckpt=ckpt, batches=batches, start_step=start_step, logger=logger,
               prof=prof, beat=beat, guard=guard, eval_args=eval_args)
@@ -175,8 +181,9 @@ def header(run: Run) -> str:
     off = s.offload
     offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
     par = s.parallel
-    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if s.uses_pipeline else ""
-    params_scope = " per pp/tp rank" if s.uses_pipeline else ""  # each pp/tp rank holds a part
+    split = par.pp > 1 or par.tp > 1
+    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if split else ""
+    params_scope = " per pp/tp rank" if split else ""  # each pp/tp rank holds a part
     return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
             f"{s.engine.precision.dtype}, {run.engine.num_params / 1e6:.2f}M "
             f"{'trainable (LoRA) ' if s.peft else ''}params{params_scope}, "
@@ -239,7 +246,7 @@ def check_divergence(run: Run, step: int, out: StepOutput) -> None:
 
 def evaluate_step(run: Run, step: int) -> None:
     run.beat.mark("eval", step)
-    run.evals = evaluate(run.engine, run.eval_set, **run.eval_args)
+    run.evals = evaluate(run.stepper, run.eval_set, **run.eval_args)
     run.logger.scalars(step, run.evals)
     run.logger.print(f"eval  {step:>5}  loss {run.evals['eval/loss']:.4f}  "
                      f"perplexity {run.evals['eval/perplexity']:.2f}")
@@ -260,9 +267,8 @@ def finish(run: Run, elapsed: float) -> dict:
                "skipped_steps": guard.skipped}
     if t.sample_prompt:
         chat = resolve_template(run.tokenizer, s.data.chat_template) if s.data.name == "chat" else None
-        summary["sample"] = greedy_sample(run.engine.model, run.tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
-                                          max_seq_len=s.model.max_seq_len, device=local_device(),
-                                          chat_template=chat)
+        summary["sample"] = greedy_sample(run.stepper, run.tokenizer, t.sample_prompt, num_tokens=t.sample_tokens,
+                                          max_seq_len=s.model.max_seq_len, chat_template=chat)
         run.logger.print(f"sample: {t.sample_prompt!r} -> {summary['sample']!r}")
     what = "preempted" if ckpt.preempted else "done"
     run.logger.print(

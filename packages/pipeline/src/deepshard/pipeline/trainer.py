@@ -9,6 +9,7 @@ every pp stage and tp shard counts).  The loss is reported as the true global me
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -96,6 +97,19 @@ class PipelineStepResult:
     time_s: float  # wall time of the step on this rank
 
 
+@contextlib.contextmanager
+def _eval_mode(modules: list[torch.nn.Module]):
+    """Modules in eval mode (dropout off) for a forward-only pass; their training mode after."""
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, was):
+            m.train(mode)
+
+
 class PipelineTrainer:
     """``trainer.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
 
@@ -133,11 +147,19 @@ class PipelineTrainer:
     def store(self) -> StateStore:
         return self.optimizer.store
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> PipelineStepResult:
+    def _check_rows(self, input_ids: torch.Tensor) -> None:
+        if input_ids.shape[0] % self.pipeline.microbatches:
+            raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into the "
+                             f"pipeline's {self.pipeline.microbatches} microbatches: make it a multiple")
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+                   ) -> PipelineStepResult:
+        """Forward, backward and the optimizer step of every microbatch in the batch.
+
+        ``model_kwargs`` (e.g. ``doc_ids``) reach every stage's forward, split into microbatches as
+        the inputs are."""
         p = self.pipeline
-        if input_ids.shape[0] % p.microbatches:
-            raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into "
-                             f"pipeline.microbatches={p.microbatches}: make it a multiple")
+        self._check_rows(input_ids)
         t0 = time.perf_counter()
         device = p.stages[0].device
         # the step's valid-token count over every microbatch and dp replica, before any backward
@@ -148,7 +170,8 @@ class PipelineTrainer:
         p.loss.multiplier = self.optimizer.scaler.scale * self.dp_size / num_items
         args = (input_ids,) if p.has_first else ()
         scaled: list[torch.Tensor] = []
-        p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False)
+        p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False,
+                        **model_kwargs)
         self.zero.set_grad_sync(True)
         self.optimizer.finish_backward()
         stats = self.optimizer.step()
@@ -156,6 +179,40 @@ class PipelineTrainer:
         dist.all_reduce(loss_sum)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
         tp = self.loss_ranks // self.dp_size  # the tp ranks of a replica each hold the same loss
         return PipelineStepResult((loss_sum / (tp * num_items)).item(), stats, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
+        """Forward only: this replica's summed token loss over ``labels != -100``, on every rank of
+        the replica (the last stage's value, summed over the pp group where only it contributes)."""
+        p = self.pipeline
+        self._check_rows(input_ids)
+        device = p.stages[0].device
+        p.loss.multiplier = 1.0
+        args = (input_ids,) if p.has_first else ()
+        losses: list[torch.Tensor] = []
+        with _eval_mode(p.modules):
+            p.schedule.eval(*args, target=labels if p.has_last else None, losses=losses, **model_kwargs)
+        total = p.loss.true_sum(losses) if p.has_last else torch.zeros((), device=device)
+        dist.all_reduce(total, group=p.pp_mesh.get_group())
+        return total
+
+    @torch.no_grad()
+    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forward only: each row's most likely next token after its ``positions`` entry, on every rank
+        of the replica (the last stage's answer, summed over the pp group where only it is non-zero)."""
+        p = self.pipeline
+        self._check_rows(input_ids)
+        device = p.stages[0].device
+        args = (input_ids,) if p.has_first else ()
+        unlearned = torch.full_like(input_ids, IGNORE_INDEX)  # the schedule computes a loss on the last stage
+        with _eval_mode(p.modules):
+            out = p.schedule.eval(*args, target=unlearned if p.has_last else None)
+        tokens = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=device)
+        if p.has_last:
+            rows = torch.arange(out.shape[0], device=out.device)
+            tokens = out[rows, positions.to(out.device)].float().argmax(-1).to(device)
+        dist.all_reduce(tokens, group=p.pp_mesh.get_group())
+        return tokens
 
     def local_param_numel(self) -> int:
         """Elements of the parameters this rank holds right now (local shards)."""
@@ -176,12 +233,10 @@ def build_trainer(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
                   store_factory: StoreFactory = DeviceStateStore) -> PipelineTrainer:
     """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
 
-    ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` must be
-    1: the pipeline's microbatches are the gradient accumulation.
+    ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` is the
+    caller's: a step's accumulation is the schedule's microbatches (build the pipeline with
+    ``microbatches x grad_accum`` of them), so the trainer steps once per ``train_step``.
     """
-    if config.grad_accum != 1:
-        raise ValueError(f"train.grad_accum={config.grad_accum} with pipelining: accumulate through "
-                         f"pipeline.microbatches instead (set grad_accum=1)")
     parts = [h if isinstance(h, ShardedPart) else ShardedPart(h) for h in pipeline.handles]
     if not all(isinstance(p.zero, ZeroStage) for p in parts):
         raise ValueError("build_trainer(): parallelize_fn must return a ZeroStage or ShardedPart per stage module")
