@@ -1,7 +1,7 @@
 """Benchmark deepshard.kernels against PyTorch eager (and torch.compile): time and peak memory, JSON out.
 
 On a GPU every kernel family runs as: ``triton`` (our kernels), ``torch`` (our PyTorch path where it
-differs from the reference: chunked linear-CE, ``torch._fused_adamw_``), ``eager`` (the pure-PyTorch
+differs from the reference: chunked linear-CE), ``eager`` (the pure-PyTorch
 reference) and ``compile`` (torch.compile of the reference), forward-only (no_grad) and fwd+bwd,
 at Llama-8B-like sizes (hidden 4096, intermediate 14336, vocab 128256). On CPU only the PyTorch
 paths run (Triton has no CPU backend; its interpreter is far too slow to time) and the JSON says so.
@@ -10,7 +10,7 @@ Every row carries ratios against ``eager`` from the same run.
     python bench/kernels.py [--quick | --llama8b] [--repeat N] [--compile] [--only rms_norm,...] [--out F.json]
 
 ``--llama8b``: one case per family at Llama-3-8B shapes (4096 tokens, hidden 4096, ffn 14336,
-32/8 heads of 128, vocab 128256; AdamW over one block's 218M parameters), the bounded set
+32/8 heads of 128, vocab 128256), the bounded set
 that bench/gpu_check.sh runs.
 
 Peak memory: CUDA allocator peak above the pre-call baseline on GPU; on CPU the process's peak RSS
@@ -35,8 +35,6 @@ import torch
 from deepshard.kernels import (
     apply_rotary,
     apply_rotary_reference,
-    fused_adamw_,
-    fused_adamw_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
     rms_norm,
@@ -147,7 +145,6 @@ def cases(quick: bool, llama8b: bool = False) -> dict[str, list[dict[str, Any]]]
             "swiglu": [dict(tokens=4096, inter=14336, dtype=dtype)],
             "rope": [dict(batch=1, hq=32, hk=8, seq=4096, head_dim=128, dtype=dtype)],
             "linear_ce": [dict(tokens=4096, hidden=4096, vocab=128256, chunk=1024, dtype=dtype)],
-            "adamw": [dict(num_tensors=9, numel=218_112_000)],  # one Llama-3-8B block
         }
     if CUDA:
         return {
@@ -157,7 +154,6 @@ def cases(quick: bool, llama8b: bool = False) -> dict[str, list[dict[str, Any]]]
             "linear_ce": [dict(tokens=t, hidden=h, vocab=v, chunk=c, dtype=dtype)
                           for t, h, v, c in [(4096, 4096, 128256, 1024), (8192, 4096, 128256, 1024),
                                              (16384, 2048, 32000, 2048)]],
-            "adamw": [dict(num_tensors=n, numel=m) for n, m in [(9, 218_112_000), (128, 64_000_000)]],
         }
     if quick:
         return {
@@ -165,7 +161,6 @@ def cases(quick: bool, llama8b: bool = False) -> dict[str, list[dict[str, Any]]]
             "swiglu": [dict(tokens=256, inter=512, dtype=dtype)],
             "rope": [dict(batch=1, hq=4, hk=2, seq=128, head_dim=64, dtype=dtype)],
             "linear_ce": [dict(tokens=512, hidden=64, vocab=8000, chunk=128, dtype=dtype)],
-            "adamw": [dict(num_tensors=8, numel=1_000_000)],
         }
     return {
         "rms_norm": [dict(tokens=4096, hidden=4096, dtype=dtype)],
@@ -173,7 +168,6 @@ def cases(quick: bool, llama8b: bool = False) -> dict[str, list[dict[str, Any]]]
         "rope": [dict(batch=1, hq=32, hk=8, seq=1024, head_dim=128, dtype=dtype)],
         "linear_ce": [dict(tokens=t, hidden=h, vocab=v, chunk=c, dtype=dtype)
                       for t, h, v, c in [(4096, 256, 32000, 1024), (2048, 128, 128256, 512)]],
-        "adamw": [dict(num_tensors=9, numel=50_000_000)],
     }
 
 
@@ -223,19 +217,6 @@ def bench_linear_ce(size: dict[str, Any], repeat: int, use_compile: bool) -> lis
     return rows
 
 
-def bench_adamw(size: dict[str, Any], repeat: int, use_compile: bool) -> list[dict[str, Any]]:
-    per = size["numel"] // size["num_tensors"]
-    state = [[torch.rand(per, device=DEVICE) for _ in range(size["num_tensors"])] for _ in range(4)]
-    hp = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10)
-    provs: dict[str, Callable[[], None]] = {}
-    if CUDA and triton_importable():
-        provs["triton"] = lambda: fused_adamw_(*state, **hp, backend="triton")
-    provs["torch"] = lambda: fused_adamw_(*state, **hp, backend="torch")
-    provs["eager"] = lambda: fused_adamw_reference(*state, **hp)
-    rows = [{"provider": p, "mode": "step", **measure(fn, repeat, warmup=CUDA)} for p, fn in provs.items()]
-    return _ratios(rows)
-
-
 def _run_elementwise(provs: dict[str, Callable[..., Any]], inputs: list[torch.Tensor], repeat: int) -> list[dict[str, Any]]:
     rows = []
     for name, fn in provs.items():
@@ -266,7 +247,6 @@ BENCHES = {
     "swiglu": bench_swiglu,
     "rope": bench_rope,
     "linear_ce": bench_linear_ce,
-    "adamw": bench_adamw,
 }
 
 

@@ -31,8 +31,6 @@ def _ints(*names: str) -> dict[str, str]:
     return dict.fromkeys(names, "i32")
 
 
-ADAM_FLOATS = ("decay", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "step_size",
-               "bias_correction2_sqrt", "eps")
 CASES = {
     "rms_norm_fwd": ("rms_norm", "_rms_norm_fwd_kernel",
                      {**_ptrs("bf16", "X", "W", "Y"), "RSTD": "*fp32", **_ints("stride_x", "stride_y", "n_cols"),
@@ -52,9 +50,6 @@ CASES = {
     "cross_entropy": ("fused_linear_cross_entropy", "_ce_fwd_bwd_kernel",
                       {"LOGITS": "*fp32", "stride": "i32", "TARGETS": "*i64", "LOSS": "*fp32", "SCALE": "*fp32",
                        **_ints("n_cols", "ignore_index")}, {"BLOCK": 4096}),
-    "adamw": ("adamw", "_adamw_kernel",
-              {**_ptrs("i64", "P_ADDR", "G_ADDR", "M_ADDR", "V_ADDR", "NUMEL"), "BLOCK_TENSOR": "*i32",
-               "BLOCK_START": "*i64", **dict.fromkeys(ADAM_FLOATS, "fp32")}, {"BLOCK": 1024}),
 }
 
 

@@ -4,7 +4,6 @@ Every entry point takes ``backend`` in ``auto|triton|torch`` (see :func:`resolve
 this package never imports triton; kernels are jitted on first launch.
 """
 
-from deepshard.kernels.adamw import fused_adamw_, fused_adamw_reference
 from deepshard.kernels.backend import VALID_BACKENDS, resolve_backend, triton_importable, triton_interpreting
 from deepshard.kernels.fused_linear_cross_entropy import (
     linear_cross_entropy,
@@ -20,8 +19,6 @@ __all__ = [
     "SwiGLU",
     "apply_rotary",
     "apply_rotary_reference",
-    "fused_adamw_",
-    "fused_adamw_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "resolve_backend",

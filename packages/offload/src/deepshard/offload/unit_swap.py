@@ -276,9 +276,6 @@ class UnitSwap:
     def pool_bytes(self) -> int:
         return sum(b.numel() for b in self._pool)
 
-    def nvme_bytes(self) -> int:
-        return len(FILES) * sum(u.nbytes for u in self.units)
-
     def io_stats(self) -> dict[str, float]:
         assert self.engine is not None
         e = self.engine

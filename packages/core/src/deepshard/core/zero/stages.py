@@ -4,7 +4,7 @@ Every stage answers the same few questions for the optimizer glue (which local t
 with which local gradients, how many ranks hold identical copies of each) and never knows where
 the optimizer state lives: that is the StateStore's business.  A stage is built from its parts,
 passed in: a reducer (all-reduce or reduce-scatter of gradient buckets) and, for stages 1-2, a
-gatherer (all-gather of the updated shards); ``build_stage`` in ``deepshard.core.zero`` wires them.
+gatherer (all-gather of the updated shards); ``apply_zero`` in ``deepshard.core.zero`` wires them.
 """
 
 from __future__ import annotations
