@@ -1,6 +1,9 @@
 """deepshard finetune, the Hydra entry point:  python apps/finetune/main.py +zero=stage3
 
-Bad config values end the run before any work, with one line naming the key (exit 2).  A run that
+Bad config values end the run before any work, with one line naming the key (exit 2); so do Hydra's
+own refusals (an override typo, a group option that does not exist, a run directory that cannot be
+written): Hydra raises them here instead of printing them (``HYDRA_FULL_ERROR=1`` until our task
+starts; set it yourself for Hydra's full trace).  A run that
 fails later ends with one line too: a worker's error with its rank (exit 2), a rank that died or
 hung, or a diverged run (exit 1).
 """
@@ -21,11 +24,14 @@ from deepshard.finetune.config import register
 from deepshard.finetune.ds_config import merge_argv
 
 register()
+USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # the user's setting, restored when the task starts
 
 
 @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
     from deepshard.finetune.app import RunFailed, run
+
+    _restore_full_error()  # from here on Hydra reports our task's errors as it always did
 
     try:
         run(cfg, HydraConfig.get().runtime.output_dir)
@@ -36,6 +42,30 @@ def main(cfg: DictConfig) -> None:
         sys.stdout.flush()
         print(f"\nerror: {err}", file=sys.stderr)  # a worker's progress bar may have left the line open
         sys.exit(err.code)
+
+
+def _restore_full_error() -> None:
+    if USER_FULL_ERROR is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = USER_FULL_ERROR
+
+
+def run_hydra(argv: list[str], translation) -> None:
+    """``main()``, with what Hydra refuses before our task runs as one ``error:`` line (exit 2)."""
+    from deepshard.finetune.hydra_errors import error_line
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its several lines
+    try:
+        main()
+    except Exception as err:
+        line = None if USER_FULL_ERROR == "1" else error_line(err, argv, translation)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        _restore_full_error()
 
 
 def exit_without_teardown(code: int | str | None) -> None:
@@ -57,11 +87,11 @@ def exit_without_teardown(code: int | str | None) -> None:
 if __name__ == "__main__":
     try:
         try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
-            sys.argv = merge_argv(sys.argv)[0]
+            sys.argv, translation = merge_argv(sys.argv)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-        main()
+        run_hydra(sys.argv, translation)
     except SystemExit as done:
         exit_without_teardown(done.code)
     exit_without_teardown(0)

@@ -34,6 +34,19 @@ def test_bad_value_names_the_ds_key():
         compat_config({"optimizer": {"type": "AdamW"}, "gradient_clipping": -1}, dp=1, cuda=False)
 
 
+@pytest.mark.parametrize("config, expected", [
+    ({"train_micro_batch_size_per_gpu": "eight"}, "train_micro_batch_size_per_gpu='eight': expected a positive "),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, "optimizer.params.lr='fast': expected a number"),
+    ({"fp16": {"enabled": True, "initial_scale_power": "big"}}, "fp16.initial_scale_power='big': expected an int"),
+    ({"optimizer": "adam"}, "optimizer='adam': expected a JSON object"),
+])
+def test_value_of_the_wrong_type_names_the_ds_key(config, expected):
+    """deepspeed.initialize(config=...): a ValueError in the ds_config's own words, not a TypeError."""
+    with pytest.raises(ValueError) as err:
+        compat_config(config, dp=1, cuda=False)
+    assert str(err.value).startswith(f"ds_config: {expected}"), str(err.value)
+
+
 def test_unsupported_keys_one_warning_line(capsys):
     compat_config({"optimizer": {"type": "AdamW"}, "comms_logger": {"enabled": True}, "amp": {"enabled": True}},
                   dp=1, cuda=False)

@@ -58,11 +58,16 @@ BUILT_IN = {
 
 @dataclass
 class Translation:
-    """Overrides for the app, unsupported keys (to warn about) and built-in ones (for the record)."""
+    """Overrides for the app, unsupported keys (to warn about) and built-in ones (for the record).
+
+    ``origin`` maps an override's key to the ds_config key and value it came from, so an error about
+    it can name them as the file does; ``source`` is the file (merge_argv sets it)."""
 
     overrides: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    origin: dict[str, tuple[str, object]] = field(default_factory=dict)
+    source: str = "ds_config"
 
 
 def _value(v: object) -> str:
@@ -81,16 +86,18 @@ class _Translator:
     def __init__(self) -> None:
         self.t = Translation()
 
-    def set(self, key: str, value: object) -> None:
+    def set(self, key: str, value: object, ds_key: str | None = None) -> None:
         if value != AUTO and value is not None:
             self.t.overrides.append(f"{key}={_value(value)}")
+            if ds_key:
+                self.t.origin[key] = (ds_key, value)
 
     def copy(self, section: dict, path: str, mapping: dict[str, str]) -> None:
         """Map known keys of ``section`` to override keys; the rest are unsupported or built in."""
         for key, value in section.items():
             dotted = f"{path}.{key}"
             if key in mapping:
-                self.set(mapping[key], value)
+                self.set(mapping[key], value, dotted)
             elif dotted in BUILT_IN:
                 self.t.notes.append(f"{dotted}: {BUILT_IN[dotted]}" if BUILT_IN[dotted] else dotted)
             else:
@@ -99,6 +106,21 @@ class _Translator:
 
 def _enabled(section: object) -> bool:
     return isinstance(section, dict) and section.get("enabled") is True
+
+
+def _section(value: object, key: str) -> dict:
+    """A section that must be a JSON object (ValueError naming the ds_config key)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{key}={value!r:.60}: expected a JSON object {{...}}")
+    return value
+
+
+def _positive_int(value: object, key: str) -> None:
+    """DeepSpeed's counts (batch sizes, accumulation steps) are positive integers, or "auto"."""
+    if value == AUTO or value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or int(value) != value:
+        raise ValueError(f"{key}={value!r}: expected a positive integer or \"auto\"")
 
 
 def translate(ds: dict) -> Translation:
@@ -110,25 +132,26 @@ def translate(ds: dict) -> Translation:
 
     if "optimizer" in ds:
         handled.add("optimizer")
-        opt = ds["optimizer"]
+        opt = _section(ds["optimizer"], "optimizer")
         kind = str(opt.get("type", "AdamW"))
         if kind.lower() not in ("adamw", "adam"):
             t.unsupported.append(f"optimizer.type={kind}")
-        params = dict(opt.get("params", {}))
+        params = dict(_section(opt.get("params", {}), "optimizer.params"))
         if params.get("adam_w_mode") is False:
             t.unsupported.append("optimizer.params.adam_w_mode=false")
             params.pop("adam_w_mode")
         if isinstance(params.get("betas"), list):
+            t.origin["optim.betas"] = ("optimizer.params.betas", params["betas"])
             t.overrides.append("optim.betas=[" + ",".join(_value(b) for b in params.pop("betas")) + "]")
         tr.copy(params, "optimizer.params", {"lr": "optim.lr", "eps": "optim.eps", "weight_decay": "optim.weight_decay"})
         t.unsupported += [f"optimizer.{k}" for k in opt if k not in ("type", "params")]
 
     if "scheduler" in ds:
         handled.add("scheduler")
-        kind = ds["scheduler"].get("type")
+        kind = _section(ds["scheduler"], "scheduler").get("type")
         if kind in SCHEDULERS:
             t.overrides.append(f"scheduler={SCHEDULERS[kind]}")
-            params = ds["scheduler"].get("params", {})
+            params = _section(ds["scheduler"].get("params", {}), "scheduler.params")
             tr.copy(params, "scheduler.params", {k: f"scheduler.{k}" for k in SCHEDULER_PARAMS[kind]})
             t.overrides += [f"scheduler.{k}={_value(v)}" for k, v in SCHEDULER_DEFAULTS[kind].items() if k not in params]
         else:
@@ -139,7 +162,7 @@ def translate(ds: dict) -> Translation:
     for name in ("fp16", "bf16", "bfloat16"):
         if name in ds:
             handled.add(name)
-            section = ds[name]
+            section = _section(ds[name], name)
             if _enabled(section):
                 t.overrides.append("precision=fp16" if name == "fp16" else "precision=bf16")
             # false-valued switches ask for nothing we lack
@@ -154,10 +177,10 @@ def translate(ds: dict) -> Translation:
         z = ds["zero_optimization"]
         if isinstance(z, bool):  # the legacy switch: true meant stage 1
             z = {"stage": 1} if z else {}
-        _zero(z, tr)
+        _zero(_section(z, "zero_optimization"), tr)
     if "aio" in ds:
         handled.add("aio")
-        tr.copy(ds["aio"], "aio", {k: f"offload.aio.{k}" for k in AIO_KEYS})
+        tr.copy(_section(ds["aio"], "aio"), "aio", {k: f"offload.aio.{k}" for k in AIO_KEYS})
 
     if "communication_data_type" in ds:  # the dtype gradients are reduced in: one key for every stage
         handled.add("communication_data_type")
@@ -170,21 +193,21 @@ def translate(ds: dict) -> Translation:
             raise ValueError(f"communication_data_type={comm!r}: valid values are {sorted(COMM_DTYPES)}")
     if "data_types" in ds:  # gradients always accumulate in fp32 here
         handled.add("data_types")
-        for key, v in dict(ds["data_types"]).items():
+        for key, v in _section(ds["data_types"], "data_types").items():
             if not (key == "grad_accum_dtype" and str(v).lower() in ("fp32", "float32", "auto")):
                 t.unsupported.append(f"data_types.{key}={v}")
     simple = {"gradient_clipping": "optim.grad_clip", "steps_per_print": "train.log_every"}
     for key, target in simple.items():
         if key in ds:
             handled.add(key)
-            tr.set(target, ds[key])
+            tr.set(target, ds[key], key)
     if "wall_clock_breakdown" in ds:
         handled.add("wall_clock_breakdown")
         if ds["wall_clock_breakdown"] is True:
             t.overrides.append("profile.enabled=true")
     if "activation_checkpointing" in ds:
         handled.add("activation_checkpointing")
-        ac = ds["activation_checkpointing"]
+        ac = _section(ds["activation_checkpointing"], "activation_checkpointing")
         t.overrides.append("ac=full")  # the section asks for checkpointing: every block, non-reentrant
         for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                     "synchronize_checkpoint_boundary", "profile"):
@@ -192,7 +215,7 @@ def translate(ds: dict) -> Translation:
                 t.unsupported.append(f"activation_checkpointing.{key}")
     if "flops_profiler" in ds:
         handled.add("flops_profiler")
-        fp = dict(ds["flops_profiler"])
+        fp = dict(_section(ds["flops_profiler"], "flops_profiler"))
         if fp.pop("enabled", False) is True:
             t.overrides.append("profile.enabled=true")
         if "profile_step" in fp:
@@ -200,10 +223,10 @@ def translate(ds: dict) -> Translation:
         tr.copy(fp, "flops_profiler", {})
     if "tensorboard" in ds:
         handled.add("tensorboard")
-        tb = dict(ds["tensorboard"])
+        tb = dict(_section(ds["tensorboard"], "tensorboard"))
         path, job = tb.pop("output_path", None), tb.pop("job_name", None)
         if path or job:
-            tr.set("train.tensorboard_dir", str(Path(path or ".") / (job or "")).rstrip("/"))
+            tr.set("train.tensorboard_dir", str(Path(path or ".") / (job or "")).rstrip("/"), "tensorboard.output_path")
         tr.copy({k: v for k, v in tb.items() if k != "enabled" or v is not False}, "tensorboard", {})
         if tb.get("enabled") is False:
             t.unsupported.append("tensorboard.enabled=false")
@@ -214,35 +237,39 @@ def translate(ds: dict) -> Translation:
 
 def _batch(ds: dict, tr: _Translator) -> None:
     """DeepSpeed's batch triple; a value that is absent or "auto" is derived (0 marks it for the app)."""
-    g, m, a = (ds.get(k, AUTO) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                          "gradient_accumulation_steps"))
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for key in keys:
+        _positive_int(ds.get(key), key)
+    g, m, a = (ds.get(k, AUTO) for k in keys)
     given = [v != AUTO and v is not None for v in (g, m, a)]
     if not any(given):
         return
     if given[0]:
-        tr.set("train.global_batch_size", g)
-        tr.set("train.micro_batch_size", m if given[1] else 0)
-        tr.set("train.grad_accum", a if given[2] else (0 if given[1] else 1))
+        tr.set("train.global_batch_size", g, keys[0])
+        tr.set("train.micro_batch_size", m if given[1] else 0, keys[1])
+        tr.set("train.grad_accum", a if given[2] else (0 if given[1] else 1), keys[2])
     else:  # no global batch: DeepSpeed defaults a missing accumulation to 1
-        tr.set("train.micro_batch_size", m)
-        tr.set("train.grad_accum", a if given[2] else 1)
+        tr.set("train.micro_batch_size", m, keys[1])
+        tr.set("train.grad_accum", a if given[2] else 1, keys[2])
 
 
 def _zero(z: dict, tr: _Translator) -> None:
     t = tr.t
     stage = z.get("stage", 0)
     if stage != AUTO:
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage={stage!r}: valid values are 0, 1, 2, 3 (or \"auto\")")
         t.overrides.append(f"+zero=stage{int(stage)}")
     z = {k: v for k, v in z.items() if k != "stage"}
     prefetch = z.pop("stage3_prefetch_bucket_size", AUTO)
     if prefetch != AUTO:  # a bucket of elements ahead: 0 turns prefetching off, anything else is one block
-        tr.set("zero.prefetch", 0 if prefetch == 0 else 1)
+        tr.set("zero.prefetch", 0 if prefetch == 0 else 1, "zero_optimization.stage3_prefetch_bucket_size")
     if "sub_group_size" in z:
-        tr.set("offload.sub_group_size", z.pop("sub_group_size"))
+        tr.set("offload.sub_group_size", z.pop("sub_group_size"), "zero_optimization.sub_group_size")
     for which, target in (("offload_optimizer", None), ("offload_param", "offload.params")):
-        section = dict(z.pop(which, None) or {})
-        device = section.pop("device", "none")
         path = f"zero_optimization.{which}"
+        section = dict(_section(z.pop(which, None) or {}, path))
+        device = section.pop("device", "none")
         if target is None:
             if device in ("cpu", "nvme"):
                 t.overrides.append(f"+offload={device}")
@@ -250,7 +277,7 @@ def _zero(z: dict, tr: _Translator) -> None:
                 t.unsupported.append(f"{path}.device={device}")
             overlap = [section.pop(k) for k in ("pipeline_read", "pipeline_write") if k in section]
             if overlap:  # DeepSpeed's swap pipelining is our aio overlap_events
-                tr.set("offload.aio.overlap_events", any(overlap))
+                tr.set("offload.aio.overlap_events", any(overlap), f"{path}.pipeline_read")
             tr.copy(section, path, {"nvme_path": "offload.nvme_path", "buffer_count": "offload.buffer_count"})
         else:
             if device in ("cpu", "nvme"):
@@ -281,6 +308,17 @@ def load(path: str) -> dict:
     return ds
 
 
+def read(path: str) -> Translation:
+    """The file's translation; a ValueError about one of its values names the file, then the key."""
+    ds = load(path)
+    try:
+        tr = translate(ds)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    tr.source = path
+    return tr
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -301,7 +339,7 @@ def merge_argv(argv: list[str]) -> tuple[list[str], Translation | None]:
             rest.append(arg)
     if path is None:
         return argv, None
-    tr = translate(load(path))
+    tr = read(path)
     user = {_key(a) for a in rest if "=" in a and not a.startswith("-")}
     tr.overrides = [o for o in tr.overrides if _key(o) not in user]
     if tr.unsupported:
@@ -319,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m deepshard.finetune.ds_config ds_config.json", file=sys.stderr)
         return 2
     try:
-        tr = translate(load(args[0]))
+        tr = read(args[0])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

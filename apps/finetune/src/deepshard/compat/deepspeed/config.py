@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,30 @@ def sections_from_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _typed(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
+    """``values`` checked against ``cls``'s field types (a ValueError naming ``section.key``, which
+    :func:`ds_name` turns into the ds_config's key); ints pass for floats, as JSON writes them."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        want = hints.get(key)
+        if typing.get_origin(want) is tuple:
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                         for v in value)
+        elif want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif want is int:
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                             and value.is_integer())
+        elif want in (bool, str):
+            ok = isinstance(value, want)
+        else:
+            ok = True
+        if not ok:
+            kind = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(want, "a list of numbers")
+            raise ValueError(f"{section}.{key}={value!r}: expected {kind}")
+    return values
+
+
 def engine_config_from_overrides(overrides: list[str], *, grad_accum: int) -> EngineConfig:
     """Core's EngineConfig from a translation's overrides, on DeepSpeed's defaults."""
     s = sections_from_overrides(overrides)
@@ -106,7 +131,10 @@ def engine_config_from_overrides(overrides: list[str], *, grad_accum: int) -> En
         scheduler["warmup_max_lr"] = optim["lr"]  # DeepSpeed's WarmupLR peaks at the optimizer's lr by default
     if scheduler.get("name") == "WarmupCosineLR":  # its warm-up is a ratio of the optimizer's lr
         scheduler = {k: v for k, v in scheduler.items() if k not in ("warmup_min_lr", "warmup_max_lr")}
-    return EngineConfig(zero=ZeroConfig(**s["zero"]), precision=PrecisionConfig(**s["precision"]),
+    _typed(OptimConfig, s["optim"], "optim")
+    _typed(SchedulerConfig, s["scheduler"], "scheduler")
+    return EngineConfig(zero=ZeroConfig(**_typed(ZeroConfig, s["zero"], "zero")),
+                        precision=PrecisionConfig(**_typed(PrecisionConfig, s["precision"], "precision")),
                         optim=OptimConfig(**optim), scheduler=SchedulerConfig(**scheduler),
                         grad_accum=grad_accum, ac=s["app"].get("ac", "none"))
 
