@@ -75,8 +75,33 @@ def jsonl_not_utf8(tmp: Path) -> tuple[list[str], str]:
     return ["data=jsonl", f"data.path={f}"], f"error: {f}:2: not UTF-8 text (byte 0xe9 at column 14)"
 
 
+def text_not_utf8(tmp: Path) -> tuple[list[str], str]:
+    f = tmp / "notes.txt"
+    f.write_bytes(b"first line\nsecond line\n" + "un caf\xe9\n".encode("latin-1"))
+    return ["data=text", f"data.path={f}"], f"error: {f}:3: not UTF-8 text (byte 0xe9 at column 7)"
+
+
+CHAT_ROW = {"messages": [{"role": "user", "content": "how many?"}, {"role": "assistant", "content": "three."}]}
+
+
+def chat_without_assistant_turns(tmp: Path) -> tuple[list[str], str]:
+    f = tmp / "prompts.jsonl"
+    f.write_text((json.dumps({"messages": CHAT_ROW["messages"][:1]}) + "\n") * 50)
+    return ["data=chat", f"data.path={f}"], f"error: {f}: no conversation has an assistant turn (50 row(s))"
+
+
+def chat_template_refused(tmp: Path) -> tuple[list[str], str]:
+    f = tmp / "chat.jsonl"
+    f.write_text((json.dumps(CHAT_ROW) + "\n") * 50)
+    t = tmp / "evil.jinja"
+    t.write_text("{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}")
+    return (["data=chat", f"data.path={f}", f"data.chat_template={t}"],
+            f"error: data.chat_template='{t}': refused by the Jinja sandbox while rendering {f}:1")
+
+
 CASES = [no_tokenizer, no_weights, config_missing_key, config_not_json, micro_batch_over_dataset,
-         too_few_documents_for_eval, jsonl_not_utf8]
+         too_few_documents_for_eval, jsonl_not_utf8, text_not_utf8, chat_without_assistant_turns,
+         chat_template_refused]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -135,3 +135,30 @@ def test_app_stops_before_any_work_on_a_bad_chat_row_or_template(tmp_path, monke
     line = prelaunch_error(["data=chat", f"data.path={good}", "data.chat_template=missing.jinja"], tmp_path / "run",
                            monkeypatch)
     assert "data.chat_template='missing.jinja': no such file" in line
+
+
+def test_file_without_assistant_turns_is_refused_and_some_are_skipped_with_a_count(tmp_path, tok, capsys):
+    """Only assistant turns are learned: a file with none would train on the separators alone."""
+    prompts = _write(tmp_path, [{"messages": TWO_TURNS[:2]}, "", {"messages": TWO_TURNS[1:2]}])
+    with pytest.raises(ValueError, match=rf"^{prompts}: no conversation has an assistant turn \(2 row\(s\)\)"):
+        check_records("chat", {"path": prompts})
+    mixed = _write(tmp_path, [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[:2]}, {"messages": TWO_TURNS[1:3]}])
+    assert check_records("chat", {"path": mixed}) == 3
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"warning: data.path={mixed!r}: 1 of 3 conversation(s) have no assistant turn and are skipped "
+        f"(the first: {mixed}:2)"]
+    docs = list(chat_docs(tok, path=mixed))
+    assert len(docs) == 2 and all(any(t != -100 for t in labels) for _, labels in docs)
+
+
+def test_template_refused_by_the_sandbox_is_a_value_error_naming_its_source(tmp_path, tok):
+    path = _write(tmp_path, [{"messages": TWO_TURNS}])
+    evil = tmp_path / "evil.jinja"
+    evil.write_text("{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}")
+    with pytest.raises(ValueError, match=rf"^data.chat_template='{evil}': refused by the Jinja sandbox while "
+                                         rf"rendering {path}:1 \(SecurityError: access to attribute '__class__'"):
+        list(chat_docs(tok, path=path, chat_template=str(evil)))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(ValueError, match=rf"^data.chat_template='{broken}': not a valid Jinja template \(line 1\)"):
+        list(chat_docs(tok, path=path, chat_template=str(broken)))

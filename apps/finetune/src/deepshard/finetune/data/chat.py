@@ -11,13 +11,22 @@ from the end of ``messages[:i]`` rendered with the generation prompt to the end 
 ``messages[:i+1]`` (its content and its end-of-turn marker).  The whole conversation is then
 tokenized once, exactly as ``apply_chat_template(tokenize=True)`` does, and a token is learned
 when it starts inside such a span (character offsets of the fast tokenizer).
+
+A file none of whose conversations has an assistant turn is refused (it would teach nothing but the
+separator); conversations without one in a file that has others are skipped, counted in one warning.
+A template that fails (a Jinja syntax error, or refused by transformers' sandbox) is a ValueError
+naming where the template came from and the row.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+
+from jinja2 import TemplateError
 
 from deepshard.finetune.data.records import json_lines
 
@@ -57,6 +66,41 @@ def chat_rows(path: str | None, **_: object) -> Iterator[tuple[str, list[Message
     """(``FILE:LINE``, messages) for each non-blank line of each JSON-lines file (ValueError naming both)."""
     for where, obj in json_lines(path):
         yield where, _messages(obj, where)
+
+
+def _has_reply(messages: list[Message]) -> bool:
+    return any(m["role"] == "assistant" for m in messages)
+
+
+def check_chat_rows(path: str | None, **_: object) -> int:
+    """Every row read and checked (ValueError naming file and line); a file with no assistant turn in
+    any row is refused; rows without one are counted in one warning.  Returns the number of rows."""
+    rows, silent, first = Counter(), Counter(), {}
+    for where, messages in chat_rows(path):
+        file = where.rsplit(":", 1)[0]
+        rows[file] += 1
+        if not _has_reply(messages):
+            silent[file] += 1
+            first.setdefault(file, where)
+    for file, n in rows.items():
+        if silent[file] == n:
+            raise ValueError(f"{file}: no conversation has an assistant turn ({n} row(s)), and only assistant "
+                             f"turns are learned: nothing to train on (rows are {{\"messages\": [{{\"role\": "
+                             f"\"user\", ...}}, {{\"role\": \"assistant\", ...}}]}})")
+    if silent:
+        total = sum(silent.values())
+        print(f"warning: data.path={path!r}: {total} of {sum(rows.values())} conversation(s) have no assistant "
+              f"turn and are skipped (the first: {min(first.values())})", file=sys.stderr)
+    return sum(rows.values())
+
+
+def template_source(chat_template: str | None, model_path: str | None) -> str:
+    """Where the chat template comes from, as the user names it."""
+    if chat_template:
+        return f"data.chat_template={chat_template!r}"
+    if model_path:
+        return f"model.path={model_path!r}: its tokenizer's chat_template"
+    return "the embedded tokenizer's chat_template (assets/chat_template.jinja)"
 
 
 def resolve_template(tokenizer, path: str | None = None, *, model_path: str | None = None) -> str:
@@ -121,7 +165,17 @@ def chat_docs(tokenizer, *, path: str | None, chat_template: str | None = None, 
         raise ValueError("data=chat needs a fast (tokenizers-backed) tokenizer for its character offsets")
     template = resolve_template(tokenizer, chat_template, model_path=model_path)
     for where, messages in chat_rows(path):
-        yield encode_chat(tokenizer, messages, template, where)
+        if not _has_reply(messages):  # nothing to learn but the separator (check_chat_rows warned)
+            continue
+        try:
+            doc = encode_chat(tokenizer, messages, template, where)
+        except TemplateError as e:  # a syntax error, or an attribute the sandbox refuses
+            what = {"TemplateSyntaxError": f"not a valid Jinja template (line {getattr(e, 'lineno', '?')})",
+                    "SecurityError": f"refused by the Jinja sandbox while rendering {where}"}.get(
+                        type(e).__name__, f"fails on {where}")
+            raise ValueError(f"{template_source(chat_template, model_path)}: {what} ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from None
+        yield doc
 
 
 def render_prompt(tokenizer, prompt: str, template: str) -> str:

@@ -53,12 +53,16 @@ def _record(obj: object, where: str, text_field: str, prompt_field: str, respons
     return out
 
 
-def _utf8(raw: bytes, file: str, lineno: int) -> str:
+def _utf8(raw: bytes, file: str, lineno: int = 1) -> str:
+    """``raw`` decoded, or a ValueError naming the file, the line and the column of the first bad byte
+    (``lineno`` is the number of ``raw``'s first line: a whole file's bytes are located too)."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{file}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                         f"save the file as UTF-8") from None
+        line = lineno + raw.count(b"\n", 0, e.start)
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
+                         f"save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8)") from None
 
 
 def json_lines(path: str | None) -> Iterator[tuple[str, object]]:
@@ -91,8 +95,8 @@ def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: s
 def text_records(path: str | None, *, text_unit: str = "file", **_: object) -> Iterator[Record]:
     """Plain text: each file is a document (``text_unit=file``), or each paragraph / line of it."""
     for file in expand(path):
-        with open(file, encoding="utf-8", errors="replace") as f:
-            content = f.read()
+        with open(file, "rb") as f:
+            content = _utf8(f.read(), file)
         if not content.strip():
             raise ValueError(f"{file}: empty file")
         if text_unit == "file":
@@ -161,8 +165,8 @@ READERS = {"jsonl": jsonl_records, "text": text_records, "hf_disk": hf_disk_reco
 
 def check_records(name: str, options: dict) -> int:
     """Read every record of a user data source now (ValueError naming file and line); returns the count."""
-    if name == "chat":  # conversations: the rows' shape and roles (the template needs the tokenizer)
-        from deepshard.finetune.data.chat import chat_rows
+    if name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
+        from deepshard.finetune.data.chat import check_chat_rows
 
-        return sum(1 for _ in chat_rows(**options))
+        return check_chat_rows(**options)
     return sum(1 for _ in READERS[name](**options)) if name in READERS else 0
