@@ -34,7 +34,14 @@ from deepshard.core.checkpoint import (
     save_checkpoint,
     unsupported_reason,
 )
-from deepshard.core.checkpoint_manifest import CheckpointError, prune, set_aside, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint_manifest import (
+    CheckpointError,
+    latest_good,
+    prune,
+    set_aside,
+    step_dirs,
+    verify_checkpoint,
+)
 from deepshard.core.mesh import local_device
 from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.data.resumable import ResumableStream
@@ -42,11 +49,17 @@ from deepshard.finetune.data.resumable import ResumableStream
 log = logging.getLogger("deepshard.finetune")
 
 
+AUTO = ("auto", "auto_or_fresh")  # checkpoint.resume values that search checkpoint.dir
+
+
 @dataclass
 class CheckpointSchema:
     every_steps: int = 0  # 0: only at the end (and on preemption)
     keep_last: int = 3  # 0 keeps every checkpoint
-    resume: str = "auto"  # auto | none | PATH (a step-* directory, or a folder of them)
+    # auto: the newest good checkpoint under dir (none there: start fresh; some, none usable: an error)
+    # | auto_or_fresh: the same, but starts fresh (with a warning) when none is usable | none | PATH
+    # (a step-* directory, or a folder of them)
+    resume: str = "auto"
     dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
     on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
 
@@ -60,9 +73,9 @@ def validate_checkpoint(c: dict[str, Any]) -> CheckpointSchema:
             raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
     if s.on_error not in ("stop", "continue"):
         raise ValueError(f"checkpoint.on_error={s.on_error!r}: valid values are 'stop' and 'continue'")
-    if s.resume not in ("auto", "none") and not Path(s.resume).is_dir():
-        raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'none' or an existing "
-                         f"checkpoint directory")
+    if s.resume not in AUTO + ("none",) and not Path(s.resume).is_dir():
+        raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'auto_or_fresh', 'none' or an "
+                         f"existing checkpoint directory")
     return s
 
 
@@ -179,7 +192,10 @@ class RunCheckpoints:
         self.tokenizer = tokenizer
         self.tokens_seen = 0
         self.last_saved: str | None = None
+        self.resumed_from: str | None = None
         self.saved_step = -1
+        self.save_failed: tuple[int, str] | None = None  # (step, reason) when the newest save attempt failed
+        self.withheld = False  # preempted during bad steps: no save
         self.good: set[Path] = set()  # checkpoints known to verify (written or loaded by this run)
         self.bad: set[Path] = set()  # and known not to (each is verified once)
         self.preemption = Preemption(local_device())
@@ -193,16 +209,16 @@ class RunCheckpoints:
     def _resolve(self) -> tuple[Path | None, bool]:
         """The checkpoint to resume from, and whether it was verified already (by a search)."""
         resume = self.settings.resume
-        if resume == "none" or (resume == "auto" and self.unsupported):
+        if resume == "none" or (resume in AUTO and self.unsupported):
             return None, False
         if self.unsupported:
             raise CheckpointError(f"checkpoint.resume={resume!r}: not supported yet for {self.unsupported}")
-        if resume == "auto":
+        if resume in AUTO:
             path = find_resume(self.root)
             if path is None and not step_dirs(self.root):
                 log.info("checkpoint: none under %s, starting fresh", self.root)
             elif path is None:
-                log.warning("checkpoint: no usable checkpoint under %s, starting fresh", self.root)
+                self._none_usable(resume)
             return path, True
         path = Path(resume)
         if not (path / "manifest.json").exists() and step_dirs(path):
@@ -211,6 +227,22 @@ class RunCheckpoints:
                 raise CheckpointError(f"checkpoint.resume={resume!r}: no usable checkpoint in that folder")
             return found, True
         return path, False
+
+    def _none_usable(self, resume: str) -> None:
+        """Checkpoints under the dir, none usable: an error for ``auto`` (starting over would discard
+        them silently), a warning for ``auto_or_fresh``."""
+        problems = [" ".join(p.split()) for p in latest_good(self.root)[1]] if dist.get_rank() == 0 else []
+        if dist.get_world_size() > 1:  # rank 0 verified them: every rank says the same
+            box = [problems]
+            dist.broadcast_object_list(box, src=0)
+            problems = box[0]
+        if resume == "auto_or_fresh":
+            log.warning("checkpoint: no usable checkpoint under %s, starting fresh (checkpoint.resume=auto_or_fresh)",
+                        self.root)
+            return
+        raise CheckpointError(f"checkpoint.resume=auto: no usable checkpoint under {self.root}: {'; '.join(problems)} "
+                              f"(to start over from step 0 and set them aside: checkpoint.resume=auto_or_fresh; "
+                              f"to ignore them: checkpoint.resume=none)")
 
     def resume(self, *, micro_batches_per_step: int = 1) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
@@ -234,6 +266,7 @@ class RunCheckpoints:
             self.data.load_state_dict(app["data"])
             self.tokens_seen = int(app["tokens_seen"])
             step = self.saved_step = int(app["step"])
+            self.resumed_from = str(path)
             self.good.add(path.resolve())
             log.info("checkpoint: resumed from %s at step %d (%d tokens seen)", path, step, self.tokens_seen)
         if not self.unsupported:
@@ -249,16 +282,31 @@ class RunCheckpoints:
                             "renamed to %s", old, step, new.name)
         dist.barrier()
 
-    def after_step(self, step: int, *, last: bool) -> bool:
-        """Count tokens; save on schedule, at the end, or on preemption.  True: stop now (preempted)."""
+    @property
+    def newest_good(self) -> str | None:
+        """The newest checkpoint of this run's line: saved by it, or the one it resumed from."""
+        return self.last_saved or self.resumed_from
+
+    def after_step(self, step: int, *, last: bool, bad_steps: int = 0) -> bool:
+        """Count tokens and check for preemption, every step; save on schedule, at the end, or on
+        preemption, unless the run is in a streak of ``bad_steps`` (the state may be the diverged one:
+        the newest good checkpoint stays the newest).  True: stop now (preempted, saved or not)."""
         self.tokens_seen += self.tokens_per_step
         self.preempted = self.preemption.agreed()
         every = self.settings.every_steps
-        if self.preempted or last or (every and step % every == 0):
-            self.save(step)
+        if not (self.preempted or last or (every and step % every == 0)):
+            return False
+        if bad_steps:
             if self.preempted:
-                log.warning("checkpoint: preempted after step %d, saved %s; exiting", step,
-                            self.last_saved if not self.unsupported else "nothing (checkpoints disabled)")
+                self.withheld = True
+                log.warning("checkpoint: preempted after step %d: nothing saved, the state is not finite (%d bad "
+                            "steps in a row); the newest good checkpoint is %s; exiting", step, bad_steps,
+                            self.newest_good or "none")
+            return self.preempted
+        self.save(step)
+        if self.preempted:
+            log.warning("checkpoint: preempted after step %d, saved %s; exiting", step,
+                        self.last_saved if not self.unsupported else "nothing (checkpoints disabled)")
         return self.preempted
 
     def save(self, step: int) -> Path | None:
@@ -284,7 +332,9 @@ class RunCheckpoints:
                 raise CheckpointError(message + " (checkpoint.on_error=continue would train on without it)") from None
             if dist.get_rank() == 0:
                 log.warning("checkpoint: %s; training on (checkpoint.on_error=continue)", message)
+            self.save_failed = (step, err.reason)
             return None
+        self.save_failed = None
         self.good.add(path.resolve())
         if dist.get_rank() == 0:
             prune(self.root, self.settings.keep_last, keep=[path], is_good=self._is_good)

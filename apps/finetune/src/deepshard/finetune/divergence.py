@@ -1,4 +1,4 @@
-"""When a non-finite step is an error: the run's divergence policy, called once per step.
+"""When a bad step is an error: the run's divergence policy, called once per step.
 
 The optimizer (``ZeroOptimizer.step``) skips any step whose global gradient norm is not finite and
 reports ``applied=False``.  That is right for fp16 with a dynamic loss scale, where an overflow
@@ -10,6 +10,18 @@ good checkpoint.  With a dynamic scale, an overflow at ``precision.min_loss_scal
 the scaler itself (``LossScaleAtMinimum``, DeepSpeed's ``raise_error_at_min_scale``); with that
 switched off, a scale stuck at the minimum while every step overflows, for
 ``precision.loss_scale_window`` steps, is still an error here.
+
+The loss of a step is measured before its update, so a finite loss says nothing of the state the
+update leaves: an applied step is also bad when the parameters it leaves are not finite, or when
+their global norm (``StepStats.param_norm``) exceeds ``train.max_param_growth`` times the norm of
+the newest good state (the run's start, or the last good step).  AdamW moves each weight by about
+``lr`` a step: on the default run (``optim.lr=3e-3``) the norm grows by at most 0.7% a step, at ten
+times that lr by 12%; ``optim.lr=1e9`` multiplies it by 1e10.  Such a state stays bad until a step
+brings it back within the bound: nothing is saved meanwhile.  (With ``offload.params=nvme`` the
+parameters are on NVMe at the step's end and the norm is not measured: the loss and gradient
+checks remain.)
+A run whose last step is bad ends with ``TrainingDiverged`` too, however few bad steps it had: a run
+never ends "done" on a non-finite or blown-up state.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "DEEPSHARD_TEST_FAULT"  # test-only: nan@K or error@K (see inject_test_fault)
+FAULT_ENV = "DEEPSHARD_TEST_FAULT"  # test-only: nan@K, nan@K:N or error@K (see inject_test_fault)
 
 
 class TrainingDiverged(RuntimeError):
@@ -32,50 +44,90 @@ class DivergenceGuard:
     """Counts bad steps; ``check`` raises ``TrainingDiverged`` when the policy says stop."""
 
     def __init__(self, *, max_bad_steps: int, dynamic: bool, min_scale: float, scale_window: int,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], max_param_growth: float = 0.0) -> None:
         self.max_bad_steps = max_bad_steps
         self.dynamic = dynamic
         self.min_scale = min_scale
         self.scale_window = scale_window
         self.say = say
-        self.streak = 0  # consecutive bad steps (no dynamic scale)
+        self.max_param_growth = max_param_growth  # 0: only non-finite parameters are a bad state
+        self.streak = 0  # consecutive bad steps (a dynamic scale's overflow skips aside)
         self.at_min = 0  # consecutive overflows with the scale already at its minimum
         self.skipped = 0  # every step not applied, the whole run
         self.last_finite: tuple[int, float] | None = None  # (step, loss) of the newest good step
+        self.good_norm: float | None = None  # the parameter norm of the newest good state
 
     @classmethod
     def for_run(cls, settings, scaler, *, say: Callable[[str], None]) -> DivergenceGuard:
-        """The run's guard: ``train.max_bad_steps``, the loss scaler's mode and floor, its window."""
+        """The run's guard: ``train.max_bad_steps`` and ``max_param_growth``, the loss scaler's mode,
+        floor and window."""
         return cls(max_bad_steps=settings.train.max_bad_steps, dynamic=scaler.dynamic, min_scale=scaler.min_scale,
-                   scale_window=settings.engine.precision.loss_scale_window, say=say)
+                   scale_window=settings.engine.precision.loss_scale_window, say=say,
+                   max_param_growth=settings.train.max_param_growth)
+
+    def reference(self, param_norm: float | None) -> None:
+        """The parameter norm of the state the run starts from (its init, or the checkpoint resumed)."""
+        self.good_norm = param_norm if param_norm is not None and math.isfinite(param_norm) else None
 
     @property
     def saving_allowed(self) -> bool:
         """No checkpoint while a streak of bad steps runs: it may be the diverged state."""
         return self.streak == 0
 
-    def check(self, step: int, loss: float, *, applied: bool, loss_scale: float, newest_checkpoint: str) -> None:
+    def check(self, step: int, loss: float, *, applied: bool, loss_scale: float, newest_checkpoint: str,
+              param_norm: float | None = None, last: bool = False) -> None:
+        """Judge ``step``: its loss (before the update), whether it was applied, and the parameter norm
+        it left; ``last``: the run's final step, which must leave a good state."""
+        blown = self._blown(applied, param_norm)
         finite = math.isfinite(loss)
-        bad = not applied or not finite
-        if not bad:
+        if applied and finite and blown is None:
             self.streak = self.at_min = 0
             self.last_finite = (step, loss)
+            self.good_norm = param_norm if param_norm is not None else self.good_norm
             return
         if not applied:
             self.skipped += 1
         if self.dynamic and not applied:  # a NaN loss too: DeepSpeed judges it by the scale's floor alone
             self._overflow(step, loss_scale, newest_checkpoint)
-            return
-        what = "gradient norm" if finite else ("loss" if applied else "loss and gradient norm")
+        else:
+            self._bad(step, loss, applied=applied, blown=blown, newest_checkpoint=newest_checkpoint)
+        if last and self.streak:
+            raise TrainingDiverged(
+                f"training diverged at step {step}: the run ended on {self.streak} bad step(s) in a row (fewer than "
+                f"train.max_bad_steps={self.max_bad_steps}, but none good after them); {self._last_good()}; newest "
+                f"good checkpoint: {newest_checkpoint}; its final state was not saved (try a lower optim.lr or "
+                f"check the data)")
+
+    def _blown(self, applied: bool, param_norm: float | None) -> str | None:
+        """What is wrong with the parameters an applied step left, or None (also: not measured)."""
+        if not applied or param_norm is None:
+            return None
+        if not math.isfinite(param_norm):
+            return f"the update made the parameters not finite (norm {param_norm})"
+        ref, bound = self.good_norm, self.max_param_growth
+        if bound and ref and param_norm > bound * ref:
+            return (f"the update blew the parameters up (norm {param_norm:.3g}, {param_norm / ref:.3g} x the newest "
+                    f"good state's {ref:.4g}; train.max_param_growth={bound:g})")
+        return None
+
+    def _bad(self, step: int, loss: float, *, applied: bool, blown: str | None, newest_checkpoint: str) -> None:
+        """A bad step without a dynamic scale (or an applied one with it): a warning, and an error at
+        ``train.max_bad_steps`` in a row."""
         self.streak += 1
-        skipped = "skipped" if not applied else "applied, but its loss is not finite"
-        self.say(f"warning: step {step}: non-finite {what} (loss {loss}); step {skipped} "
-                 f"({self.streak} in a row, train.max_bad_steps={self.max_bad_steps})")
+        count = f"({self.streak} in a row, train.max_bad_steps={self.max_bad_steps})"
+        if blown is not None and math.isfinite(loss):
+            self.say(f"warning: step {step}: {blown}; nothing saved until a step is good {count}")
+        else:
+            finite = math.isfinite(loss)
+            what = "gradient norm" if finite else ("loss" if applied else "loss and gradient norm")
+            skipped = "skipped" if not applied else "applied, but its loss is not finite"
+            self.say(f"warning: step {step}: non-finite {what} (loss {loss}); step {skipped} {count}")
         if self.streak >= self.max_bad_steps:
             raise TrainingDiverged(
                 f"training diverged at step {step}: {self.streak} consecutive steps with a non-finite loss or "
-                f"gradient (train.max_bad_steps={self.max_bad_steps}); {self._last_good()}; newest good "
-                f"checkpoint: {newest_checkpoint}; nothing was saved after it (try a lower optim.lr or check the data)")
+                f"gradient, or parameters not finite or blown up (train.max_bad_steps={self.max_bad_steps}); "
+                f"{self._last_good()}; newest good checkpoint: {newest_checkpoint}; nothing was saved after it "
+                f"(try a lower optim.lr or check the data)")
 
     def _overflow(self, step: int, scale: float, newest_checkpoint: str) -> None:
         """fp16 with a dynamic scale: a skip is routine unless the scale can go no lower."""
@@ -90,7 +142,7 @@ class DivergenceGuard:
 
     def _last_good(self) -> str:
         if self.last_finite is None:
-            return "no step of this run had a finite loss"
+            return "no step of this run was good"
         step, loss = self.last_finite
         return f"last finite loss {loss:.4f} at step {step}"
 

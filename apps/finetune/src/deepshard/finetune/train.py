@@ -166,6 +166,7 @@ def start_run(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset
                           device=local_device())
     stepper.prof = BeatingProfiler(prof, beat)
     guard = DivergenceGuard.for_run(settings, engine.optimizer.scaler, say=logger.print)
+    guard.reference(engine.optimizer.param_norm())  # the state it starts from (init or resumed) is good
     eval_args = {"dp_rank": dp.get_local_rank(), "dp_size": dp.size(), "group": dp.get_group(),
                  "device": local_device()}
     run = Run(settings=settings, rank=rank, world=world, run_dir=run_dir, stepper=stepper, tokenizer=tokenizer,
@@ -202,12 +203,13 @@ def train_loop(run: Run) -> float:
         out = run.stepper(run.batches, measure_memory=step == run.start_step + 1)
         run.losses.append(out.loss)
         log_step(run, step, out, time.perf_counter() - step_start)
-        check_divergence(run, step, out)
+        check_divergence(run, step, out, last=last)
         if run.eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or last):
             evaluate_step(run, step)
         if last or (every := run.settings.checkpoint.every_steps) and step % every == 0:
             run.beat.mark("checkpoint", step)  # (no save during a run of bad steps: it may be the diverged state)
-        if run.guard.saving_allowed and run.ckpt.after_step(step, last=last):  # SIGTERM/SIGINT: saved, stop
+        # tokens and SIGTERM/SIGINT every step (preempted: saved, or not during bad steps; stop)
+        if run.ckpt.after_step(step, last=last, bad_steps=run.guard.streak):
             break
         step_start = time.perf_counter()
     return time.perf_counter() - start
@@ -227,18 +229,21 @@ def log_step(run: Run, step: int, out: StepOutput, seconds: float) -> None:
                           "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                           "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
                           "train/step_applied": float(stats.applied), "train/skipped_steps": run.guard.skipped})
+    if stats.param_norm is not None:
+        logger.scalars(step, {"train/param_norm": stats.param_norm})
     logger.progress({"loss": f"{out.loss:.3f}", "tok/s": f"{tok_s:,.0f}"})
     if step % s.train.log_every == 0 or step == s.train.max_steps:
         logger.print(f"step {step:>5}  loss {out.loss:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
                      f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
 
 
-def check_divergence(run: Run, step: int, out: StepOutput) -> None:
-    """fp32/bf16: ``train.max_bad_steps`` non-finite steps in a row stop the run (TrainingDiverged)."""
-    resumed = f"the one resumed (step {run.start_step})" if run.start_step else "none written yet"
+def check_divergence(run: Run, step: int, out: StepOutput, *, last: bool) -> None:
+    """``train.max_bad_steps`` bad steps in a row (non-finite, or a blown-up state) stop the run
+    (TrainingDiverged), and so does a bad last step."""
     try:
-        run.guard.check(step, out.loss, applied=out.stats.applied, loss_scale=out.stats.loss_scale,
-                        newest_checkpoint=run.ckpt.last_saved or resumed)
+        s = out.stats
+        run.guard.check(step, out.loss, applied=s.applied, loss_scale=s.loss_scale, param_norm=s.param_norm,
+                        newest_checkpoint=run.ckpt.newest_good or "none written yet", last=last)
     except TrainingDiverged:
         run.logger.close()
         raise
@@ -275,9 +280,22 @@ def finish(run: Run, elapsed: float) -> dict:
         f"{what}: steps {run.start_step + 1}-{run.start_step + ran} in {elapsed:.1f}s, loss "
         f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of first/last {k}), "
         f"{summary['tokens_per_s']:,.0f} tok/s, "
-        f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}logs in {run.run_dir}")
+        f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}logs in {run.run_dir}"
+        f"{unsaved(ckpt)}")
     dist.destroy_process_group()
     return summary
+
+
+def unsaved(ckpt) -> str:
+    """The end of the summary line when the run's end was not saved: which save, why, and where the
+    newest good checkpoint is (empty when it was saved)."""
+    newest = f"newest good checkpoint: {ckpt.newest_good or 'none'}"
+    if ckpt.withheld:
+        return f"; nothing saved at the preemption (the state was not finite); {newest}"
+    if ckpt.save_failed is not None:
+        step, reason = ckpt.save_failed
+        return f"; the final save (step {step}) failed: {reason}; {newest}"
+    return ""
 
 
 def train_worker(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> dict:
