@@ -149,8 +149,9 @@ class PipelineTrainer:
 
     def _check_rows(self, input_ids: torch.Tensor) -> None:
         if input_ids.shape[0] % self.pipeline.microbatches:
-            raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into the "
-                             f"pipeline's {self.pipeline.microbatches} microbatches: make it a multiple")
+            raise ValueError(f"batch of {input_ids.shape[0]} rows per dp rank does not split into "
+                             f"pipeline.microbatches={self.pipeline.microbatches} (x train.grad_accum): make it "
+                             f"a multiple")
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
                    ) -> PipelineStepResult:
