@@ -3,6 +3,7 @@ falls back to the newest good one and says why; pruning keeps the newest."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from deepshard.core.checkpoint import find_resume, verify_collective
 from deepshard.core.checkpoint_manifest import (
+    OWNER,
     CheckpointError,
     latest_good,
     prune,
@@ -78,7 +80,11 @@ def test_auto_resume_falls_back_to_the_previous_good_one_and_says_why(root, capl
 
 
 def test_prune_keeps_the_newest_and_removes_temp_dirs(root):
-    (root / "step-00000020.tmp-abcd1234").mkdir()
+    dead = root / "step-00000020.tmp-abcd1234"  # a save's temp dir (its marker) from a run long gone
+    dead.mkdir()
+    (dead / OWNER).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0}))
+    (root / "step-00000021.tmp-abcd1234").mkdir()  # no marker: not made by a save, left alone
     removed = prune(root, keep_last=1)
     assert [c.step for c in step_dirs(root)] == [10]
     assert {p.name for p in removed} == {"step-00000005", "step-00000020.tmp-abcd1234"}
+    assert (root / "step-00000021.tmp-abcd1234").is_dir()
