@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepshard.core.checkpoint_manifest import CheckpointError, read_manifest, verify_checkpoint
+from deepshard.core.checkpoint_manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
 from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
 from deepshard.core.dtensor_utils import copy_global
 from deepshard.finetune.models.hf import (
@@ -87,12 +86,18 @@ def peft_config(lora: LoraSettings, base: dict[str, Any]):
                       base_model_name_or_path=base.get("path"), task_type="CAUSAL_LM")
 
 
-def _copy_tokenizer(ckpt: Path, out: Path) -> bool:
-    tok_dir = ckpt / "tokenizer"
-    if tok_dir.is_dir():
-        for f in tok_dir.iterdir():
-            shutil.copy2(f, out / f.name)
-    return tok_dir.is_dir()
+def _copy_tokenizer(ckpt: Path, names: list[str], out: Path) -> bool:
+    from deepshard.finetune.export import copy_sealed
+
+    copy_sealed(ckpt, names, out)
+    return bool(names)
+
+
+def _tokenizer_files(ckpt: Path, manifest: dict[str, Any]) -> list[str]:
+    """The tokenizer files the manifest lists (anything else in tokenizer/ is refused by name)."""
+    from deepshard.finetune.export import TOKENIZER
+
+    return sealed_files(ckpt, manifest, TOKENIZER)
 
 
 def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> dict[str, Any]:
@@ -104,6 +109,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32"
     start = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out_dir)
     manifest, cfg, lora, base = _need_lora(ckpt, "--adapter")
+    tokenizer = _tokenizer_files(ckpt, manifest)
     with torch.device("meta"):  # the base's weights are not needed to save adapters: no memory for them
         skeleton = LlamaForCausalLM(HFLlamaConfig.from_dict(hf_config_dict(cfg)))
     if base.get("path"):  # what adapter_config.json names as the base (PeftModel reads it from the model)
@@ -125,7 +131,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32"
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     return {"out_dir": str(out), "step": manifest["step"], "tensors": len(state), "dtype": dtype,
-            "format": "peft-lora", "tokenizer": _copy_tokenizer(ckpt, out), "seconds": time.perf_counter() - start}
+            "format": "peft-lora", "tokenizer": _copy_tokenizer(ckpt, tokenizer, out), "seconds": time.perf_counter() - start}
 
 
 def _base_lookup(cfg: LlamaConfig, base: dict[str, Any], base_dir: str | None) -> Callable[[str], torch.Tensor]:
@@ -165,6 +171,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
     start = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out_dir)
     manifest, cfg, lora, base = _need_lora(ckpt, "--merge")
+    tokenizer = _tokenizer_files(ckpt, manifest)
     cfg = dataclasses.replace(cfg, kernels="torch")
     infos = {i.key[len(PREFIX):]: i for i in tensor_infos(ckpt, PREFIX)}
     torch_dtype = DTYPES[dtype]
@@ -201,7 +208,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                             pad_token_id=tok.get("pad_token_id"))
     (out_dir_ready(out) / "config.json").write_text(json.dumps(config, indent=2, default=str))
     return {"out_dir": str(out), "step": manifest["step"], "tensors": len(specs), "files": len(groups),
-            "bytes": total, "dtype": dtype, "format": "hf-merged", "tokenizer": _copy_tokenizer(ckpt, out),
+            "bytes": total, "dtype": dtype, "format": "hf-merged", "tokenizer": _copy_tokenizer(ckpt, tokenizer, out),
             "seconds": time.perf_counter() - start}
 
 

@@ -2,13 +2,16 @@
 
 The checkpoint is verified, then consolidated one tensor at a time (core's streaming reader) and
 written straight into safetensors shards, so memory stays near one tensor whatever the model size.
-No process group is needed: it runs on a laptop from a cluster's checkpoint.
+No process group is needed: it runs on a laptop from a cluster's checkpoint.  Only files the
+manifest lists are read or copied: a symlink or an unlisted file in ``tokenizer/`` is refused by
+name before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -17,13 +20,14 @@ from typing import Any
 
 import torch
 
-from deepshard.core.checkpoint_manifest import CheckpointError, verify_checkpoint
+from deepshard.core.checkpoint_manifest import CheckpointError, sealed_files, verify_checkpoint
 from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
 from deepshard.finetune.models.hf import hf_config_dict, plan_shards, to_hf_name, write_safetensors
 from deepshard.finetune.models.llama import LlamaConfig
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 PREFIX = "model."
+TOKENIZER = "tokenizer"  # the folder a save's write_extra gives the tokenizer
 
 
 def parse_size(text: str) -> int:
@@ -48,6 +52,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
     if "model" not in meta:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: its manifest names no model architecture (meta.model)")
     cfg = LlamaConfig(**meta["model"])
+    tokenizer = sealed_files(ckpt, manifest, TOKENIZER)  # before writing anything: refused, or copied at the end
     torch_dtype, hf_dtype = DTYPES[dtype]
     infos = tensor_infos(ckpt, PREFIX)
     specs = [(to_hf_name(i.key[len(PREFIX):]), torch_dtype, i.shape) for i in infos]
@@ -69,12 +74,20 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
     config = hf_config_dict(cfg, dtype=hf_dtype, bos_token_id=tok.get("bos_token_id"),
                             eos_token_id=tok.get("eos_token_id"), pad_token_id=tok.get("pad_token_id"))
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    tok_dir = ckpt / "tokenizer"
-    if tok_dir.is_dir():
-        for f in tok_dir.iterdir():
-            shutil.copy2(f, out / f.name)
+    copy_sealed(ckpt, tokenizer, out)
     return {"out_dir": str(out), "step": manifest["step"], "tensors": len(specs), "files": len(groups),
-            "bytes": total, "dtype": dtype, "tokenizer": tok_dir.is_dir(), "seconds": time.perf_counter() - start}
+            "bytes": total, "dtype": dtype, "tokenizer": bool(tokenizer), "seconds": time.perf_counter() - start}
+
+
+def copy_sealed(ckpt: Path, names: list[str], out: Path) -> None:
+    """Copy ``names`` (files of ``TOKENIZER/`` that core's ``sealed_files`` checked) into ``out``, as
+    regular files (their contents, never a link)."""
+    for name in names:
+        dst = out / name[len(TOKENIZER) + 1:]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(ckpt / name, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in since the check: refused
+        with os.fdopen(fd, "rb") as src, open(dst, "wb") as f:
+            shutil.copyfileobj(src, f)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

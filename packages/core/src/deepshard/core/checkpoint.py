@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -49,6 +50,7 @@ from deepshard.core.checkpoint_failures import (
     gather,
     one_line,
     phase,
+    root_cause,
     stall,
 )
 from deepshard.core.checkpoint_manifest import (
@@ -283,39 +285,54 @@ def load_checkpoint(
     model: nn.Module | None = None,
     verify: bool = True,
     rename: Callable[[str], str] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimizer state, update count, loss scaler and RNG from ``path``.
 
     ``rename``: the checkpoint's key for each of ours (``model.<name>``, ``optim.exp_avg.<name>``...),
     for a checkpoint written under other parameter names (one imported from DeepSpeed has HF names).
 
-    Works at any world size and stage.  RNG states come back only when the world size matches
+    Works at any world size and stage (global shapes are what must match).  A checkpoint of another
+    model (a key more or less, a shape differing) is refused before anything is loaded, naming the
+    first mismatch; given this run's ``meta`` (as a save would record it), the differing fields of
+    ``meta["model"]`` are named too.  RNG states come back only when the world size matches
     (otherwise each rank keeps its own).  Returns the ``app_state`` given to the save.  Nothing in
-    the checkpoint is executed: a crafted one is refused by name (CheckpointError on every rank).
+    the checkpoint is executed, and only files its manifest lists are read: a crafted one is refused
+    by name (CheckpointError on every rank).
     """
     rank, world = _world()
     start = time.perf_counter()
     manifest = verify_collective(path) if verify else read_manifest(path)
+    box: list[Any] = []
 
     def check_metadata() -> list[str]:
-        read_metadata_safely(path)  # before DCP reads it: a crafted .metadata is refused on every rank
+        # before DCP reads it: a crafted .metadata, or one naming files the manifest does not cover, is
+        # refused on every rank
+        box.append(read_metadata_safely(path, manifest=manifest))
         return []
 
     problems = _collective_problems(check_metadata)
     if problems:
         raise CheckpointError(problems[0])
-    trainer = read_trainer(path)
+    metadata = box[0]
+    trainer = read_trainer(path, manifest)
     saved_world = manifest["world"]["world_size"]
-    rng = read_json(path, rng_file(rank)) if saved_world == world else None
+    rng = read_json(path, rng_file(rank), manifest) if saved_world == world else None
     stage = optimizer.stage
     stage.gather_params()  # zero.overlap_allgather: a gather still in flight lands before DCP writes the shards
     state = training_state(optimizer, dp_mesh, model)
     saved_keys = {k: rename(k) if rename is not None else k for k in state}
+    loading = {saved_keys[k]: v for k, v in state.items()}
+    mismatch = model_mismatch(path, model_mismatch_of_rank(path, metadata, loading))
+    if mismatch:
+        raise CheckpointError(mismatch + architecture_diff(manifest, meta))
     try:
-        loading = {saved_keys[k]: v for k, v in state.items()}
         dcp.load(loading, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
         state = {k: loading[saved_keys[k]] for k in state}
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the checkpoint and cause
+        cause = root_cause(err)
+        if isinstance(cause, CheckpointError):  # SafeReader's, naming the file
+            raise CheckpointError(str(cause)) from None
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     loaded = {kind: [] for kind, _ in KINDS}
     for name in stage.names:
@@ -330,6 +347,47 @@ def load_checkpoint(
     log.info("checkpoint: loaded %s (saved at world %d, stage %d; now world %d, stage %d) in %.2fs", path,
              saved_world, manifest["world"]["zero_stage"], world, stage.zero_stage, time.perf_counter() - start)
     return dict(trainer["app"])
+
+
+def model_mismatch_of_rank(path: str | os.PathLike, metadata: Metadata,
+                           loading: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """This rank's first difference between the tensors it loads and the checkpoint's (keys as saved,
+    global shapes), and the checkpoint's keys it does not load (model weights first)."""
+    saved = metadata.state_dict_metadata
+    for key, value in loading.items():
+        md = saved.get(key)
+        if md is None:
+            return f"checkpoint {str(path)!r} lacks {key}, which this run's model has", []
+        if not isinstance(md, TensorStorageMetadata):
+            return f"checkpoint {str(path)!r}: {key} is not a tensor there", []
+        if tuple(md.size) != tuple(value.shape):
+            return (f"checkpoint {str(path)!r}: {key} has shape {list(md.size)} there, {list(value.shape)} in "
+                    f"this run"), []
+    return None, sorted((k for k in saved if k not in loading), key=lambda k: not k.startswith("model."))
+
+
+def model_mismatch(path: str | os.PathLike, mine: tuple[str | None, list[str]]) -> str | None:
+    """The first mismatch over all ranks (the same on each): a key some rank lacks or a shape, else a
+    key of the checkpoint that no rank loads (with pipeline stages, each rank loads only its own)."""
+    found = gather(mine)
+    problem = next((p for p, _ in found if p), None)
+    if problem is None:
+        unloaded = set.intersection(*(set(extra) for _, extra in found))
+        first = next((k for k in found[0][1] if k in unloaded), None)
+        if first is not None:
+            problem = f"checkpoint {str(path)!r} holds {first}, which this run's model does not have"
+    return problem
+
+
+def architecture_diff(manifest: dict[str, Any], meta: dict[str, Any] | None) -> str:
+    """`` (the checkpoint's model differs: n_layers 3 vs 2)``: the fields of ``meta["model"]`` that differ
+    between the checkpoint's manifest and this run's ``meta`` (empty when either is absent)."""
+    theirs, ours = manifest.get("meta", {}).get("model"), (meta or {}).get("model")
+    if not (isinstance(theirs, dict) and isinstance(ours, dict)):
+        return ""
+    fields = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in sorted(set(theirs) | set(ours))
+              if theirs.get(k) != ours.get(k)]
+    return f" (the checkpoint's model differs: {', '.join(fields[:4])})" if fields else ""
 
 
 def find_resume(root: str | os.PathLike) -> Path | None:

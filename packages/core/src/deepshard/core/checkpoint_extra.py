@@ -2,8 +2,8 @@
 
 ``trainer.json`` (rank 0): update count, loss scaler, the caller's app state, the saving layout.
 ``rng/rank-N.json`` (each rank): torch, CUDA, Python and NumPy generator states as integer lists.
-JSON cannot carry code, so reading these runs nothing; a malformed file is a CheckpointError
-naming it.
+JSON cannot carry code, so reading these runs nothing; a malformed file, or one the manifest does
+not list (or a symlink), is a CheckpointError naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepshard.core.checkpoint_manifest import CheckpointError
+from deepshard.core.checkpoint_manifest import CheckpointError, checked_file, read_manifest
 
 TRAINER = "trainer.json"
 
@@ -68,8 +68,13 @@ def write_json(directory: Path, name: str, value: Any) -> None:
         os.fsync(f.fileno())
 
 
-def read_json(directory: str | os.PathLike, name: str) -> Any:
+def read_json(directory: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> Any:
+    """``directory/name``, which must be a regular file inside the checkpoint that its manifest
+    (read here unless given) lists."""
     path = Path(directory) / name
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint {str(directory)!r}: {name} is missing")
+    checked_file(directory, name, read_manifest(directory) if manifest is None else manifest)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as err:
@@ -78,9 +83,9 @@ def read_json(directory: str | os.PathLike, name: str) -> Any:
         raise CheckpointError(f"checkpoint {str(directory)!r}: {name} is not valid JSON ({err})") from err
 
 
-def read_trainer(directory: str | os.PathLike) -> dict[str, Any]:
+def read_trainer(directory: str | os.PathLike, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """``trainer.json`` with its keys checked (CheckpointError naming the file)."""
-    value = read_json(directory, TRAINER)
+    value = read_json(directory, TRAINER, manifest)
     keys = ("num_updates", "scaler", "app")
     if not isinstance(value, dict) or any(k not in value for k in keys):
         raise CheckpointError(f"checkpoint {str(directory)!r}: {TRAINER} lacks one of {list(keys)}")

@@ -43,6 +43,14 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
+def root_cause(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (``err`` itself otherwise)."""
+    while isinstance(err, CheckpointException) and err.failures:
+        wrapped = next(iter(err.failures.values()))
+        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return err
+
+
 def one_line(err: BaseException) -> str:
     """The cause of a failure in one line (DCP's CheckpointException carries each rank's traceback)."""
     if isinstance(err, CheckpointException) and err.failures:
@@ -51,8 +59,19 @@ def one_line(err: BaseException) -> str:
         return f"rank {rank}: {one_line(exc)}"
     if isinstance(err, CheckpointError):
         return str(err)
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    text = str(err).strip()
+    if text.startswith(_TORCH_REFUSAL):  # torch.load(weights_only=True) refused: its cause, not its advice
+        causes = [line.strip() for line in text.splitlines()[1:] if line.strip()
+                  and not line.strip().startswith(("Please file an issue", "Check the documentation"))]
+        return f"{type(err).__name__}: not plain tensor data: {causes[0] if causes else 'refused by the safe loader'}"
+    lines = text.splitlines()
+    line = f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if "weights_only" in line and "False" in line:  # never pass on advice to load a refused file unsafely
+        return f"{type(err).__name__}: refused by torch's safe loader"
+    return line
+
+
+_TORCH_REFUSAL = "Weights only load failed"  # its first line advises weights_only=False, which would run the file
 
 
 def _is_enospc(err: BaseException | None) -> bool:

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -151,6 +152,62 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def file_problem(directory: str | os.PathLike, name: str) -> str | None:
+    """Why ``directory/name`` is not safe to read as a file of the checkpoint (None when it is): it
+    must be a plain relative name, a regular file, with no symlink on the way below ``directory``."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or "\0" in name or any(q in ("", ".", "..") for q in parts):
+        return f"{name!r} is outside the checkpoint"
+    at = Path(directory)
+    for i, part in enumerate(parts):
+        at = at / part
+        try:
+            mode = os.lstat(at).st_mode
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as err:
+            return f"{name} cannot be read ({err.strerror})"
+        if stat.S_ISLNK(mode):
+            return f"{'/'.join(parts[:i + 1])!r} is a symlink (only regular files inside the checkpoint are read)"
+        if i < len(parts) - 1 and not stat.S_ISDIR(mode):
+            return f"{name} is missing"
+    return None if stat.S_ISREG(mode) else f"{name!r} is not a regular file"
+
+
+def checked_file(directory: str | os.PathLike, name: str, manifest: dict[str, Any]) -> Path:
+    """``directory/name`` if the manifest lists it and it is a regular file inside the checkpoint (its
+    size and checksum are :func:`verify_files`' business); CheckpointError naming it otherwise."""
+    problem = file_problem(directory, name)
+    if problem is None and name not in manifest.get("files", {}):
+        problem = f"{name!r} is a file the manifest does not list (added after the save, or crafted)"
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {str(directory)!r}: {problem}: refused")
+    return Path(directory) / name
+
+
+def sealed_files(directory: str | os.PathLike, manifest: dict[str, Any], folder: str) -> list[str]:
+    """The files the manifest lists under ``folder`` (e.g. ``tokenizer``), each a regular file inside the
+    checkpoint; anything else there (a symlink, a file the manifest does not list) is a CheckpointError
+    naming it, so a tool that copies the folder copies exactly what the save sealed."""
+    directory = Path(directory)
+    listed = sorted(n for n in manifest.get("files", {}) if n.startswith(folder + "/"))
+    top = directory / folder
+    if top.is_symlink():
+        raise CheckpointError(f"checkpoint {str(directory)!r}: {folder!r} is a symlink: refused")
+    for root, dirs, files in os.walk(top):
+        for name in sorted(dirs + files):
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if os.path.islink(os.path.join(root, name)):
+                raise CheckpointError(f"checkpoint {str(directory)!r}: {rel!r} is a symlink: refused (only regular "
+                                      f"files the manifest lists are read)")
+            if name in files and rel not in manifest.get("files", {}):
+                raise CheckpointError(f"checkpoint {str(directory)!r}: {rel!r} is a file the manifest does not "
+                                      f"list (added after the save, or crafted): refused")
+    for name in listed:
+        checked_file(directory, name, manifest)
+    return listed
+
+
 def verify_files(path: str | os.PathLike, manifest: dict[str, Any], *, part: tuple[int, int] = (0, 1),
                  checksums: bool = True) -> list[str]:
     """Problems with the files of ``part = (index, count)`` of the manifest (all by default).
@@ -165,8 +222,9 @@ def verify_files(path: str | os.PathLike, manifest: dict[str, Any], *, part: tup
         if i % count != index:
             continue
         f = path / name
-        if not f.is_file():
-            problems.append(f"{name} is missing")
+        problem = file_problem(path, name)
+        if problem is not None:
+            problems.append(problem)
             continue
         size = f.stat().st_size
         if size != info["bytes"]:

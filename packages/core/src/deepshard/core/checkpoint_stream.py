@@ -3,7 +3,8 @@
 Export tools read the metadata, then ask DCP for a single full tensor at a time: the file
 reader fetches only that tensor's chunks, so memory stays at about one tensor however large
 the model is.  Which keys mean what (the HF names, the config) is the caller's business.  The
-metadata goes through the restricted unpickler and byte items are refused (checkpoint_safe).
+metadata goes through the restricted unpickler and byte items are refused (checkpoint_safe); a
+tensor that does not load is a one-line CheckpointError naming its file.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from deepshard.core.checkpoint_failures import one_line, root_cause
+from deepshard.core.checkpoint_manifest import CheckpointError
 from deepshard.core.checkpoint_safe import SafeLoadPlanner, SafeReader, read_metadata_safely
 
 
@@ -47,9 +51,15 @@ def tensor_infos(path: str | os.PathLike, prefix: str = "") -> list[TensorInfo]:
 def load_full_tensor(path: str | os.PathLike, info: TensorInfo) -> torch.Tensor:
     """One tensor, consolidated from all its shards into a plain CPU tensor."""
     out = torch.empty(info.shape, dtype=info.dtype)
-    with warnings.catch_warnings():  # "no process group: loading without one" is the point here
-        warnings.simplefilter("ignore")
-        dcp.load({info.key: out}, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "no process group: loading without one" is the point here
+            warnings.simplefilter("ignore")
+            dcp.load({info.key: out}, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as err:  # one line naming the file (SafeReader) or the tensor
+        cause = root_cause(err)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(str(cause)) from None
+        raise CheckpointError(f"checkpoint {str(path)!r}: reading {info.key} failed ({one_line(cause)})") from None
     return out
 
 
