@@ -7,7 +7,9 @@ of the importer stays under 1.5x the largest partition file, on a synthetic 2 x 
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +62,8 @@ def test_refuses_what_is_not_on_the_allowlist(tmp_path):
                tag / "mp_rank_00_model_states.pt")
     torch.save({"optimizer_state_dict": {"zero_stage": 1}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     (tmp_path / "latest").write_text("global_step1")
-    with pytest.raises(ValueError, match=r"mp_rank_00_model_states.pt: not loaded \(it asks for (builtins\.)?print,"):
+    with pytest.raises(ValueError, match=r"mp_rank_00_model_states.pt: not loaded \(unsupported global: GLOBAL "
+                                         r"(builtins\.)?print, not on the allowlist\)"):
         import_checkpoint(tmp_path, tmp_path / "out")
 
 
@@ -174,3 +177,29 @@ def test_zero3_uneven_partitions_at_world_3(tmp_path):
     dcp.load(got, checkpoint_id=str(out), no_dist=True)
     for n, t in full.items():
         assert torch.equal(got[f"model.{n}"], t) and torch.equal(got[f"optim.exp_avg_sq.{n}"], t * 3)
+
+
+class _CallsGetpid:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_a_refusal_never_repeats_torchs_advice_to_load_unsafely(tmp_path):
+    """torch's weights-only refusals advise ``weights_only=False``; the importer keeps only the reason."""
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    torch.save({"optimizer_state_dict": {"zero_stage": 1}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "latest").write_text("global_step1")
+    f = tag / "mp_rank_00_model_states.pt"
+    for content, reason in ((_CallsGetpid(), r"unsupported global: GLOBAL posix\.getpid, not on the allowlist"),
+                            (pickle.loads(pickle.dumps(print)), r"unsupported global: GLOBAL (builtins\.)?print,"),
+                            (b"not a checkpoint", r"not a torch\.save zip archive")):
+        if isinstance(content, bytes):
+            f.write_bytes(content)
+        else:
+            torch.save({"module": {}, "x": content}, f)
+        with pytest.raises(ValueError) as err:
+            import_checkpoint(tmp_path, tmp_path / "out")
+        line = str(err.value)
+        assert "will likely succeed" not in line and "False" not in line and "\n" not in line, line
+        assert line.startswith(f"{f}: not loaded (") and re.search(reason, line), line

@@ -11,15 +11,21 @@ Files are read with ``torch.load(weights_only=True, mmap=True)`` and an allowlis
 for the few DeepSpeed classes they hold (compat.deepspeed.ds_files): nothing in them runs.  Each
 output tensor is assembled when DCP writes it, from the mapped pieces of the rank files holding it,
 so the peak memory is about one parameter, never the model (DeepSpeed's zero_to_fp32 holds it all).
+
+Whatever is wrong with the files (refused, truncated, a key missing, a partition of the wrong size)
+is one ``error:`` line naming the file, exit 2; the partial ``step-N.tmp-import`` is removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from deepshard.compat.deepspeed.ds_files import load_ds_file, rank_files, resolve_tag_dir
@@ -58,6 +65,19 @@ class Param:
         return math.prod(self.shape)
 
 
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """What a file's contents do not have (a key, a type, enough elements) as a ValueError naming it."""
+    try:
+        yield
+    except KeyError as err:
+        raise ValueError(f"{file}: not a DeepSpeed ZeRO checkpoint this importer reads (no key {err.args[0]!r})") \
+            from None
+    except (TypeError, AttributeError, IndexError, StopIteration, RuntimeError) as err:
+        raise ValueError(f"{file}: not a DeepSpeed ZeRO checkpoint this importer reads ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:200]})") from None
+
+
 class DsCheckpoint:
     """The layout of one DeepSpeed checkpoint tag, read from rank 0's files (tensors stay mapped)."""
 
@@ -70,22 +90,26 @@ class DsCheckpoint:
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
             model_file = rank_files(tag_dir, "model_states")[0]
+        self.model_file = model_file
         self.model_states = load_ds_file(model_file)
-        osd = load_ds_file(self.optim_files[0])["optimizer_state_dict"]
-        self.stage = int(osd["zero_stage"])
+        with _reading(model_file):
+            if self.model_states.get("frozen_param_shapes"):
+                raise ValueError(f"{model_file}: frozen parameters {list(self.model_states['frozen_param_shapes'])}: "
+                                 f"not supported by the importer yet")
         self.world = len(self.optim_files)
-        if self.model_states.get("frozen_param_shapes"):
-            raise ValueError(f"{model_file}: frozen parameters {list(self.model_states['frozen_param_shapes'])}: "
-                             f"not supported by the importer yet")
-        self.osd_meta = {k: v for k, v in osd.items() if k not in ("single_partition_of_fp32_groups",
-                                                                  "fp32_flat_groups", "base_optimizer_state",
-                                                                  "optimizer_state_dict")}
-        base = osd["base_optimizer_state"] if self.stage < 3 else osd["optimizer_state_dict"]
-        self.adam_step = int(next(iter(base["state"].values()))["step"])
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
-        flats = self._flats(osd, "master")
-        self.group_sizes = [int(t.numel()) for t in flats]
-        self.params = self._layout()
+        with _reading(self.optim_files[0]):
+            osd = load_ds_file(self.optim_files[0])["optimizer_state_dict"]
+            self.stage = int(osd["zero_stage"])
+            self.osd_meta = {k: v for k, v in osd.items() if k not in ("single_partition_of_fp32_groups",
+                                                                      "fp32_flat_groups", "base_optimizer_state",
+                                                                      "optimizer_state_dict")}
+            base = osd["base_optimizer_state"] if self.stage < 3 else osd["optimizer_state_dict"]
+            self.adam_step = int(next(iter(base["state"].values()))["step"])
+            self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+            flats = self._flats(osd, "master")
+            self.group_sizes = [int(t.numel()) for t in flats]
+        with _reading(model_file):
+            self.params = self._layout()
         del osd, base, flats
 
     def _flats(self, osd: dict, kind: str) -> list[torch.Tensor]:
@@ -125,7 +149,11 @@ class DsCheckpoint:
             size = self.group_sizes[param.group]
             first, last = param.offset // size, (param.offset + param.numel - 1) // size
             for rank in range(first, last + 1):
-                flat = self._flats(load_ds_file(self.optim_files[rank])["optimizer_state_dict"], kind)[param.group]
+                with _reading(self.optim_files[rank]):
+                    flat = self._flats(load_ds_file(self.optim_files[rank])["optimizer_state_dict"], kind)[param.group]
+                if flat.numel() != size:
+                    raise ValueError(f"{self.optim_files[rank]}: its {kind} partition of group {param.group} holds "
+                                     f"{flat.numel()} elements, rank 0's {size}: truncated, or files of different runs?")
                 lo, hi = max(param.offset, rank * size), min(param.offset + param.numel, (rank + 1) * size)
                 out[lo - param.offset:hi - param.offset] = flat[lo - rank * size:hi - rank * size]
         else:
@@ -133,8 +161,9 @@ class DsCheckpoint:
             for rank in range(self.world):
                 lo, hi = rank * part, min((rank + 1) * part, param.numel)
                 if hi > lo:
-                    flats = self._flats(load_ds_file(self.optim_files[rank])["optimizer_state_dict"], kind)
-                    out[lo:hi] = _take(flats, param.offset, hi - lo)
+                    with _reading(self.optim_files[rank]):
+                        flats = self._flats(load_ds_file(self.optim_files[rank])["optimizer_state_dict"], kind)
+                        out[lo:hi] = _take(flats, param.offset, hi - lo)
         return out.view(param.shape)
 
 
@@ -150,7 +179,8 @@ def _take(flats: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
             start = 0
         else:
             start -= n
-    assert length == 0, "a parameter reaches past the end of its rank's partitions"
+    if length:  # the file holds fewer elements than the layout says
+        raise IndexError(f"parameter at {start}: its partitions end {length} element(s) short")
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
 
@@ -184,9 +214,11 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     for prefix in KINDS:
         for p in ds.params:
             state[prefix + p.name] = torch.empty(p.shape, dtype=torch.float32, device="meta")
-    buffers = {n: t for n, t in ms["module"].items() if n in set(ms.get("buffer_names") or [])}
-    for name, t in buffers.items():
-        state["model." + name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    with _reading(ds.model_file):
+        buffers = {n: t for n, t in ms["module"].items() if n in set(ms.get("buffer_names") or [])}
+        for name, t in buffers.items():
+            state["model." + name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        global_steps = int(ms.get("global_steps", ds.adam_step))
 
     def build(fqn: str) -> torch.Tensor:
         for prefix, kind in KINDS.items():
@@ -194,29 +226,52 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
                 return ds.full(params[fqn[len(prefix):]], kind)
         return buffers[fqn[len("model."):]].clone()
 
-    global_steps = int(ms.get("global_steps", ds.adam_step))
     step = ds.adam_step
     final = Path(out_dir) / step_dir_name(step)
     tmp = Path(out_dir) / f"{final.name}.tmp-import"
     if final.exists():  # before any work: an import that cannot be renamed into place is wasted
         raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
+    if tmp.exists():  # an earlier import that was interrupted (a kill leaves no chance to clean up)
+        print(f"notice: removing the partial import {tmp}", file=sys.stderr)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True, exist_ok=False)
+    try:
+        _write(tmp, ds, tag_dir, state, build, step, global_steps)
+    except BaseException:  # a refused or short file, a full disk, Ctrl-C: no half-written import stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.rename(final)
+    return final
+
+
+def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step: int, global_steps: int) -> None:
+    """The tensors (DCP, built one by one), trainer.json and the manifest, into ``tmp``."""
+    ms = ds.model_states
     warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-    dcp.save(state, storage_writer=FileSystemWriter(str(tmp), thread_count=1), planner=_StreamingPlanner(build),
-             no_dist=True)
-    sched = ms.get("lr_scheduler") or {}
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp), thread_count=1), planner=_StreamingPlanner(build),
+                 no_dist=True)
+    except CheckpointException as err:  # DCP wraps what failed (a file refused or short, a full disk): that
+        first = next(iter(err.failures.values()))[0]  # is what the user needs to read
+        if isinstance(first, (ValueError, OSError)):
+            raise first from None
+        raise
+    with _reading(ds.model_file):
+        sched = dict(ms.get("lr_scheduler") or {})
+        counters = {"global_steps": global_steps, "global_samples": int(ms.get("global_samples", 0)),
+                    "skipped_steps": int(ms.get("skipped_steps", 0)), "micro_steps": 0}
+    with _reading(ds.optim_files[0]):
+        scaler = loss_scaler_state(ds.osd_meta, global_steps)
     if sched and int(sched.get("last_batch_iteration", step - 1)) + 1 != step:
         print(f"warning: {tag_dir}: the LR scheduler is at iteration {sched['last_batch_iteration']} but Adam at "
               f"step {step} (skipped fp16 steps); one counter drives both here: Adam's", file=sys.stderr)
-    app = {"counters": {"global_steps": global_steps, "global_samples": int(ms.get("global_samples", 0)),
-                        "skipped_steps": int(ms.get("skipped_steps", 0)), "micro_steps": 0},
-           "client_state": {},
+    app = {"counters": counters, "client_state": {},
            "deepspeed": {"tag": tag_dir.name, "version": str(ms.get("ds_version", "?")), "zero_stage": ds.stage,
                          "dp_world_size": ds.world, "lr_scheduler": {k: v for k, v in sched.items()
                                                                      if isinstance(v, (int, float, str))},
                          "param_groups": _jsonable(ds.param_groups)}}
     # DeepSpeed saves no RNG state: world_size 0 matches no resuming world, so every rank keeps its own RNG
-    trainer = {"num_updates": step, "scaler": loss_scaler_state(ds.osd_meta, global_steps), "app": app,
+    trainer = {"num_updates": step, "scaler": scaler, "app": app,
                "world_size": 0, "zero_stage": ds.stage}
     write_json(tmp, TRAINER, trainer)
     write_manifest(tmp, {
@@ -225,8 +280,6 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
         "num_params": len(ds.params), "meta": {"source": f"deepspeed {app['deepspeed']['version']} {tag_dir}"},
         "checksum": "crc32", "files": describe_files(tmp, list_files(tmp)),
     })
-    tmp.rename(final)
-    return final
 
 
 def _jsonable(value: Any) -> Any:
@@ -310,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         path = import_checkpoint(args.ds_checkpoint_dir, args.out_dir, tag=args.tag)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # OUT_DIR read-only or full
+        print(f"error: {err.filename or args.out_dir}: cannot write the import ({err.strerror or err})", file=sys.stderr)
         return 2
     print(path)
     return 0

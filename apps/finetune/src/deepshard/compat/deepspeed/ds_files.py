@@ -4,7 +4,8 @@ They are pickles (``torch.save``).  Each is read with ``torch.load(weights_only=
 torch's restricted unpickler rebuilds tensors and plain containers only, plus the classes named in
 :data:`ALLOWED`, which are *our* inert stand-ins registered under DeepSpeed's names (DeepSpeed need
 not be installed): an IntEnum and two attribute bags.  Anything else in a file is refused with the
-file's name and the global it asked for.  ``mmap=True`` maps tensor storage instead of reading it,
+file's name and the global it asked for (never with torch's own advice, which is to load it with
+``weights_only=False``: exactly what must not be done with a file of unknown origin).  ``mmap=True`` maps tensor storage instead of reading it,
 so a partition costs memory only for the pages actually copied out.
 """
 
@@ -15,6 +16,7 @@ import os
 import pickle
 import re
 import types
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +95,37 @@ def save_for_deepspeed(obj: dict[str, Any], path: str | os.PathLike) -> None:
     torch.save(obj, path, pickle_module=_DS_PICKLE)
 
 
+# what torch's weights-only unpickler says around its reason: the advice to retry unsafely, pointers
+_ADVICE = ("Weights only load failed", "Check the documentation", "Please file an issue", "You can use")
+
+
+def refusal_reason(message: str) -> str:
+    """The essential reason in torch's weights-only refusal (``unsupported global: GLOBAL os.system``),
+    without its advice to retry with ``weights_only=False``."""
+    found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", message)
+    if found:
+        return f"unsupported global: GLOBAL {found.group(1)}, not on the allowlist"
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", message)]
+    kept = [p.removeprefix("WeightsUnpickler error:").strip() for p in paragraphs
+            if p and not p.startswith(_ADVICE) and "weights_only" not in p]
+    return "; ".join(p for p in kept if p)[:300] or "refused by torch's weights-only unpickler"
+
+
 def load_ds_file(path: str | os.PathLike) -> dict[str, Any]:
     """One DeepSpeed ``.pt`` file, restricted to tensors, containers and :data:`ALLOWED` (ValueError else)."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6; DeepSpeed too
+        raise ValueError(f"{path}: not loaded (not a torch.save zip archive: truncated, or not a checkpoint file)")
     try:
         with torch.serialization.safe_globals(ALLOWED):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        why = f"it asks for {found.group(1)}, which is not on the allowlist" if found else \
-            " ".join(str(err).split())[:300]
-        raise ValueError(f"{path}: not loaded ({why}); DeepSpeed checkpoints are read with weights_only=True "
-                         f"and an allowlist of {[name for _, name in ALLOWED]}, so nothing in them runs") from None
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path}: not loaded ({refusal_reason(str(err))}); DeepSpeed checkpoints are read by "
+                         f"torch's weights-only unpickler with an allowlist of {[name for _, name in ALLOWED]}, "
+                         f"so nothing in them runs") from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, OSError, EOFError, ...
+        raise ValueError(f"{path}: not loaded ({type(err).__name__}: {refusal_reason(str(err))})") from None
 
 
 def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
