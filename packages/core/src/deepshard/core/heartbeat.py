@@ -6,7 +6,8 @@ same bytes (microseconds; a reader that catches a write half done skips it until
 come out of a file: ``beat`` (the process is alive: a SIGSTOPped or GIL-frozen rank stops beating)
 and ``since`` (when it last made progress).  A rank blocked in a collective keeps beating, so when
 one rank hangs the others are not blamed: the watchdog names a rank that stopped beating, else the
-one furthest behind.
+one furthest behind.  Each file names its process (host and pid): the launcher removes an earlier
+run's files before it starts, and never those of a process that still runs (another job's).
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepshard.core.checkpoint_manifest import pid_alive
+
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
-_RECORD = 256  # bytes of a heartbeat file, always rewritten whole
+_RECORD = 512  # bytes of a heartbeat file, always rewritten whole
 # the order a step goes through; "startup" is not judged for progress (loading can take long)
 PHASES = ("startup", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
 
@@ -39,6 +43,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._fd = -1
+        self._host = socket.gethostname()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -61,7 +66,7 @@ class Heartbeat:
         assert self.path is not None
         with self._lock:  # the loop's marks and the beat thread share the file
             state = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
-                     "since": self.since, "marks": self.marks, "beat": time.time()}
+                     "since": self.since, "marks": self.marks, "beat": time.time(), "host": self._host}
             os.pwrite(self._fd, json.dumps(state).encode().ljust(_RECORD), 0)  # trailing spaces: valid JSON
 
     def _run(self, interval_s: float) -> None:
@@ -98,6 +103,43 @@ def read_beats(directory: str | Path) -> list[dict]:
         except (OSError, ValueError):  # mid-replace or gone: next poll
             continue
     return beats
+
+
+def _running(beat: dict, now: float, other_host_stale_s: float) -> bool:
+    """Whether the process that writes ``beat`` may still run: on this host its pid says (a stopped,
+    hung rank runs); another host's process cannot be checked from here: its recent beat says."""
+    host = beat.get("host", socket.gethostname())  # files of older versions: written on this host
+    if host != socket.gethostname():
+        return now - float(beat.get("beat", 0)) < other_host_stale_s
+    return pid_alive(int(beat["pid"]))
+
+
+def remove_dead_beats(directory: str | Path, *, other_host_stale_s: float = 60.0) -> list[tuple[Path, dict]]:
+    """Remove the heartbeat files of processes that are gone (an earlier run's: their pids must never
+    be judged or killed); returns the files of live ones, left in place."""
+    live = []
+    now = time.time()
+    for f in sorted(Path(directory).glob("rank*.json")):
+        beat = _read_settled(f)
+        if beat is not None and _running(beat, now, other_host_stale_s):
+            live.append((f, beat))
+        else:
+            f.unlink(missing_ok=True)
+    return live
+
+
+def _read_settled(f: Path, tries: int = 3) -> dict | None:
+    """The file's beat; a read that caught a write half done is retried.  None: no process to protect."""
+    for _ in range(tries):
+        try:
+            beat = json.loads(f.read_text())
+            int(beat["pid"])
+            return beat
+        except (ValueError, KeyError, TypeError):
+            time.sleep(0.05)
+        except OSError:
+            return None
+    return None
 
 
 def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:

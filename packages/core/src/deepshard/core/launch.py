@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats
+from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.core.mesh import free_port
 
 _PEER_GRACE_S = 1.0
@@ -193,6 +193,18 @@ def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> A
         atexit._run_exitfuncs()
 
 
+def _claim_heartbeats(beat_dir: Path) -> None:
+    """Remove an earlier run's heartbeat files (their pids must never be judged or killed); refuse
+    (ValueError) if some belong to processes that still run: another job's watchdog reads them, and a
+    hung rank of that job would go unseen (or this job's watchdog would blame and kill it)."""
+    live = remove_dead_beats(beat_dir)
+    if live:
+        f, beat = live[0]
+        raise ValueError(f"heartbeat_dir={beat_dir}: {f.name} belongs to pid {beat['pid']} on host "
+                         f"{beat.get('host', 'this host')}, which is alive: another job reports its heartbeats "
+                         "here; wait for it, or use another directory")
+
+
 def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) -> None:
     """Start the forkserver that :func:`launch_local`'s workers fork from, importing torch (with
     dynamo, which every optimizer step imports), deepshard, ``fn``'s module and ``preload`` (what
@@ -214,7 +226,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
 
     ``heartbeat_dir`` reaches the workers as ``DEEPSHARD_HEARTBEAT_DIR`` (``Heartbeat.from_env``);
     with ``hang_s > 0`` a watchdog kills the job once a rank made no progress for that long.
-    ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``.
+    ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``, or
+    ValueError before any worker starts when ``heartbeat_dir`` holds the heartbeats of live processes.
     ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`.
 
     Workers fork from multiprocessing's forkserver, which imports torch, deepshard and ``fn``'s
@@ -225,6 +238,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if heartbeat_dir is not None:
+        beat_dir = Path(heartbeat_dir)
+        beat_dir.mkdir(parents=True, exist_ok=True)
+        _claim_heartbeats(beat_dir)
     hide_gpus = workers_on_cpu(nproc, torch.cuda.device_count())
     if threads_per_worker is None:  # auto: see worker_threads
         threads_per_worker = worker_threads(nproc, cuda=torch.cuda.is_available() and not hide_gpus)
@@ -237,10 +254,6 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     start_worker_server(fn)
     watchdog: Watchdog | None = None
     if heartbeat_dir is not None:
-        beat_dir = Path(heartbeat_dir)
-        beat_dir.mkdir(parents=True, exist_ok=True)
-        for stale in beat_dir.glob("rank*.json"):  # an earlier run's pids must never be judged or killed
-            stale.unlink()
         os.environ[ENV_DIR] = str(beat_dir)
         if hang_s > 0:
             watchdog = Watchdog(beat_dir, hang_s)
