@@ -2,7 +2,8 @@
 
 Whatever ends a run early reaches the user as one ``RunFailed`` line (main.py prints it): a worker's
 error with its rank (the tracebacks go to ``<run dir>/launcher.log``), a rank that died by a signal
-or hung (the launcher's heartbeat watchdog, ``launcher.hang_s``), or a diverged run.
+or hung (the launcher's heartbeat watchdog, ``launcher.hang_s``), or a diverged run.  A second job on
+the run dir or the checkpoint dir of a running one is refused before it starts anything.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.divergence import TrainingDiverged
-from deepshard.finetune.runtime import check_data_fits, check_inputs, under_torchrun
+from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs, under_torchrun
 from deepshard.finetune.train import train_worker
 from deepshard.offload import remove_scratch
 
@@ -73,6 +74,11 @@ def _failed(err: JobFailed, run_dir: str) -> RunFailed:
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
+    with holding_job_dirs(settings, run_dir):  # no other job in them until this one ends, however it ends
+        return _run(settings, run_dir)
+
+
+def _run(settings: Settings, run_dir: str) -> dict:
     local_workers = not under_torchrun() and settings.world_size > 1
     if local_workers:  # their imports, in the background, while the checks below read the inputs
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))

@@ -3,16 +3,20 @@
 DeepSpeed's batch arithmetic (train_batch_size = micro batch x grad accumulation x dp size), the
 number of ranks (torchrun's, or the workers the app starts) and the fp16-on-CPU fallback are pure
 functions that ``config.validate`` applies once; the checks below read user data, the model
-directory and the built datasets, before any worker starts.
+directory and the built datasets, before any worker starts; and before all of it the job takes its
+run and checkpoint dirs, which no other job may share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from deepshard.core.run_lock import acquire
 from deepshard.finetune.data.records import check_records
 from deepshard.finetune.data.resumable import check_fits
 
@@ -97,6 +101,31 @@ def host_world_size(nproc_per_node: str) -> int:
     if "WORLD_SIZE" in os.environ and under_torchrun():
         return int(os.environ["WORLD_SIZE"])
     return resolve_nproc(nproc_per_node, torch.cuda.device_count())
+
+
+def job_dirs(settings: Settings, run_dir: str) -> dict[str, str]:
+    """The directories a job writes that another job must not share, by the key that sets each (the
+    checkpoint dir as ``checkpointing.py`` resolves it)."""
+    return {"hydra.run.dir": run_dir, "checkpoint.dir": settings.checkpoint.dir or os.path.join(run_dir, "checkpoints")}
+
+
+@contextlib.contextmanager
+def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[None]:
+    """This job's locks on its run and checkpoint dirs (``deepshard.core.run_lock``), for its whole life;
+    a second job on either is refused here (ValueError naming the directory and the owner), before it
+    starts anything.  Under torchrun every rank runs the app: global rank 0 takes them for the job (its
+    run dir is the one every rank uses), the other ranks take none and so never refuse each other."""
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    job = os.environ.get("TORCHELASTIC_RUN_ID", f"run{os.getpid()}")
+    with contextlib.ExitStack() as held:
+        taken: set[str] = set()
+        for key, directory in job_dirs(settings, run_dir).items():
+            if os.path.realpath(directory) not in taken:  # checkpoint.dir=<the run dir>: one lock
+                taken.add(os.path.realpath(directory))
+                held.enter_context(acquire(directory, key=key, job=job))
+        yield
 
 
 def check_inputs(settings: Settings) -> None:
