@@ -5,7 +5,6 @@ micro-batch, written here."""
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import torch
@@ -13,9 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
+from deepshard.finetune.assemble import step_flops
 from deepshard.finetune.config import register, validate
 from deepshard.finetune.models.llama import Llama
-from deepshard.finetune.profiling import build_profiler
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SMALL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
@@ -30,8 +29,7 @@ def _settings(overrides: list[str]):
 
 
 def _flops_per_step(settings) -> int:
-    engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(comm_wait_s={"backward": 0.0, "optimizer": 0.0}))
-    return build_profiler(settings, engine, trace_dir="", rank=0, device=torch.device("cpu")).flops_per_step
+    return step_flops(settings)
 
 
 def _one_micro_batch_flops(settings) -> int:

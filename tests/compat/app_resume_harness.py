@@ -65,8 +65,9 @@ def app_resume_worker(runs: list[tuple[int, str, str]]) -> list[dict]:
     """For each (our ZeRO stage, imported checkpoint dir, run dir): the app's engine and data stream,
     its resume, then the steps up to the fixture's end; the losses, rates, data position and log line."""
     from deepshard.core import build_mesh, init_distributed
+    from deepshard.finetune.assemble import build_stepper, run_meta
     from deepshard.finetune.checkpointing import start_checkpointing
-    from deepshard.finetune.train import build_stepper
+    from deepshard.finetune.data.resumable import ResumableStream
 
     rank, world = init_distributed()
     records: list[str] = []
@@ -79,8 +80,12 @@ def app_resume_worker(runs: list[tuple[int, str, str]]) -> list[dict]:
         records.clear()
         s = settings_for(app_overrides(stage, world, imported, run_dir), world)
         stepper = build_stepper(s, build_mesh(s.parallel), rank=rank)
-        ckpt, batches, start = start_checkpointing(s, run_dir=run_dir, engine=stepper.engine,
-                                                   dataset=fixture_dataset(s.train.seed), tokenizer=None)
+        dp = stepper.engine.mesh["dp"]
+        batches = ResumableStream(fixture_dataset(s.train.seed), dp_rank=dp.get_local_rank(), dp_size=dp.size(),
+                                  micro_batch_size=s.train.micro_batch_size, seed=s.train.seed)
+        ckpt, start = start_checkpointing(s.checkpoint, run_dir=run_dir, engine=stepper.engine, data=batches,
+                                          tokens_per_step=s.tokens_per_step(dp.size()), meta=run_meta(s),
+                                          tokenizer=None, micro_batches_per_step=s.micro_batches_per_step)
         stepper.prof = _NoProfile()
         position = batches.state_dict()
         losses, lrs = [], []

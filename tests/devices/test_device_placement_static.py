@@ -39,11 +39,9 @@ ALLOWED = {
         "export consolidates one tensor at a time into a plain host tensor (no GPU needed)",
     "packages/core/src/deepshard/core/checkpoint_extra.py:set_rng_state":
         "torch.set_rng_state / cuda.set_rng_state_all take CPU ByteTensors",
-    "packages/kernels/src/deepshard/kernels/adamw.py:fused_adamw_triton":
-        "launch tables built on the host, then copied to the kernel's device in one non_blocking .to()",
     "packages/kernels/src/deepshard/kernels/rms_norm.py:RMSNorm.__init__":
         "a module parameter: follows the caller's torch.device context (meta, then to_empty)",
-    f"{FINETUNE}/data/packing.py:*": "data pipeline: host tensors, moved to the device by evaluate.model_inputs",
+    f"{FINETUNE}/data/packing.py:*": "data pipeline: host tensors, moved to the device by steppers.model_inputs",
     f"{FINETUNE}/data/resumable.py:*": "data order from a seeded host generator (identical on every rank)",
     f"{FINETUNE}/models/llama.py:Llama.init_weights":
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",

@@ -11,8 +11,8 @@ def _worker(cfgs: dict) -> dict:
 
     from deepshard.core import build_mesh, init_distributed, initialize
     from deepshard.core.mesh import local_device
+    from deepshard.finetune.assemble import build_model
     from deepshard.finetune.config import validate
-    from deepshard.finetune.train import build_model
 
     init_distributed()
     out = {}

@@ -135,9 +135,9 @@ def _app_pipeline_init() -> dict:
     """The app's pp=2 path (build_stepper from a composed +peft=lora config): every stage holds exactly
     its part of the model the single-process path builds (seeded base and adapters), and it trains."""
     from deepshard.core import build_mesh
+    from deepshard.finetune.assemble import build_model, build_stepper
     from deepshard.finetune.config import validate
     from deepshard.finetune.estimate import compose
-    from deepshard.finetune.train import build_model, build_stepper
 
     s = validate(compose(["+peft=lora", "peft.r=4", "parallel.pp=2", "launcher.nproc_per_node=2", "model.dim=64",
                           "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=96",

@@ -11,7 +11,6 @@ All ranks use rank 0's run dir, and a checkpoint dir some rank cannot see stops 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -361,19 +360,11 @@ class RunCheckpoints:
         self.preemption.exit_when_done()
 
 
-def start_checkpointing(settings: Any, *, run_dir: str, engine: Trainer, dataset: Any,
-                        tokenizer: Any) -> tuple[RunCheckpoints, ResumableStream, int]:
-    """The resumable batch stream and the checkpointer, resumed; returns them and the steps already done.
-
-    ``settings`` is the app's ``config.Settings``; the manifest's ``meta.config`` is its ``asdict``."""
-    dp, t = engine.mesh["dp"], settings.train
-    data = ResumableStream(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                           micro_batch_size=t.micro_batch_size, seed=t.seed)
-    tokens_per_step = settings.tokens_per_step(dp.size())
-    meta = {"model": dataclasses.asdict(settings.model), "config": dataclasses.asdict(settings)}
-    if settings.peft is not None:  # a LoRA checkpoint: the adapters, and the base by reference
-        meta["peft"] = dataclasses.asdict(settings.peft)
-        meta["base"] = {"model": settings.model_name, "path": settings.model_path, "seed": t.seed}
-    ckpt = RunCheckpoints(settings.checkpoint, run_dir=run_dir, engine=engine, data=data,
-                          tokens_per_step=tokens_per_step, meta=meta, tokenizer=tokenizer)
-    return ckpt, data, ckpt.resume(micro_batches_per_step=settings.micro_batches_per_step)
+def start_checkpointing(settings: CheckpointSchema, *, run_dir: str, engine: Trainer, data: ResumableStream,
+                        tokens_per_step: int, meta: dict[str, Any], tokenizer: Any,
+                        micro_batches_per_step: int) -> tuple[RunCheckpoints, int]:
+    """The run's checkpointer, resumed (weights, optimizer, ``data``'s position); returns it and the steps
+    already done.  ``meta`` goes into every manifest (the architecture, the config, a LoRA base)."""
+    ckpt = RunCheckpoints(settings, run_dir=run_dir, engine=engine, data=data, tokens_per_step=tokens_per_step,
+                          meta=meta, tokenizer=tokenizer)
+    return ckpt, ckpt.resume(micro_batches_per_step=micro_batches_per_step)

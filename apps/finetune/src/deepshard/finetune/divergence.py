@@ -27,13 +27,7 @@ never ends "done" on a non-finite or blown-up state.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
-
-FAULT_ENV = "DEEPSHARD_TEST_FAULT"  # test-only: nan@K, nan@K:N or error@K (see inject_test_fault)
 
 
 class TrainingDiverged(RuntimeError):
@@ -56,14 +50,6 @@ class DivergenceGuard:
         self.skipped = 0  # every step not applied, the whole run
         self.last_finite: tuple[int, float] | None = None  # (step, loss) of the newest good step
         self.good_norm: float | None = None  # the parameter norm of the newest good state
-
-    @classmethod
-    def for_run(cls, settings, scaler, *, say: Callable[[str], None]) -> DivergenceGuard:
-        """The run's guard: ``train.max_bad_steps`` and ``max_param_growth``, the loss scaler's mode,
-        floor and window."""
-        return cls(max_bad_steps=settings.train.max_bad_steps, dynamic=scaler.dynamic, min_scale=scaler.min_scale,
-                   scale_window=settings.engine.precision.loss_scale_window, say=say,
-                   max_param_growth=settings.train.max_param_growth)
 
     def reference(self, param_norm: float | None) -> None:
         """The parameter norm of the state the run starts from (its init, or the checkpoint resumed)."""
@@ -145,26 +131,3 @@ class DivergenceGuard:
             return "no step of this run was good"
         step, loss = self.last_finite
         return f"last finite loss {loss:.4f} at step {step}"
-
-
-def inject_test_fault(model: torch.nn.Module | None, step: int) -> None:
-    """Test-only, does nothing unless ``DEEPSHARD_TEST_FAULT`` is set.  ``nan@K``: from step K on the
-    embedding's output is NaN, so a real NaN flows through the loss into every gradient; ``nan@K:N``:
-    for the N steps K..K+N-1 only (a transient fault the run recovers from).
-    ``error@K``: the last rank raises at step K (a worker error the launcher must report)."""
-    kind, _, at = os.environ.get(FAULT_ENV, "").partition("@")
-    first, _, count = at.partition(":")
-    if not first:
-        return
-    if kind == "nan" and model is not None and count and step == int(first) + int(count):
-        _NAN_HOOKS.pop(id(model)).remove()
-    if step != int(first):
-        return
-    if kind == "nan" and model is not None:
-        hook = model.get_submodule("embed_tokens").register_forward_hook(lambda mod, inp, out: out * float("nan"))
-        _NAN_HOOKS[id(model)] = hook
-    elif kind == "error" and dist.get_rank() == dist.get_world_size() - 1:
-        raise RuntimeError(f"injected test fault at step {step} ({FAULT_ENV}={kind}@{at})")
-
-
-_NAN_HOOKS: dict[int, torch.utils.hooks.RemovableHandle] = {}  # nan@K:N: removed after N steps

@@ -10,7 +10,6 @@ micro-batch of a meta-device copy of the model (no memory, no time on the real o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -110,16 +109,9 @@ class StepProfiler:
         return out
 
 
-def build_profiler(settings, engine: Trainer, *, trace_dir: str, rank: int, device: torch.device) -> StepProfiler:
-    """The run's profiler: FLOPs per rank and step from the model config, the peak from config or table."""
-    from deepshard.finetune.models.llama import Llama
-
-    d, t, p = settings.data, settings.train, settings.profile
-    # counted on the meta device, where Triton kernels cannot run: the torch paths do the same math
-    torch_model = dataclasses.replace(settings.model, kernels="torch")
-    flops = model_flops(lambda: Llama(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
-    # every micro-batch of the step: grad_accum of them, or the pipeline's microbatches under pp/tp
-    flops = flops * settings.micro_batches_per_step // (settings.parallel.tp * settings.parallel.pp)
-    peak = p.peak_tflops or peak_tflops(device, torch.get_num_threads())
-    return StepProfiler(enabled=p.enabled, engine=engine, flops_per_step=flops, peak=peak,
-                        trace_steps=list(p.trace_steps), trace_dir=trace_dir, rank=rank)
+def build_profiler(profile, engine: Trainer, *, flops_per_step: int, trace_dir: str, rank: int,
+                   device: torch.device) -> StepProfiler:
+    """The run's profiler from its ``profile`` section: the peak from config or the device table."""
+    peak = profile.peak_tflops or peak_tflops(device, torch.get_num_threads())
+    return StepProfiler(enabled=profile.enabled, engine=engine, flops_per_step=flops_per_step, peak=peak,
+                        trace_steps=list(profile.trace_steps), trace_dir=trace_dir, rank=rank)

@@ -6,7 +6,7 @@ accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipe
 ``pipeline.microbatches x train.grad_accum`` micro-batches through one schedule.  Both offer the
 same calls: ``stepper(batches)`` (one optimizer step), ``loss_sum(batch)`` (forward only, for
 evaluation), ``next_token(ids)`` (greedy decoding, for the end-of-run sample), and
-``rows_per_forward`` (how many rows ``loss_sum`` takes at once).
+``rows_per_forward`` (how many rows ``loss_sum`` takes at once); ``engine.memory()`` for the census.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from deepshard.core.parallelize import IGNORE_INDEX
 class StepOutput:
     loss: float  # the step's summed token loss / its global valid-token count, identical on every rank
     stats: StepStats
-    memory: ModelStateBytes | None  # measured model-state bytes after backward, when asked
+    memory: ModelStateBytes | None = None  # measured model-state bytes after backward, when asked
 
 
 class EngineStepper:
@@ -45,7 +45,8 @@ class EngineStepper:
         self.prof = None  # the run's StepProfiler, set once the engine exists
         self.dp_group = engine.mesh["dp"].get_group()
 
-    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+    def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
+        """``grad_accum`` micro-batches' forward and backward; returns the step's loss on every rank."""
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
         num_items = self.engine.global_num_items(sum(valid_tokens(b["labels"]) for b in micro_batches))
         total = torch.zeros((), device=self.device)
@@ -56,11 +57,17 @@ class EngineStepper:
             total += loss_sum.detach().float()
             with self.prof.phase("backward"):
                 self.engine.backward(loss_sum, num_items=num_items)
-        memory = self.engine.memory()["measured"] if measure_memory else None
-        with self.prof.phase("optimizer"):
-            stats = self.engine.step()
         dist.all_reduce(total, group=self.dp_group)
-        return StepOutput((total / num_items.clamp(min=1.0)).item(), stats, memory)
+        return total / num_items.clamp(min=1.0)
+
+    def step(self) -> StepStats:
+        with self.prof.phase("optimizer"):
+            return self.engine.step()
+
+    def __call__(self, batches: Iterator[dict]) -> StepOutput:
+        """One whole step (the trainer calls the two halves itself)."""
+        loss = self.forward_backward(batches)
+        return StepOutput(loss.item(), self.step())
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,14 +131,20 @@ class PipelineStepper:
         kwargs = {"doc_ids": torch.cat([p["doc_ids"] for p in parts]).to(self.device)} if "doc_ids" in parts[0] else {}
         return ids, labels, kwargs
 
-    def __call__(self, batches: Iterator[dict], *, measure_memory: bool = False) -> StepOutput:
+    def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
+        """The schedule's forward and backward of the step's micro-batches; the step's loss on every rank."""
         ids, labels, kwargs = self._stack([next(batches) for _ in range(self.microbatches)])
-        with self.prof.phase("forward"):  # forward, backward and the step run inside the schedule
-            result = self.trainer.train_step(ids, labels, **kwargs)
-        memory = None
-        if measure_memory:  # after the step the grads are gone: count them as the stage holds them
-            memory = self.trainer.memory()["measured"]
-        return StepOutput(result.loss, result.stats, memory)
+        with self.prof.phase("forward"):  # forward and backward run inside the schedule
+            return self.trainer.forward_backward(ids, labels, **kwargs)
+
+    def step(self) -> StepStats:
+        with self.prof.phase("optimizer"):
+            return self.trainer.step()
+
+    def __call__(self, batches: Iterator[dict]) -> StepOutput:
+        """One whole step (the trainer calls the two halves itself)."""
+        loss = self.forward_backward(batches)
+        return StepOutput(loss.item(), self.step())
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This replica's summed token loss over ``rows_per_forward`` rows (forward only)."""

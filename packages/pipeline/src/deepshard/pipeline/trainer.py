@@ -153,15 +153,15 @@ class PipelineTrainer:
                              f"pipeline.microbatches={self.pipeline.microbatches} (x train.grad_accum): make it "
                              f"a multiple")
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
-                   ) -> PipelineStepResult:
-        """Forward, backward and the optimizer step of every microbatch in the batch.
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+                         ) -> torch.Tensor:
+        """Forward and backward of every microbatch in the batch, gradients reduced; returns the step's
+        loss (summed token loss over the global batch / its valid-token count) on every rank.
 
         ``model_kwargs`` (e.g. ``doc_ids``) reach every stage's forward, split into microbatches as
         the inputs are."""
         p = self.pipeline
         self._check_rows(input_ids)
-        t0 = time.perf_counter()
         device = p.stages[0].device
         # the step's valid-token count over every microbatch and dp replica, before any backward
         num_items = (labels != IGNORE_INDEX).sum().to(device=device, dtype=torch.float32)
@@ -175,11 +175,22 @@ class PipelineTrainer:
                         **model_kwargs)
         self.zero.set_grad_sync(True)
         self.optimizer.finish_backward()
-        stats = self.optimizer.step()
         loss_sum = p.loss.true_sum(scaled) if p.has_last else torch.zeros((), device=device)
         dist.all_reduce(loss_sum)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
         tp = self.loss_ranks // self.dp_size  # the tp ranks of a replica each hold the same loss
-        return PipelineStepResult((loss_sum / (tp * num_items)).item(), stats, time.perf_counter() - t0)
+        return loss_sum / (tp * num_items)
+
+    def step(self) -> StepStats:
+        """The optimizer step (clip, update, ZeRO's all-gather) over every stage this rank holds."""
+        return self.optimizer.step()
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+                   ) -> PipelineStepResult:
+        """:meth:`forward_backward`, then :meth:`step`."""
+        t0 = time.perf_counter()
+        loss = self.forward_backward(input_ids, labels, **model_kwargs)
+        stats = self.step()
+        return PipelineStepResult(loss.item(), stats, time.perf_counter() - t0)
 
     @torch.no_grad()
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:

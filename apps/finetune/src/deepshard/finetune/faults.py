@@ -1,0 +1,55 @@
+"""The test seam for faults in a running job: ``DEEPSHARD_TEST_FAULT`` as a step hook.
+
+The trainer runs its ``step_hooks`` (``hook(step, model)``) at the start of every step; the run's
+assembly installs the hook below only when the variable is set, so the loop itself holds no test
+code.  ``nan@K``: from step K on the embedding's output is NaN, so a real NaN flows through the loss
+into every gradient; ``nan@K:N``: for the N steps K..K+N-1 only (a transient fault the run recovers
+from).  ``error@K``: the last rank raises at step K (a worker error the launcher must report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+FAULT_ENV = "DEEPSHARD_TEST_FAULT"
+
+StepHook = Callable[[int, "torch.nn.Module | None"], None]
+
+
+def step_hooks_from_env(env: Mapping[str, str]) -> list[StepHook]:
+    """The hooks ``DEEPSHARD_TEST_FAULT`` asks for (none when it is unset)."""
+    spec = env.get(FAULT_ENV, "")
+    if not spec:
+        return []
+    kind, _, at = spec.partition("@")
+    first, _, count = at.partition(":")
+    if kind not in ("nan", "error") or not first.isdigit() or (count and not count.isdigit()):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected nan@K, nan@K:N or error@K")
+    return [InjectTestFault(kind, int(first), int(count) if count else None, spec)]
+
+
+class InjectTestFault:
+    """One fault, at its step (see the module docstring)."""
+
+    def __init__(self, kind: str, first: int, count: int | None, spec: str) -> None:
+        self.kind, self.first, self.count, self.spec = kind, first, count, spec
+        self.hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def __call__(self, step: int, model: torch.nn.Module | None) -> None:
+        if self.hook is not None and self.count is not None and step == self.first + self.count:
+            self.hook.remove()
+            self.hook = None
+        if step != self.first:
+            return
+        if self.kind == "nan" and model is not None:
+            embed = model.get_submodule("embed_tokens")
+            self.hook = embed.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+        elif self.kind == "error" and dist.get_rank() == dist.get_world_size() - 1:
+            inject_test_fault(step, self.spec)
+
+
+def inject_test_fault(step: int, spec: str) -> None:
+    raise RuntimeError(f"injected test fault at step {step} ({FAULT_ENV}={spec})")
