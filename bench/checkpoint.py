@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 _EXPORT = """
 import json, resource, sys, time

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures"))
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
-    from deepshard.core.launch import launch_local
+    from deepshard.launch.local import launch_local
 
     for stage in args.stages:
         out = Path(args.out) / f"ds_zero{stage}"

@@ -193,7 +193,7 @@ def zero3_worker(device: str, nvme_path: str, steps: int) -> dict:
 
 def bench_zero3(nvme_path: str, steps: int) -> dict:
     """model=small (100M) at world 2, ZeRO-3: step time and peak RSS with state on device, host, NVMe."""
-    from deepshard.core.launch import launch_local
+    from deepshard.launch.local import launch_local
 
     # glibc's dynamic mmap threshold keeps freed activation/all-gather buffers resident, so peak RSS
     # would measure the allocator's high-water mark, not live memory: a fixed threshold (inherited by

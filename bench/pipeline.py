@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows per microbatch")
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
-    from deepshard.core.launch import launch_local
+    from deepshard.launch.local import launch_local
 
     t0 = time.perf_counter()
     per_rank = launch_local(_worker, 2, args)

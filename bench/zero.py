@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 SEQ, MBS = 128, 4
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from deepshard.core.heartbeat import Heartbeat, find_hang, read_beats
-from deepshard.core.launch import job_failed
 from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
+from deepshard.launch.heartbeat import Heartbeat, find_hang, read_beats
+from deepshard.launch.local import job_failed
 
 NAN = float("nan")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ckpt_harness import SPLIT, STEPS, reshard_worker
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

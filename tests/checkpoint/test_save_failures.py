@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from failure_harness import disk_worker
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from deepshard.core.checkpoint import load_checkpoint
 from deepshard.core.checkpoint_failures import one_line
 from deepshard.core.checkpoint_manifest import CheckpointError, verify_checkpoint
 from deepshard.core.checkpoint_stream import tensor_infos
-from deepshard.core.launch import launch_local
 from deepshard.finetune.export import export_checkpoint
 from deepshard.finetune.export import main as export_main
+from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
 

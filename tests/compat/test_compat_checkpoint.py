@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from compat_ckpt_harness import FIXTURE, LR_CASE, checkpoint_worker
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 
 @pytest.mark.slow

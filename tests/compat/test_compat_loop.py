@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 from compat_harness import all_loops
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # find, not import: it prints a banner
 CONFIGS = ("ds_zero2_fp16", "ds_zero3_offload")

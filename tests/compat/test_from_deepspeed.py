@@ -18,8 +18,8 @@ import pytest
 import torch
 from import_harness import resume_worker
 
-from deepshard.core.launch import launch_local
 from deepshard.finetune.from_deepspeed import import_checkpoint
+from deepshard.launch.local import launch_local
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STAGES = (1, 2, 3)

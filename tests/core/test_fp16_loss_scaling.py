@@ -7,7 +7,7 @@ import math
 
 from zero_harness import distributed_run, engine_config
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 INJECT_AT = 2
 KNOBS = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 SEG = 1003  # odd: nothing lines up by chance
 

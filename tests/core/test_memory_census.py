@@ -15,7 +15,7 @@ import pytest
 import torch
 from zero_harness import MICRO, build_model, engine_config
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 
 def _storages() -> dict[int, int]:

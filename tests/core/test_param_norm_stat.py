@@ -9,7 +9,7 @@ import pytest
 import torch
 from zero_harness import distributed_run, engine_config, reference
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 STEPS = 3
 STAGES = (0, 1, 2, 3)

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from deepshard.core import Trainer
-from deepshard.core.launch import launch_local
 from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.launch.local import launch_local
 
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
 SEQ, ROWS, STEPS = 16, 4, 5

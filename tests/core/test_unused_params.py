@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 DIM, ROWS, LR, WD, BETAS = 8, 4, 1e-2, 0.1, (0.9, 0.95)
 BRANCH = [(True, True), (False, False), (False, True), (True, False)]  # step -> micro-step -> use the branch

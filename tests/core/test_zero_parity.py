@@ -11,7 +11,7 @@ import pytest
 import torch
 from zero_harness import distributed_run, engine_config, reference
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 STEPS = 5
 CASES = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, 0.0), (2, 0.05))]

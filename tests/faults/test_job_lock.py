@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
         "data.seq_len=64", "train.log_every=1", "optim.lr=0.01", "data.num_docs=600"]
-LOCK = ".deepshard.lock"  # deepshard.core.run_lock.LOCK_NAME, spelled out: the test must run on code without it
+LOCK = ".deepshard.lock"  # deepshard.launch.run_lock.LOCK_NAME, spelled out: the test must run on code without it
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from app_harness import FIXTURES
 
+from deepshard.compat.resolve import fp16_fallback, resolve_batch
 from deepshard.finetune.ds_config import main, merge_argv, translate
-from deepshard.finetune.runtime import fp16_fallback, resolve_batch
 
 
 def _load(name: str) -> dict:

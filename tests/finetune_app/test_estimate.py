@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deepshard.core.launch import launch_local
 from deepshard.finetune.estimate import compose, estimate, main, report
+from deepshard.launch.local import launch_local
 
 
 def _worker(cfgs: dict) -> dict:

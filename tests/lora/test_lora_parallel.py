@@ -42,7 +42,7 @@ from test_lora_parity import (
     reference,
 )
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
 

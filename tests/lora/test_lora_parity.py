@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.core.launch import launch_local
 from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from zero_harness import distributed_run, engine_config
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 STEPS = 4
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from pipeline_harness import Case, build_model, engine_config, reference, run_case
 
-from deepshard.core.launch import launch_local
+from deepshard.launch.local import launch_local
 
 WORLD2 = [
     Case(pp=2, schedule="gpipe", microbatches=4),

@@ -21,8 +21,6 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.utils.data import Dataset
 
 from deepshard.core import build_mesh, init_distributed, initialize
-from deepshard.core.heartbeat import Heartbeat
-from deepshard.core.launch import worker_threads
 from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings
@@ -40,6 +38,8 @@ from deepshard.finetune.models.lora import apply_lora, init_adapters
 from deepshard.finetune.profiling import build_profiler, model_flops
 from deepshard.finetune.steppers import EngineStepper, PipelineStepper
 from deepshard.finetune.train import FinetuneTrainer, SampleConfig
+from deepshard.launch.heartbeat import Heartbeat
+from deepshard.launch.local import worker_threads
 from deepshard.offload import make_store_factory, param_offload
 
 

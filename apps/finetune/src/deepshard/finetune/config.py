@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from deepshard.compat.resolve import host_dtype, resolve_batch
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import ParallelDims
@@ -27,7 +28,7 @@ from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoi
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
 from deepshard.finetune.models.lora import LoraSettings, check_lora_parallel, lora_settings
-from deepshard.finetune.runtime import host_dtype, host_world_size, resolve_batch, resolve_nproc
+from deepshard.finetune.runtime import host_world_size, resolve_nproc
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 

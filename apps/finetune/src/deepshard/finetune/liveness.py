@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-from deepshard.core.heartbeat import Heartbeat
+from deepshard.launch.heartbeat import Heartbeat
 
 
 class BeatingProfiler:

@@ -18,7 +18,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from deepshard.core.heartbeat import Heartbeat
 from deepshard.core.mesh import local_device
 from deepshard.finetune.checkpointing import RunCheckpoints
 from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
@@ -27,6 +26,7 @@ from deepshard.finetune.metrics import RunLogger, memory_line, memory_scalars
 from deepshard.finetune.profiling import StepProfiler
 from deepshard.finetune.sample import greedy_sample
 from deepshard.finetune.steppers import EngineStepper, PipelineStepper, StepOutput
+from deepshard.launch.heartbeat import Heartbeat
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from deepshard.core.launch import launch_local, worker_threads
+from deepshard.launch.local import launch_local, worker_threads
 
 
 @pytest.mark.parametrize(("nproc", "cpus", "want"), [(8, 96, 12), (8, 100, 12), (1, 16, 16), (4, 2, 1), (3, 3, 1)])
@@ -29,7 +29,7 @@ def test_default_counts_the_cores_this_process_may_use():
 
 @pytest.mark.parametrize(("nproc", "gpus", "want"), [(2, 1, True), (4, 2, True), (2, 2, False), (2, 0, False)])
 def test_more_workers_than_gpus_run_on_cpu(nproc, gpus, want):
-    from deepshard.core.launch import workers_on_cpu
+    from deepshard.launch.local import workers_on_cpu
 
     assert workers_on_cpu(nproc, gpus) is want
 

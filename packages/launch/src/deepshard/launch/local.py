@@ -3,7 +3,7 @@
 A worker that raises, dies or hangs ends the whole job with one ``JobFailed`` naming the rank and
 the cause, never a hang: a raised error is ``rank 1: ValueError: ...``, a killed worker ``rank 1
 died with SIGKILL``, and with ``hang_s`` a watchdog over the workers' heartbeats (see
-``deepshard.core.heartbeat``) ends a job whose rank made no progress for that long.
+``deepshard.launch.heartbeat``) ends a job whose rank made no progress for that long.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from deepshard.core.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.core.mesh import free_port
+from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 
 _PEER_GRACE_S = 1.0
 

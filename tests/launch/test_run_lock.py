@@ -1,4 +1,4 @@
-"""One job per directory (``deepshard.core.run_lock``) with real processes: a second one is refused
+"""One job per directory (``deepshard.launch.run_lock``) with real processes: a second one is refused
 naming the owner, a dead owner's lock is taken over with one log line, a lock recorded by another
 host counts while it is renewed; and the launcher never removes heartbeat files of live processes.
 """
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.core.launch import launch_local
 from deepshard.core.mesh import free_port
-from deepshard.core.run_lock import LOCK_NAME, DirectoryInUse, acquire
+from deepshard.launch.local import launch_local
+from deepshard.launch.run_lock import LOCK_NAME, DirectoryInUse, acquire
 
 pytestmark = pytest.mark.slow
 
 HOLD = """
 import sys, time
-from deepshard.core.run_lock import acquire
+from deepshard.launch.run_lock import acquire
 acquire(sys.argv[1], key="hydra.run.dir", job="first")
 print("held", flush=True)
 time.sleep(600)

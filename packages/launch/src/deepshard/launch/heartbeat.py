@@ -190,7 +190,3 @@ class Watchdog:
                 except (ProcessLookupError, PermissionError):
                     pass
             return
-
-    def last_seen(self, rank: int) -> dict | None:
-        """A rank's last heartbeat (step and phase), if it wrote one."""
-        return next((b for b in read_beats(self.directory) if b["rank"] == rank), None)

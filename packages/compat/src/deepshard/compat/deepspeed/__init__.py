@@ -2,7 +2,7 @@
 
 ``deepspeed.initialize(model=, model_parameters=, config=ds_config)`` returns DeepSpeed's 4-tuple
 ``(engine, optimizer, training_dataloader, lr_scheduler)``.  The ds_config goes through the app's
-translation (``deepshard.finetune.ds_config``): the same batch arithmetic, the same one-line warning
+translation (``deepshard.compat.ds_config``): the same batch arithmetic, the same one-line warning
 for keys we do not support.  See the README section "Coming from DeepSpeed".
 """
 
@@ -132,7 +132,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     defaults = _optimizer_defaults(optimizer) if optimizer is not None else None
     cfg = compat_config(config, dp=comm.get_world_size(), cuda=torch.cuda.is_available(),
                         optimizer_defaults=defaults)
-    if optimizer is None and "optim.lr" not in {o.split("=", 1)[0] for o in cfg.translation.overrides}:
+    if optimizer is None and "optim.lr" not in cfg.translation.entries:
         raise ValueError("deepspeed.initialize(): no optimizer: add an optimizer section to the ds_config "
                          "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
     _train_only(model, model_parameters)

@@ -1,15 +1,14 @@
-"""A ds_config (dict or JSON path) as core's typed ``EngineConfig``, through the app's own translation.
+"""A ds_config (dict or JSON path) as core's typed ``EngineConfig``, through the one translation.
 
-The one translation (``deepshard.finetune.ds_config.translate``) turns the DeepSpeed keys into the
-app's override strings; :func:`engine_config_from_overrides` applies those to DeepSpeed's defaults
-(not the app's Hydra defaults: a DeepSpeed user without ``gradient_clipping`` gets none) and builds
-the frozen core configs.  The batch triple goes through the app's ``resolve_batch``.  Any
-ValueError is re-worded with the ds_config's own key names and the file it came from.
+``deepshard.compat.ds_config.translate`` turns the DeepSpeed keys into deepshard's typed values, per
+section; :func:`engine_config` applies those to DeepSpeed's defaults (not the app's Hydra defaults: a
+DeepSpeed user without ``gradient_clipping`` gets none) and builds the frozen core configs.  The
+batch triple goes through ``deepshard.compat.resolve``.  Any ValueError is re-worded with the
+ds_config's own key names and the file it came from.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import typing
@@ -17,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from deepshard.compat.ds_config import Translation, load, translate
+from deepshard.compat.resolve import fp16_fallback, resolve_batch
 from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
-from deepshard.finetune.ds_config import SCHEDULERS, Translation, load, translate
-from deepshard.finetune.runtime import fp16_fallback, resolve_batch
 
 # our key -> the ds_config key it came from (for error messages)
 DS_KEYS = {
@@ -41,7 +38,6 @@ DS_KEYS = {
 # DeepSpeed's defaults where they differ from our library's (deepspeed/runtime/lr_schedules.py, its Adam)
 DS_OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 0.0}
 DS_SCHEDULER = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000, "warmup_type": "log"}
-SECTIONS = ("zero", "precision", "optim", "scheduler", "offload", "train")
 
 
 @dataclass
@@ -62,39 +58,6 @@ def ds_name(message: str, source: str) -> str:
     for ours, theirs in sorted(DS_KEYS.items(), key=lambda kv: -len(kv[0])):
         message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?![\w])", theirs, message)
     return f"{source}: {message}"
-
-
-def _parse(value: str) -> Any:
-    """An override's value: JSON numbers and lists (``1e-08``, ``[0.8,0.999]``), else YAML (quoted strings)."""
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return yaml.safe_load(value)
-
-
-def sections_from_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
-    """The app's override strings (``+zero=stage2``, ``optim.lr=0.001``, ...) as per-section values."""
-    out: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    out["app"] = {}
-    for item in overrides:
-        key, value = item.split("=", 1)
-        key = key.lstrip("+~")
-        if key == "zero":
-            out["zero"]["stage"] = int(value.removeprefix("stage"))
-        elif key == "precision":
-            out["precision"]["dtype"] = value
-        elif key == "scheduler":
-            out["scheduler"]["name"] = {v: k for k, v in SCHEDULERS.items()}[value]
-        elif key == "offload":
-            out["offload"]["device"] = value
-        elif key == "ac":
-            out["app"]["ac"] = value
-        elif "." in key and key.split(".", 1)[0] in SECTIONS:
-            section, rest = key.split(".", 1)
-            out[section][rest] = _parse(value)
-        else:  # logging, profiling, tensorboard: the app's concerns, not the engine's
-            out["app"][key] = _parse(value)
-    return out
 
 
 def _typed(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
@@ -121,9 +84,8 @@ def _typed(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
     return values
 
 
-def engine_config_from_overrides(overrides: list[str], *, grad_accum: int) -> EngineConfig:
-    """Core's EngineConfig from a translation's overrides, on DeepSpeed's defaults."""
-    s = sections_from_overrides(overrides)
+def engine_config(s: dict[str, dict[str, Any]], *, grad_accum: int) -> EngineConfig:
+    """Core's EngineConfig from a translation's sections, on DeepSpeed's defaults."""
     optim = {**DS_OPTIM, **s["optim"]}
     optim["betas"] = tuple(optim["betas"])
     scheduler = {**DS_SCHEDULER, **s["scheduler"]} if s["scheduler"].get("name") else {}
@@ -158,9 +120,10 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
         tr = translate(ds)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
-    s = sections_from_overrides(tr.overrides)
     if optimizer_defaults and "optimizer" not in ds:  # a torch optimizer given to initialize()
-        tr.overrides += [f"optim.{k}={v}" for k, v in optimizer_defaults.items()]
+        for k, v in optimizer_defaults.items():
+            tr.set(f"optim.{k}", v)
+    s = tr.sections()
     train = {"global_batch_size": 0, "micro_batch_size": 1, "grad_accum": 1, **s["train"]}
     try:
         resolve_batch(train, dp)
@@ -169,9 +132,9 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
     precision = {"precision": {"dtype": s["precision"].get("dtype", "fp32")}}
     fallback = fp16_fallback(precision, cuda)  # prints the one-line notice: fp16 trains in fp32 on CPU
     if fallback:
-        tr.overrides.append("precision.dtype=fp32")
+        tr.set("precision.dtype", "fp32")
     try:
-        engine = engine_config_from_overrides(tr.overrides, grad_accum=train["grad_accum"])
+        engine = engine_config(tr.sections(), grad_accum=train["grad_accum"])
     except ValueError as err:
         raise ValueError(ds_name(str(err), source)) from None
     if warn and tr.unsupported:
