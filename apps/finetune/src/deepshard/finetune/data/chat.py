@@ -28,9 +28,9 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.finetune.data.records import json_lines
 
-IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, str]
 
@@ -153,7 +153,7 @@ def encode_chat(tokenizer, messages: list[Message], template: str, where: str = 
     text, spans = assistant_spans(tokenizer, messages, template, where)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    labels = [tok if any(s <= start < e for s, e in spans) else IGNORE
+    labels = [tok if any(s <= start < e for s, e in spans) else IGNORE_INDEX
               for tok, (start, _) in zip(ids, enc["offset_mapping"])]
     return ids, labels
 

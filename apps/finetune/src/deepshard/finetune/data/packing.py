@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-IGNORE = -100
+from deepshard.core.parallelize import IGNORE_INDEX
 
 
 class _PicklesAsArrays:
@@ -83,7 +83,7 @@ class PaddedDataset(_PicklesAsArrays, Dataset):
                 ids, labels = ids[:seq_len + 1], labels[:seq_len + 1]
             pad = seq_len + 1 - len(ids)
             rows_ids.append(ids + [pad_id] * pad)
-            rows_labels.append(labels + [IGNORE] * pad)
+            rows_labels.append(labels + [IGNORE_INDEX] * pad)
         if not rows_ids:
             raise ValueError("data: no documents to train on")
         self.seq_len = seq_len
@@ -98,4 +98,4 @@ class PaddedDataset(_PicklesAsArrays, Dataset):
 
     @property
     def num_tokens(self) -> int:
-        return int((self.labels[:, 1:] != IGNORE).sum())
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
+from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.finetune.data.chat import chat_docs
 from deepshard.finetune.data.corpus import generate
 from deepshard.finetune.data.records import READERS, Record
-
-IGNORE = -100  # label of a token that is not learned (prompt tokens, padding)
 
 
 def embedded_docs(tokenizer, *, num_docs: int, seed: int, **_: object) -> Iterator[tuple[list[int], list[int]]]:
@@ -40,7 +39,7 @@ def tokenize_records(tokenizer, records: Iterable[Record], chunk: int = 512) -> 
                 yield ids, ids
             else:
                 p, resp = next(p_ids), next(r_ids)
-                yield p + resp, [IGNORE] * len(p) + resp
+                yield p + resp, [IGNORE_INDEX] * len(p) + resp
 
 
 def _reader_source(name: str):

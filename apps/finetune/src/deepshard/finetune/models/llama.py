@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepshard.core.dtensor_utils import copy_global
+from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.finetune.models.attention import DocMask, attend, build_doc_mask, use_flex
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
@@ -168,9 +169,9 @@ class Llama(nn.Module):
             logits = self.lm_head(h)
             if labels is None:
                 return logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction=reduction)
-        return linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), ignore_index=-100,
+        return linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), ignore_index=IGNORE_INDEX,
                                     reduction=reduction, chunk_size=self.cfg.loss_chunk_size,
                                     backend=self.cfg.kernels)
 
