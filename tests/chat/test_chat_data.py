@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from deepshard.finetune.config import DataConfig
 from deepshard.finetune.data.chat import chat_docs, encode_chat, render_prompt, resolve_template
 from deepshard.finetune.data.records import check_records
 from deepshard.finetune.data.tokenizer import embedded_tokenizer_path, load_tokenizer
@@ -89,13 +90,13 @@ def test_bad_rows_name_file_and_line(tmp_path):
     good = {"messages": TWO_TURNS[1:3]}
     path = _write(tmp_path, [good, "", {"text": "no messages here"}])
     with pytest.raises(ValueError, match=r"chat\.jsonl:3: a chat row needs a non-empty 'messages' list.*'text'"):
-        check_records("chat", {"path": path})
+        check_records(DataConfig(name="chat", path=path))
     path = _write(tmp_path, [good, {"messages": [{"role": "bot", "content": "hi"}]}])
     with pytest.raises(ValueError, match=r"chat\.jsonl:2: message 0 has role 'bot'; valid roles are"):
-        check_records("chat", {"path": path})
+        check_records(DataConfig(name="chat", path=path))
     path = _write(tmp_path, [{"messages": [{"role": "user", "content": 3}]}])
     with pytest.raises(ValueError, match=r"chat\.jsonl:1: message 0 \('user'\) content must be a string"):
-        check_records("chat", {"path": path})
+        check_records(DataConfig(name="chat", path=path))
 
 
 def test_tokenizer_without_template_says_what_to_pass(tmp_path):
@@ -104,19 +105,18 @@ def test_tokenizer_without_template_says_what_to_pass(tmp_path):
     bare = PreTrainedTokenizerFast(tokenizer_file=str(embedded_tokenizer_path()), eos_token="<|eos|>")
     path = _write(tmp_path, [{"messages": TWO_TURNS[1:3]}])
     with pytest.raises(ValueError, match=r"has no chat_template; pass data.chat_template=PATH"):
-        list(chat_docs(bare, path=path))
-    docs = list(chat_docs(bare, path=path, chat_template=str(ASSET)))  # the way out it names works
+        list(chat_docs(bare, DataConfig(name="chat", path=path)))
+    docs = list(chat_docs(bare, DataConfig(name="chat", path=path, chat_template=str(ASSET))))  # the way out it names works
     assert len(docs) == 1 and any(t != -100 for t in docs[0][1])
     with pytest.raises(ValueError, match=r"data.chat_template='nope.jinja': no such file"):
-        list(chat_docs(bare, path=path, chat_template="nope.jinja"))
+        list(chat_docs(bare, DataConfig(name="chat", path=path, chat_template="nope.jinja")))
 
 
 def test_chat_dataset_builds_through_the_app_config(tmp_path):
-    from deepshard.finetune.config import DataSchema
     from deepshard.finetune.data.build import build_datasets
 
     path = _write(tmp_path, [{"messages": TWO_TURNS}] * 6)
-    data = DataSchema(name="chat", path=path, seq_len=128, pack=False)
+    data = DataConfig(name="chat", path=path, seq_len=128, pack=False)
     train, _ = build_datasets(data, load_tokenizer(), 2048)
     row = train[0]
     learned = [t for t in row["labels"].tolist() if t != -100]
@@ -141,13 +141,13 @@ def test_file_without_assistant_turns_is_refused_and_some_are_skipped_with_a_cou
     """Only assistant turns are learned: a file with none would train on the separators alone."""
     prompts = _write(tmp_path, [{"messages": TWO_TURNS[:2]}, "", {"messages": TWO_TURNS[1:2]}])
     with pytest.raises(ValueError, match=rf"^{prompts}: no conversation has an assistant turn \(2 row\(s\)\)"):
-        check_records("chat", {"path": prompts})
+        check_records(DataConfig(name="chat", path=prompts))
     mixed = _write(tmp_path, [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[:2]}, {"messages": TWO_TURNS[1:3]}])
-    assert check_records("chat", {"path": mixed}) == 3
+    assert check_records(DataConfig(name="chat", path=mixed)) == 3
     assert capsys.readouterr().err.strip().splitlines() == [
         f"warning: data.path={mixed!r}: 1 of 3 conversation(s) have no assistant turn and are skipped "
         f"(the first: {mixed}:2)"]
-    docs = list(chat_docs(tok, path=mixed))
+    docs = list(chat_docs(tok, DataConfig(name="chat", path=mixed)))
     assert len(docs) == 2 and all(any(t != -100 for t in labels) for _, labels in docs)
 
 
@@ -157,8 +157,8 @@ def test_template_refused_by_the_sandbox_is_a_value_error_naming_its_source(tmp_
     evil.write_text("{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}")
     with pytest.raises(ValueError, match=rf"^data.chat_template='{evil}': refused by the Jinja sandbox while "
                                          rf"rendering {path}:1 \(SecurityError: access to attribute '__class__'"):
-        list(chat_docs(tok, path=path, chat_template=str(evil)))
+        list(chat_docs(tok, DataConfig(name="chat", path=path, chat_template=str(evil))))
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m.content }}")
     with pytest.raises(ValueError, match=rf"^data.chat_template='{broken}': not a valid Jinja template \(line 1\)"):
-        list(chat_docs(tok, path=path, chat_template=str(broken)))
+        list(chat_docs(tok, DataConfig(name="chat", path=path, chat_template=str(broken))))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from app_harness import prompt_response_rows, write_jsonl, write_save_to_disk
 
-from deepshard.finetune.config import DataSchema
+from deepshard.finetune.config import DataConfig
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.records import check_records, hf_disk_records, jsonl_records, text_records
 from deepshard.finetune.data.tokenizer import load_tokenizer
@@ -31,7 +31,7 @@ def test_bad_jsonl_names_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError, match=str(path) + message):
-        check_records("jsonl", {"path": str(path)})
+        check_records(DataConfig(name="jsonl", path=str(path)))
 
 
 def test_missing_files_and_empty_text(tmp_path):
@@ -68,8 +68,8 @@ def test_hf_disk_dataset_datasetdict_and_parquet(tmp_path):
         list(hf_disk_records(str(tmp_path / "q.parquet")))
 
 
-def _data(path, **kw) -> DataSchema:
-    return DataSchema(**{"name": "jsonl", "path": str(path), "seq_len": 64, **kw})
+def _data(path, **kw) -> DataConfig:
+    return DataConfig(**{"name": "jsonl", "path": str(path), "seq_len": 64, **kw})
 
 
 def test_prompt_tokens_are_masked_and_contribute_exactly_zero_gradient(tmp_path):

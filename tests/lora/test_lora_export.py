@@ -176,15 +176,15 @@ def test_init_from_a_peft_adapter_folder(runs, tmp_path):
     from deepshard.finetune.adapter_export import check_init_from, export_adapter, load_peft_adapter
     from deepshard.finetune.models.hf import llama_config_from_hf
     from deepshard.finetune.models.llama import Llama
-    from deepshard.finetune.models.lora import LoraSettings, apply_lora
+    from deepshard.finetune.models.lora import LoraConfig, apply_lora
 
     out = tmp_path / "adapter"
     export_adapter(runs["ckpt"], out)
-    check_init_from(str(out), LoraSettings(r=R, alpha=ALPHA, modules_to_save=tuple(SAVE)))
+    check_init_from(str(out), LoraConfig(r=R, alpha=ALPHA, modules_to_save=tuple(SAVE)))
     with pytest.raises(ValueError, match=r"the adapter has r=4 but peft.r=8; set peft.r to match"):
-        check_init_from(str(out), LoraSettings(r=8, alpha=ALPHA))
+        check_init_from(str(out), LoraConfig(r=8, alpha=ALPHA))
     with pytest.raises(ValueError, match=r"no adapter_config.json there"):
-        check_init_from(str(tmp_path), LoraSettings())
+        check_init_from(str(tmp_path), LoraConfig())
     model = Llama(llama_config_from_hf(runs["base"]))
     apply_lora(model, r=R, alpha=ALPHA, modules_to_save=SAVE)
     assert load_peft_adapter(model, str(out)) == len(tensor_infos(runs["ckpt"], "model."))

@@ -93,7 +93,7 @@ def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.checkpoint import save_checkpoint
     from deepshard.core.dtensor_utils import local_tensor
-    from deepshard.finetune.models.lora import LoraSettings, apply_lora
+    from deepshard.finetune.models.lora import LoraConfig, apply_lora
     from deepshard.finetune.models.parallelize import pipeline_llama
 
     config = _config(stage)
@@ -123,7 +123,7 @@ def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches
            "frozen_grads": sorted(frozen_grads), "memory": memory, "local_trainable": local_trainable,
            "optimized": sorted(trainer.zero.names)}
     if ckpt_root is not None:  # the adapters as the app saves them: adapters + state, the base by reference
-        lora = LoraSettings(r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=save)
+        lora = LoraConfig(r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=save)
         meta = {"model": dataclasses.asdict(CFG), "peft": dataclasses.asdict(lora),
                 "base": {"model": "tiny", "path": None, "seed": 0}}
         out["checkpoint"] = str(save_checkpoint(ckpt_root, STEPS, trainer.optimizer, mesh["dp"], model=None,

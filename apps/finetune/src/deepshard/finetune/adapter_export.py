@@ -40,14 +40,14 @@ from deepshard.finetune.models.hf import (
     write_safetensors,
 )
 from deepshard.finetune.models.llama import LlamaConfig
-from deepshard.finetune.models.lora import LoraSettings, is_adapter, peft_key
+from deepshard.finetune.models.lora import LoraConfig, is_adapter, peft_key
 
 PREFIX = "model."
 PEFT_PREFIX = "base_model.model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraSettings, dict[str, Any]] | None:
+def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraConfig, dict[str, Any]] | None:
     """(manifest, model config, LoRA settings, base reference) of a LoRA checkpoint; None for a full one."""
     manifest = verify_checkpoint(ckpt)
     meta = manifest.get("meta", {})
@@ -56,7 +56,7 @@ def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraSettin
     if "model" not in meta:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: its manifest names no model architecture (meta.model)")
     p = dict(meta["peft"])
-    lora = LoraSettings(r=p["r"], alpha=p["alpha"], dropout=p["dropout"], target_modules=tuple(p["target_modules"]),
+    lora = LoraConfig(r=p["r"], alpha=p["alpha"], dropout=p["dropout"], target_modules=tuple(p["target_modules"]),
                         modules_to_save=tuple(p["modules_to_save"]))
     return manifest, LlamaConfig(**meta["model"]), lora, dict(meta.get("base", {}))
 
@@ -77,13 +77,14 @@ def _need_lora(ckpt: str | Path, flag: str):
     return found
 
 
-def peft_config(lora: LoraSettings, base: dict[str, Any]):
+def peft_config(lora: LoraConfig, base: dict[str, Any]):
     """PEFT's LoraConfig for these settings (``base_model_name_or_path``: the base's HF path, if any)."""
-    from peft import LoraConfig
+    from peft import LoraConfig as PeftLoraConfig
 
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), modules_to_save=list(lora.modules_to_save) or None,
-                      base_model_name_or_path=base.get("path"), task_type="CAUSAL_LM")
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=list(lora.target_modules),
+                          modules_to_save=list(lora.modules_to_save) or None,
+                          base_model_name_or_path=base.get("path"), task_type="CAUSAL_LM")
 
 
 def _copy_tokenizer(ckpt: Path, names: list[str], out: Path) -> bool:
@@ -217,7 +218,7 @@ def out_dir_ready(out: Path) -> Path:
     return out
 
 
-def check_init_from(path: str, lora: LoraSettings) -> None:
+def check_init_from(path: str, lora: LoraConfig) -> None:
     """``peft.init_from=DIR`` before start: a PEFT LoRA folder whose settings match this run's."""
     cfg_file = Path(path).expanduser() / "adapter_config.json"
     if not cfg_file.is_file():

@@ -51,8 +51,8 @@ log = logging.getLogger("deepshard.finetune")
 AUTO = ("auto", "auto_or_fresh")  # checkpoint.resume values that search checkpoint.dir
 
 
-@dataclass
-class CheckpointSchema:
+@dataclass(frozen=True)
+class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end (and on preemption)
     keep_last: int = 3  # 0 keeps every checkpoint
     # auto: the newest good checkpoint under dir (none there: start fresh; some, none usable: an error)
@@ -63,9 +63,9 @@ class CheckpointSchema:
     on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
 
 
-def validate_checkpoint(c: dict[str, Any]) -> CheckpointSchema:
+def validate_checkpoint(c: dict[str, Any]) -> CheckpointConfig:
     """Typed checkpoint settings; ValueError naming the key."""
-    s = CheckpointSchema(**c)
+    s = CheckpointConfig(**c)
     for key in ("every_steps", "keep_last"):
         value = getattr(s, key)
         if not isinstance(value, int) or value < 0:
@@ -178,7 +178,7 @@ def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
 class RunCheckpoints:
     """Resume before the loop, ``after_step`` inside it; a few lines in train.py."""
 
-    def __init__(self, settings: CheckpointSchema, *, run_dir: str, engine: Trainer, data: ResumableStream,
+    def __init__(self, settings: CheckpointConfig, *, run_dir: str, engine: Trainer, data: ResumableStream,
                  tokens_per_step: int, meta: dict[str, Any], tokenizer: Any = None) -> None:
         self.settings = settings
         self.root = Path(settings.dir or os.path.join(run_dir, "checkpoints"))
@@ -257,7 +257,7 @@ class RunCheckpoints:
             if imported is not None:
                 imported.match_names(self.engine.optimizer.stage.names)
             app = load_checkpoint(path, self.engine.optimizer, dp, model=self.model, verify=not verified,
-                                  rename=imported.rename if imported is not None else None)
+                                  rename=imported.rename if imported is not None else None, meta=self.meta)
             if imported is not None:
                 app = imported.app_state(self.data, micro_batches_per_step=micro_batches_per_step,
                                          tokens_per_step=self.tokens_per_step)
@@ -360,7 +360,7 @@ class RunCheckpoints:
         self.preemption.exit_when_done()
 
 
-def start_checkpointing(settings: CheckpointSchema, *, run_dir: str, engine: Trainer, data: ResumableStream,
+def start_checkpointing(settings: CheckpointConfig, *, run_dir: str, engine: Trainer, data: ResumableStream,
                         tokens_per_step: int, meta: dict[str, Any], tokenizer: Any,
                         micro_batches_per_step: int) -> tuple[RunCheckpoints, int]:
     """The run's checkpointer, resumed (weights, optimizer, ``data``'s position); returns it and the steps

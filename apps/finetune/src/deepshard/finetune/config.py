@@ -1,6 +1,6 @@
 """The app's typed config: dataclasses registered in Hydra's ConfigStore, and their validation.
 
-Library configs (core's ``ZeroConfig``, ``OptimConfig``, ``LlamaConfig``, ``LoraSettings``, ...) are
+Library configs (core's ``ZeroConfig``, ``OptimConfig``, ``LlamaConfig``, ``LoraConfig``, ...) are
 frozen and validate themselves; Hydra needs mutable twins with the same fields, made here so the two
 can never drift apart.  Every default lives in one place: these dataclasses (a twin's are its library
 config's); a file under conf/ sets only what its choice changes (``+zero=stage3`` sets ``stage: 3``).
@@ -24,10 +24,10 @@ from deepshard.compat.resolve import host_dtype, resolve_batch
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import ParallelDims
-from deepshard.finetune.checkpointing import CheckpointSchema, validate_checkpoint
+from deepshard.finetune.checkpointing import CheckpointConfig, validate_checkpoint
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
-from deepshard.finetune.models.lora import LoraSettings, check_lora_parallel, lora_settings
+from deepshard.finetune.models.lora import LoraConfig, check_lora_parallel, lora_settings
 from deepshard.finetune.runtime import host_world_size, resolve_nproc
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
@@ -71,8 +71,8 @@ ModelSchema = dataclasses.make_dataclass(
     bases=(hydra_twin(LlamaConfig, "LlamaTwin", exclude=("kernels",)),))
 
 
-@dataclass
-class DataSchema:
+@dataclass(frozen=True)
+class DataConfig:
     name: str = "embedded"  # embedded | jsonl | text | hf_disk
     path: typing.Optional[str] = None  # noqa: UP045 - a file, directory or glob
     seq_len: int = 128
@@ -89,8 +89,8 @@ class DataSchema:
     chat_template: typing.Optional[str] = None  # noqa: UP045 - data=chat: a Jinja file (default: the tokenizer's)
 
 
-@dataclass
-class TrainSchema:
+@dataclass(frozen=True)
+class TrainConfig:
     max_steps: int = 100
     micro_batch_size: int = 8
     grad_accum: int = 1
@@ -108,8 +108,8 @@ class TrainSchema:
     max_param_growth: float = 10.0
 
 
-@dataclass
-class PipelineSchema:
+@dataclass(frozen=True)
+class PipelineConfig:
     """Used when parallel.pp > 1 (or tp > 1): torch.distributed.pipelining stages and schedule."""
 
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
@@ -118,22 +118,22 @@ class PipelineSchema:
     virtual_stages: int = 0  # stages per rank for the interleaved schedules; 0: the schedule's default
 
 
-# ``+peft=lora``: LoRA adapters on a frozen base (models/lora.py), defaults LoraSettings'; name none trains
+# ``+peft=lora``: LoRA adapters on a frozen base (models/lora.py), defaults LoraConfig'; name none trains
 # every weight
 PeftSchema = dataclasses.make_dataclass(
     "PeftSchema", [("name", str, field(default="none"))],  # none | lora
-    bases=(hydra_twin(LoraSettings, "LoraTwin"),))
+    bases=(hydra_twin(LoraConfig, "LoraTwin"),))
 
 
-@dataclass
-class ProfileSchema:
+@dataclass(frozen=True)
+class ProfileConfig:
     enabled: bool = False  # per-step wall-clock split, FLOP/s and MFU
-    trace_steps: list[int] = field(default_factory=list)  # steps to record a torch.profiler trace of
+    trace_steps: tuple[int, ...] = ()  # steps to record a torch.profiler trace of
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0: from the device table
 
 
-@dataclass
-class LauncherSchema:
+@dataclass(frozen=True)
+class LauncherConfig:
     nproc_per_node: str = "auto"  # auto: every local GPU, or 2 workers on a CPU-only host
     # bytes; > 0 fixes glibc's mmap threshold in the workers, so freed host buffers leave RSS
     # (about half the peak RSS of a CPU ZeRO-3 run, at ~30% step time); 0 keeps glibc's default
@@ -142,24 +142,33 @@ class LauncherSchema:
     hang_s: float = 300.0  # the launcher stops a job whose rank made no progress this long; 0: never
 
 
+# Hydra's mutable twins of the app's own sections (Settings holds the frozen configs above)
+TrainSchema = hydra_twin(TrainConfig, "TrainSchema")
+LauncherSchema = hydra_twin(LauncherConfig, "LauncherSchema")
+DataSchema = hydra_twin(DataConfig, "DataSchema")
+ProfileSchema = hydra_twin(ProfileConfig, "ProfileSchema")
+PipelineSchema = hydra_twin(PipelineConfig, "PipelineSchema")
+CheckpointSchema = hydra_twin(CheckpointConfig, "CheckpointSchema")
+
+
 @dataclass
 class AppSchema:
-    train: TrainSchema = field(default_factory=TrainSchema)
-    launcher: LauncherSchema = field(default_factory=LauncherSchema)
+    train: TrainSchema = field(default_factory=TrainSchema)  # type: ignore[valid-type]
+    launcher: LauncherSchema = field(default_factory=LauncherSchema)  # type: ignore[valid-type]
     model: ModelSchema = field(default_factory=ModelSchema)
-    data: DataSchema = field(default_factory=DataSchema)
+    data: DataSchema = field(default_factory=DataSchema)  # type: ignore[valid-type]
     optim: OptimSchema = field(default_factory=OptimSchema)  # type: ignore[valid-type]
     scheduler: SchedulerSchema = field(default_factory=SchedulerSchema)  # type: ignore[valid-type]
     precision: PrecisionSchema = field(default_factory=PrecisionSchema)  # type: ignore[valid-type]
     zero: ZeroSchema = field(default_factory=ZeroSchema)  # type: ignore[valid-type]
     parallel: ParallelSchema = field(default_factory=ParallelSchema)  # type: ignore[valid-type]
     offload: OffloadSchema = field(default_factory=OffloadSchema)  # type: ignore[valid-type]
-    profile: ProfileSchema = field(default_factory=ProfileSchema)
-    pipeline: PipelineSchema = field(default_factory=PipelineSchema)
+    profile: ProfileSchema = field(default_factory=ProfileSchema)  # type: ignore[valid-type]
+    pipeline: PipelineSchema = field(default_factory=PipelineSchema)  # type: ignore[valid-type]
     peft: PeftSchema = field(default_factory=PeftSchema)
     ac: str = "none"
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
-    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)  # type: ignore[valid-type]
 
 
 def warmup_steps(total: int, fraction: float) -> int:
@@ -187,13 +196,13 @@ class Settings:
     world_size: int  # torchrun's, or the local workers the app starts
     parallel: ParallelDims  # resolved for world_size: dp is never -1 here
     offload: OffloadConfig
-    train: TrainSchema  # the batch triple resolved for the data-parallel size
-    data: DataSchema
-    profile: ProfileSchema = field(default_factory=ProfileSchema)
-    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
-    pipeline: PipelineSchema = field(default_factory=PipelineSchema)
-    launcher: LauncherSchema = field(default_factory=LauncherSchema)
-    peft: LoraSettings | None = None  # +peft=lora
+    train: TrainConfig  # the batch triple resolved for the data-parallel size
+    data: DataConfig
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    peft: LoraConfig | None = None  # +peft=lora
 
     @property
     def uses_pipeline(self) -> bool:
@@ -232,11 +241,10 @@ def _at_least(key: str, value: float, low: float, note: str = "") -> None:
         raise ValueError(f"{key}={value}: must be >= {low}{note}")
 
 
-def _validate_launcher(c: dict) -> LauncherSchema:
+def _validate_launcher(c: dict) -> LauncherConfig:
     """Timeouts: a positive collective timeout; a hang limit >= 0 (0: off).  A hang limit at or above
     the collective timeout never fires first: the waiting rank's collective times out instead."""
-    s = LauncherSchema(**c)
-    s.nproc_per_node = str(s.nproc_per_node)
+    s = LauncherConfig(**{**c, "nproc_per_node": str(c["nproc_per_node"])})
     resolve_nproc(s.nproc_per_node, 0)  # the value's form; the GPU count is checked with the world size
     _at_least("launcher.malloc_mmap_threshold", s.malloc_mmap_threshold, 0, " bytes (0: glibc's default)")
     if not s.timeout_s > 0:
@@ -245,12 +253,12 @@ def _validate_launcher(c: dict) -> LauncherSchema:
     return s
 
 
-def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainSchema:
+def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainConfig:
     """The batch triple resolved for the data-parallel size (``train.global_batch_size``), then checked."""
     c = dict(c)
     if c["global_batch_size"]:
         resolve_batch(c, parallel.resolve(world).dp)
-    t = TrainSchema(**c)
+    t = TrainConfig(**c)
     for key in ("max_steps", "micro_batch_size", "log_every", "sample_tokens", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))  # grad_accum: EngineConfig checks it
     for key in ("eval_every", "global_batch_size"):
@@ -261,11 +269,11 @@ def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainSchema:
     return t
 
 
-def _validate_data(c: dict) -> DataSchema:
+def _validate_data(c: dict) -> DataConfig:
     """The data source, the window, the held-out split."""
     from deepshard.finetune.data.sources import SOURCES
 
-    d = DataSchema(**c)
+    d = DataConfig(**c)
     if d.name not in SOURCES:
         raise ValueError(f"data.name={d.name!r}: valid values are {sorted(SOURCES)}")
     _positive("data.seq_len", d.seq_len)
@@ -277,8 +285,8 @@ def _validate_data(c: dict) -> DataSchema:
     return d
 
 
-def _validate_profile(c: dict) -> ProfileSchema:
-    p = ProfileSchema(**c)
+def _validate_profile(c: dict) -> ProfileConfig:
+    p = ProfileConfig(**{**c, "trace_steps": tuple(c["trace_steps"])})
     _at_least("profile.peak_tflops", p.peak_tflops, 0, " (0: from the device table)")
     if any(s < 1 for s in p.trace_steps):
         raise ValueError(f"profile.trace_steps={p.trace_steps}: steps count from 1")
@@ -371,7 +379,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),
-                        checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineSchema(**cfg["pipeline"]),
+                        checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineConfig(**cfg["pipeline"]),
                         launcher=launcher, peft=lora_settings(cfg["peft"]))
     if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
         check_lora_parallel(settings.peft, tp=parallel.tp)

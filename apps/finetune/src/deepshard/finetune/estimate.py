@@ -42,7 +42,7 @@ class Estimate:
 
 
 def count_params(model_cfg, lora=None) -> int:
-    """Trainable parameters of the model config, built on the meta device (``lora``: a LoraSettings,
+    """Trainable parameters of the model config, built on the meta device (``lora``: a LoraConfig,
     then the adapters and the modules to save only)."""
     from deepshard.finetune.models.llama import Llama
     from deepshard.finetune.models.lora import count_lora_params

@@ -82,7 +82,7 @@ def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[None]:
 
 def check_inputs(settings: Settings) -> None:
     """User data read through once (ValueError naming file and line), and model=hf's files."""
-    check_records(settings.data.name, dataclasses.asdict(settings.data))
+    check_records(settings.data)
     if settings.model_name == "hf":  # config.json was read by validate(); here the tokenizer and weights' headers
         from deepshard.finetune.models.hf import check_hf_dir
 

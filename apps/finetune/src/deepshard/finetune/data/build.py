@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -42,8 +41,7 @@ def build_datasets(data, tokenizer, vocab_size: int) -> tuple[Dataset, Dataset |
     """Tokenized train and eval datasets (eval is None when ``data.eval_fraction`` is 0)."""
     if len(tokenizer) > vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size}: the tokenizer has {len(tokenizer)} tokens")
-    options = dataclasses.asdict(data) if dataclasses.is_dataclass(data) else dict(data)
-    docs = list(SOURCES[data.name](tokenizer, **options))
+    docs = list(SOURCES[data.name](tokenizer, data))
     source = f"data.path={data.path!r}" if data.path else f"data={data.name}"
     if data.name == "text":
         source += f" (data.text_unit={data.text_unit})"

@@ -62,7 +62,7 @@ def _messages(obj: object, where: str) -> list[Message]:
     return out
 
 
-def chat_rows(path: str | None, **_: object) -> Iterator[tuple[str, list[Message]]]:
+def chat_rows(path: str | None) -> Iterator[tuple[str, list[Message]]]:
     """(``FILE:LINE``, messages) for each non-blank line of each JSON-lines file (ValueError naming both)."""
     for where, obj in json_lines(path):
         yield where, _messages(obj, where)
@@ -72,7 +72,7 @@ def _has_reply(messages: list[Message]) -> bool:
     return any(m["role"] == "assistant" for m in messages)
 
 
-def check_chat_rows(path: str | None, **_: object) -> int:
+def check_chat_rows(path: str | None) -> int:
     """Every row read and checked (ValueError naming file and line); a file with no assistant turn in
     any row is refused; rows without one are counted in one warning.  Returns the number of rows."""
     rows, silent, first = Counter(), Counter(), {}
@@ -158,13 +158,13 @@ def encode_chat(tokenizer, messages: list[Message], template: str, where: str = 
     return ids, labels
 
 
-def chat_docs(tokenizer, *, path: str | None, chat_template: str | None = None, model_path: str | None = None,
-              **_: object) -> Iterator[tuple[list[int], list[int]]]:
-    """``data=chat``: each conversation as one document, assistant tokens learned."""
+def chat_docs(tokenizer, data) -> Iterator[tuple[list[int], list[int]]]:
+    """``data=chat``: each conversation of ``data.path`` as one document, assistant tokens learned
+    (``data.chat_template``: a Jinja file, default the tokenizer's)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("data=chat needs a fast (tokenizers-backed) tokenizer for its character offsets")
-    template = resolve_template(tokenizer, chat_template, model_path=model_path)
-    for where, messages in chat_rows(path):
+    template = resolve_template(tokenizer, data.chat_template)
+    for where, messages in chat_rows(data.path):
         if not _has_reply(messages):  # nothing to learn but the separator (check_chat_rows warned)
             continue
         try:
@@ -173,7 +173,7 @@ def chat_docs(tokenizer, *, path: str | None, chat_template: str | None = None, 
             what = {"TemplateSyntaxError": f"not a valid Jinja template (line {getattr(e, 'lineno', '?')})",
                     "SecurityError": f"refused by the Jinja sandbox while rendering {where}"}.get(
                         type(e).__name__, f"fails on {where}")
-            raise ValueError(f"{template_source(chat_template, model_path)}: {what} ({type(e).__name__}: "
+            raise ValueError(f"{template_source(data.chat_template, None)}: {what} ({type(e).__name__}: "
                              f"{' '.join(str(e).split())})") from None
         yield doc
 

@@ -86,13 +86,13 @@ def json_lines(path: str | None) -> Iterator[tuple[str, object]]:
 
 
 def jsonl_records(path: str | None, *, text_field: str = "text", prompt_field: str = "prompt",
-                  response_field: str = "response", **_: object) -> Iterator[Record]:
+                  response_field: str = "response") -> Iterator[Record]:
     """Each non-blank line of each file is one JSON object (blank lines are skipped)."""
     for where, obj in json_lines(path):
         yield _record(obj, where, text_field, prompt_field, response_field)
 
 
-def text_records(path: str | None, *, text_unit: str = "file", **_: object) -> Iterator[Record]:
+def text_records(path: str | None, *, text_unit: str = "file") -> Iterator[Record]:
     """Plain text: each file is a document (``text_unit=file``), or each paragraph / line of it."""
     for file in expand(path):
         with open(file, "rb") as f:
@@ -139,7 +139,7 @@ def _read_table(file: str):
 
 
 def hf_disk_records(path: str | None, *, split: str = "train", text_field: str = "text",
-                    prompt_field: str = "prompt", response_field: str = "response", **_: object) -> Iterator[Record]:
+                    prompt_field: str = "prompt", response_field: str = "response") -> Iterator[Record]:
     """A dataset written by ``datasets``' ``save_to_disk``, or parquet files (a file, directory or glob)."""
     if path and os.path.isdir(path) and not any(Path(path).glob("*.parquet")):
         files = _arrow_files(path, split)
@@ -160,13 +160,24 @@ def hf_disk_records(path: str | None, *, split: str = "train", text_field: str =
             yield _record(obj, f"{file}: row {row}", text_field, prompt_field, response_field)
 
 
-READERS = {"jsonl": jsonl_records, "text": text_records, "hf_disk": hf_disk_records}
+READERS = ("jsonl", "text", "hf_disk")  # data.name values read as records (text, or prompt/response)
 
 
-def check_records(name: str, options: dict) -> int:
+def read_records(data) -> Iterator[Record]:
+    """The records of a file-backed source, from its typed ``data`` config (``data.name`` in READERS)."""
+    fields = {"text_field": data.text_field, "prompt_field": data.prompt_field, "response_field": data.response_field}
+    if data.name == "jsonl":
+        return jsonl_records(data.path, **fields)
+    if data.name == "text":
+        return text_records(data.path, text_unit=data.text_unit)
+    assert data.name == "hf_disk", data.name  # config.validate admits only SOURCES' names
+    return hf_disk_records(data.path, split=data.split, **fields)
+
+
+def check_records(data) -> int:
     """Read every record of a user data source now (ValueError naming file and line); returns the count."""
-    if name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
+    if data.name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
         from deepshard.finetune.data.chat import check_chat_rows
 
-        return check_chat_rows(**options)
-    return sum(1 for _ in READERS[name](**options)) if name in READERS else 0
+        return check_chat_rows(data.path)
+    return sum(1 for _ in read_records(data)) if data.name in READERS else 0

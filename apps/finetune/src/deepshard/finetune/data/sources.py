@@ -8,12 +8,13 @@ from itertools import islice
 from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.finetune.data.chat import chat_docs
 from deepshard.finetune.data.corpus import generate
-from deepshard.finetune.data.records import READERS, Record
+from deepshard.finetune.data.records import READERS, Record, read_records
 
 
-def embedded_docs(tokenizer, *, num_docs: int, seed: int, **_: object) -> Iterator[tuple[list[int], list[int]]]:
-    """The generated stories, every token learned (tokenized as one batch: the fast tokenizer's quick path)."""
-    for ids in _encode(tokenizer, list(generate(num_docs, seed=seed))):
+def embedded_docs(tokenizer, data) -> Iterator[tuple[list[int], list[int]]]:
+    """``data.num_docs`` generated stories, every token learned (tokenized as one batch: the fast
+    tokenizer's quick path)."""
+    for ids in _encode(tokenizer, list(generate(data.num_docs, seed=data.seed))):
         yield ids, ids
 
 
@@ -42,12 +43,10 @@ def tokenize_records(tokenizer, records: Iterable[Record], chunk: int = 512) -> 
                 yield p + resp, [IGNORE_INDEX] * len(p) + resp
 
 
-def _reader_source(name: str):
-    def docs(tokenizer, **options: object) -> Iterator[tuple[list[int], list[int]]]:
-        return tokenize_records(tokenizer, READERS[name](**options))
-
-    docs.__doc__ = f"Records of the {name!r} reader, tokenized."
-    return docs
+def record_docs(tokenizer, data) -> Iterator[tuple[list[int], list[int]]]:
+    """The records of a file-backed source (jsonl, text, hf_disk), tokenized."""
+    return tokenize_records(tokenizer, read_records(data))
 
 
-SOURCES = {"embedded": embedded_docs, **{name: _reader_source(name) for name in READERS}, "chat": chat_docs}
+# data.name -> docs(tokenizer, data): (token ids, labels) per document, from the typed data config
+SOURCES = {"embedded": embedded_docs, **dict.fromkeys(READERS, record_docs), "chat": chat_docs}

@@ -29,7 +29,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from deepshard.core.dtensor_utils import copy_global
 
-__all__ = ["LORA_COLWISE", "LORA_ROWWISE", "LORA_TARGETS", "SAVABLE_MODULES", "LoraLinear", "LoraSettings",
+__all__ = ["LORA_COLWISE", "LORA_ROWWISE", "LORA_TARGETS", "SAVABLE_MODULES", "LoraLinear", "LoraConfig",
            "adapter_names", "apply_lora", "check_lora_parallel", "init_adapters", "is_adapter", "peft_key"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,7 +44,7 @@ LORA_ROWWISE: dict[str, Placement] = {"lora_A": Shard(1), "lora_B": Replicate()}
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class LoraConfig:
     """``peft.*`` validated: rank, scale, dropout, which projections get adapters, what stays trainable."""
 
     r: int = 8
@@ -131,7 +131,7 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
     (then call :func:`init_adapters` after materializing); None leaves them uninitialized.
     Returns the names of the trainable parameters.
     """
-    settings = LoraSettings(r=r, alpha=alpha, dropout=dropout, target_modules=tuple(target_modules),
+    settings = LoraConfig(r=r, alpha=alpha, dropout=dropout, target_modules=tuple(target_modules),
                             modules_to_save=tuple(modules_to_save))
     replaced = 0
     for parent, _, child in _targets(model, settings.target_modules):
@@ -190,7 +190,7 @@ def peft_key(name: str) -> str:
     return "base_model.model." + hf
 
 
-def check_lora_parallel(lora: LoraSettings, *, tp: int) -> None:
+def check_lora_parallel(lora: LoraConfig, *, tp: int) -> None:
     """Before start: the LoRA settings a pipeline / tensor-parallel layout cannot run (ValueError naming
     the key).  Adapters split with their base layer (``LORA_COLWISE``/``LORA_ROWWISE``), so every rank,
     target and module to save works wherever the base model's layout does; what is left is dropout
@@ -202,13 +202,13 @@ def check_lora_parallel(lora: LoraSettings, *, tp: int) -> None:
                          f"peft.dropout=0 (or parallel.tp=1; pipeline stages, parallel.pp, take any dropout)")
 
 
-def lora_settings(c: dict | None) -> LoraSettings | None:
-    """``peft.*`` of a composed config -> LoraSettings (None without ``+peft=lora``)."""
+def lora_settings(c: dict | None) -> LoraConfig | None:
+    """``peft.*`` of a composed config -> LoraConfig (None without ``+peft=lora``)."""
     if not c or c["name"] == "none":
         return None
     if c["name"] != "lora":
         raise ValueError(f"peft.name={c['name']!r}: valid values are ['lora'] (or leave +peft out)")
-    lora = LoraSettings(r=c["r"], alpha=float(c["alpha"]), dropout=float(c["dropout"]),
+    lora = LoraConfig(r=c["r"], alpha=float(c["alpha"]), dropout=float(c["dropout"]),
                         target_modules=tuple(c["target_modules"]), modules_to_save=tuple(c["modules_to_save"]),
                         init_from=c["init_from"])
     if lora.init_from:
@@ -218,7 +218,7 @@ def lora_settings(c: dict | None) -> LoraSettings | None:
     return lora
 
 
-def count_lora_params(model: nn.Module, lora: LoraSettings) -> int:
+def count_lora_params(model: nn.Module, lora: LoraConfig) -> int:
     """Trainable parameters of ``model`` (a plain, e.g. meta-device, Llama) under ``lora``: r x (in + out)
     per targeted projection, plus every parameter of the modules to save."""
     n = 0
