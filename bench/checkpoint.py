@@ -21,7 +21,7 @@ from deepshard.launch.local import launch_local
 _EXPORT = """
 import json, resource, sys, time
 from deepshard.finetune.export import export_checkpoint
-from deepshard.core.checkpoint_stream import iter_full_tensors
+from deepshard.core.checkpoint.consolidate import iter_full_tensors
 import safetensors.torch, torch, transformers  # imports count in the baseline, not in the export
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t = time.perf_counter()
@@ -40,7 +40,7 @@ def _worker(root: str, stage: int) -> dict:
     import torch.distributed as dist
 
     from deepshard.core import EngineConfig, ZeroConfig, init_distributed, initialize
-    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+    from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
     from deepshard.finetune.models.llama import PRESETS, Llama
 
     init_distributed()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from zero_harness import MICRO, SEQ, build_model, engine_config
 
 from deepshard.core import SchedulerConfig, initialize
-from deepshard.core.checkpoint import load_checkpoint, save_checkpoint, training_state
+from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint, training_state
 from deepshard.core.mesh import local_device
 
 GLOBAL_BATCH = 8

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 from ckpt_harness import make_engine, run_steps, save
 
-from deepshard.core.checkpoint_manifest import CheckpointError, step_dirs, temp_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import CheckpointError, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.retention import temp_dirs
 
 
 def _outcome(fn) -> str | None:
@@ -27,7 +28,8 @@ def _state(root: Path) -> dict:
 def disk_worker(scratch: str, small: str) -> dict:
     """Run-dir agreement and the visibility probe; then saves into ``small`` (a tiny tmpfs): one that
     fits, one refused up front for lack of space, one that hits a real ENOSPC mid-write."""
-    from deepshard.core import checkpoint, init_distributed
+    from deepshard.core import init_distributed
+    from deepshard.core.checkpoint import state as checkpoint
     from deepshard.finetune.checkpointing import agree_run_dir, check_shared_dir
 
     init_distributed()

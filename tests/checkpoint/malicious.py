@@ -8,7 +8,7 @@ import os
 import pickle
 from pathlib import Path
 
-from deepshard.core.checkpoint_manifest import MANIFEST, describe_files, list_files
+from deepshard.core.checkpoint.manifest import MANIFEST, describe_files, list_files
 
 
 class RunsCode:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from hf_fixtures import save_tiny_hf_llama
 
-from deepshard.core.checkpoint_manifest import step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.export import main as export_main
 

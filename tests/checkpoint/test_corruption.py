@@ -9,15 +9,10 @@ import shutil
 
 import pytest
 
-from deepshard.core.checkpoint import find_resume, verify_collective
-from deepshard.core.checkpoint_manifest import (
-    OWNER,
-    CheckpointError,
-    latest_good,
-    prune,
-    step_dirs,
-    verify_checkpoint,
-)
+from deepshard.core.checkpoint.manifest import CheckpointError, latest_good, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.owners import OWNER
+from deepshard.core.checkpoint.retention import prune
+from deepshard.core.checkpoint.state import find_resume, verify_collective
 
 
 @pytest.fixture

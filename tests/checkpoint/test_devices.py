@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from deepshard.core.checkpoint import training_state
+from deepshard.core.checkpoint.state import training_state
 from deepshard.finetune.checkpointing import Preemption
 
 

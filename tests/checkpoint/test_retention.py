@@ -13,19 +13,17 @@ import time
 
 import pytest
 
-from deepshard.core.checkpoint import find_resume
-from deepshard.core.checkpoint_manifest import (
+from deepshard.core.checkpoint.manifest import (
     FORMAT,
-    OWNER,
     describe_files,
     latest_good,
-    prune,
-    set_aside,
     step_dir_name,
     step_dirs,
-    temp_dirs,
     write_manifest,
 )
+from deepshard.core.checkpoint.owners import OWNER
+from deepshard.core.checkpoint.retention import prune, set_aside, temp_dirs
+from deepshard.core.checkpoint.state import find_resume
 
 
 def _ckpt(root, step: int, *, corrupt: bool = False):
@@ -164,7 +162,8 @@ def test_directories_we_did_not_create_are_never_removed(tmp_path, dead_pid, cap
 
 def test_a_user_directory_named_like_the_step_being_saved_is_named_not_replaced(tmp_path):
     """publish never replaces a step-N that is not one of our checkpoints: CheckpointError naming it."""
-    from deepshard.core.checkpoint_manifest import CheckpointError, publish, write_owner
+    from deepshard.core.checkpoint.manifest import CheckpointError, publish
+    from deepshard.core.checkpoint.owners import write_owner
 
     theirs = _user_dir(tmp_path, "step-00000005")
     tmp = tmp_path / "step-00000005.tmp-0badc0de"

@@ -10,10 +10,10 @@ import pytest
 from ckpt_harness import SPLIT
 from malicious import add_pickled_item, poison_metadata
 
-from deepshard.core.checkpoint import load_checkpoint
-from deepshard.core.checkpoint_manifest import MANIFEST, CheckpointError, verify_checkpoint
-from deepshard.core.checkpoint_safe import read_metadata_safely
-from deepshard.core.checkpoint_stream import tensor_infos
+from deepshard.core.checkpoint.consolidate import tensor_infos
+from deepshard.core.checkpoint.manifest import MANIFEST, CheckpointError, verify_checkpoint
+from deepshard.core.checkpoint.safe_load import read_metadata_safely
+from deepshard.core.checkpoint.state import load_checkpoint
 from deepshard.finetune.export import main as export_main
 
 

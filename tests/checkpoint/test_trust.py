@@ -17,10 +17,10 @@ from ckpt_harness import SPLIT
 from malicious import RunsCode, reseal
 from trust_harness import craft_shard, mismatch_worker, redirect_first_shard
 
-from deepshard.core.checkpoint import load_checkpoint
-from deepshard.core.checkpoint_failures import one_line
-from deepshard.core.checkpoint_manifest import CheckpointError, verify_checkpoint
-from deepshard.core.checkpoint_stream import tensor_infos
+from deepshard.core.checkpoint.consolidate import tensor_infos
+from deepshard.core.checkpoint.failures import one_line
+from deepshard.core.checkpoint.manifest import CheckpointError, verify_checkpoint
+from deepshard.core.checkpoint.state import load_checkpoint
 from deepshard.finetune.export import export_checkpoint
 from deepshard.finetune.export import main as export_main
 from deepshard.launch.local import launch_local

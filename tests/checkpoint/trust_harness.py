@@ -15,8 +15,8 @@ from malicious import RunsCode, reseal
 from zero_harness import MICRO, build_model, engine_config
 
 from deepshard.core import initialize
-from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
-from deepshard.core.checkpoint_manifest import CheckpointError
+from deepshard.core.checkpoint.manifest import CheckpointError
+from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
 from deepshard.core.mesh import local_device
 
 THREE = dataclasses.replace(MICRO, n_layers=3)

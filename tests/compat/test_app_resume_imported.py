@@ -52,7 +52,7 @@ def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
 
 def test_imported_run_maps_names_places_data_and_refuses_another_model(tmp_path):
     """DeepSpeed-free: the pieces of the app's resume of an imported checkpoint, on the ZeRO-2 fixture."""
-    from deepshard.core.checkpoint_manifest import CheckpointError
+    from deepshard.core.checkpoint.manifest import CheckpointError
     from deepshard.finetune.from_deepspeed import ImportedRun
 
     path = import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", tmp_path / "imported")

@@ -90,7 +90,7 @@ def test_zero3_sub_groups_and_uneven_pieces_re_import_exactly(imported, tmp_path
     again = import_checkpoint(tmp_path / "ds", tmp_path / "again")  # our importer reads DeepSpeed's layout
     import torch.distributed.checkpoint as dcp
 
-    from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
+    from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
 
     infos = [i for prefix in ("model.", "optim.exp_avg.", "optim.exp_avg_sq.") for i in tensor_infos(imported, prefix)]
     got = {i.key: torch.zeros(i.shape) for i in infos}

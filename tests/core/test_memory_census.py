@@ -73,7 +73,7 @@ def _load_after_overlapped_step(stage: int, with_model: bool, root: str):
     import torch.distributed as dist
 
     from deepshard.core import initialize
-    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+    from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
     from deepshard.core.mesh import local_device
 
     g = torch.Generator().manual_seed(11 + dist.get_rank())

@@ -169,7 +169,7 @@ def test_checkpoint_agreement_uses_only_backend_placed_collectives(tmp_path: Pat
     """Save and load agree through object collectives and barriers, whose tensors torch places on
     the backend's device (nccl: the current GPU); none of ours may be a host tensor."""
     from deepshard.core import initialize
-    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+    from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
 
     with fake_world(world_size=1):
         mesh = build_mesh(ParallelDims())

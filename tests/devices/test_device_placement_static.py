@@ -35,9 +35,9 @@ ALLOWED = {
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
     f"{OFFLOAD}/param_swap.py:ParamSwap.zero_grad":
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
-    "packages/core/src/deepshard/core/checkpoint_stream.py:load_full_tensor":
+    "packages/core/src/deepshard/core/checkpoint/consolidate.py:load_full_tensor":
         "export consolidates one tensor at a time into a plain host tensor (no GPU needed)",
-    "packages/core/src/deepshard/core/checkpoint_extra.py:set_rng_state":
+    "packages/core/src/deepshard/core/checkpoint/json_state.py:set_rng_state":
         "torch.set_rng_state / cuda.set_rng_state_all take CPU ByteTensors",
     "packages/kernels/src/deepshard/kernels/rms_norm.py:RMSNorm.__init__":
         "a module parameter: follows the caller's torch.device context (meta, then to_empty)",

@@ -23,7 +23,8 @@ import pytest
 from app_harness import MAIN, TINY
 from malicious import poison_metadata
 
-from deepshard.core.checkpoint_manifest import latest_good, step_dirs, temp_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.retention import temp_dirs
 from deepshard.finetune.export import main as export_main
 
 pytestmark = pytest.mark.slow

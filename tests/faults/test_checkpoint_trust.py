@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from app_harness import MAIN, TINY
 
-from deepshard.core.checkpoint_manifest import step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 USER_DIRS = ("project.tmp-notes", "photos.old-2023", "build.init-cache", "plain", "step-00000009.tmp-0123abcd")

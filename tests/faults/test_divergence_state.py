@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.core.checkpoint_manifest import step_dirs
-from deepshard.core.checkpoint_stream import iter_full_tensors
+from deepshard.core.checkpoint.consolidate import iter_full_tensors
+from deepshard.core.checkpoint.manifest import step_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.core.checkpoint_manifest import step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"

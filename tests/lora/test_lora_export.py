@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepshard.core.checkpoint_stream import iter_full_tensors, tensor_infos
+from deepshard.core.checkpoint.consolidate import iter_full_tensors, tensor_infos
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +194,7 @@ def test_init_from_a_peft_adapter_folder(runs, tmp_path):
 
 
 def test_resume_refuses_a_mismatched_run(runs):
-    from deepshard.core.checkpoint_manifest import CheckpointError
+    from deepshard.core.checkpoint.manifest import CheckpointError
     from deepshard.finetune.adapter_export import check_lora_resume
 
     meta = json.loads((runs["ckpt"] / "manifest.json").read_text())["meta"]

@@ -75,7 +75,7 @@ def _config(stage: int):
 def _resume(ckpt: str, pp: int, dp: int, tp: int, stage: int) -> dict:
     """A pp/tp run's LoRA checkpoint loaded into another layout and ZeRO stage: the trainable params."""
     from deepshard.core import ParallelDims, build_mesh
-    from deepshard.core.checkpoint import load_checkpoint
+    from deepshard.core.checkpoint.state import load_checkpoint
     from deepshard.finetune.models.lora import apply_lora
     from deepshard.finetune.models.parallelize import pipeline_llama
 
@@ -91,7 +91,7 @@ def _resume(ckpt: str, pp: int, dp: int, tp: int, stage: int) -> dict:
 def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches: int, save: tuple[str, ...],
               ckpt_root: str | None = None) -> dict:
     from deepshard.core import ParallelDims, build_mesh
-    from deepshard.core.checkpoint import save_checkpoint
+    from deepshard.core.checkpoint.state import save_checkpoint
     from deepshard.core.dtensor_utils import local_tensor
     from deepshard.finetune.models.lora import LoraConfig, apply_lora
     from deepshard.finetune.models.parallelize import pipeline_llama

@@ -102,7 +102,7 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_
 def _resumed(nvme_path: str, ckpt_root: str, save_nvme: bool, load_nvme: bool, buffer_count: int) -> list[float]:
     """2 steps in one layout, a checkpoint, 3 more steps after loading it into the other layout
     (``buffer_count=3``: the swapped side is resident, its state and gradients in the step's buffers)."""
-    from deepshard.core.checkpoint import load_checkpoint, save_checkpoint
+    from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
 
     first, _ = _engine(nvme_path if save_nvme else None, buffer_count=buffer_count)
     losses = _steps(first, range(2))

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepshard.core.checkpoint_manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
-from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
+from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
+from deepshard.core.checkpoint.manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
 from deepshard.core.dtensor_utils import copy_global
 from deepshard.finetune.models.hf import (
     from_hf_name,

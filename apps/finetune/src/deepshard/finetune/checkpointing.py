@@ -26,21 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepshard.core.checkpoint import (
-    CheckpointSaveError,
-    find_resume,
-    load_checkpoint,
-    save_checkpoint,
-    unsupported_reason,
-)
-from deepshard.core.checkpoint_manifest import (
-    CheckpointError,
-    latest_good,
-    prune,
-    set_aside,
-    step_dirs,
-    verify_checkpoint,
-)
+from deepshard.core.checkpoint.failures import CheckpointSaveError
+from deepshard.core.checkpoint.manifest import CheckpointError, latest_good, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.retention import prune, set_aside
+from deepshard.core.checkpoint.state import find_resume, load_checkpoint, save_checkpoint, unsupported_reason
 from deepshard.core.mesh import local_device
 from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.data.resumable import ResumableStream

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from deepshard.core.checkpoint_manifest import CheckpointError, sealed_files, verify_checkpoint
-from deepshard.core.checkpoint_stream import load_full_tensor, tensor_infos
+from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
+from deepshard.core.checkpoint.manifest import CheckpointError, sealed_files, verify_checkpoint
 from deepshard.finetune.models.hf import hf_config_dict, plan_shards, to_hf_name, write_safetensors
 from deepshard.finetune.models.llama import LlamaConfig
 

@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from deepshard.compat.deepspeed.ds_files import load_ds_file, rank_files, resolve_tag_dir
-from deepshard.core.checkpoint import clean_name
-from deepshard.core.checkpoint_extra import TRAINER, read_trainer, write_json
-from deepshard.core.checkpoint_manifest import (
+from deepshard.core.checkpoint.consolidate import tensor_infos
+from deepshard.core.checkpoint.json_state import TRAINER, read_trainer, write_json
+from deepshard.core.checkpoint.manifest import (
     FORMAT,
     CheckpointError,
     describe_files,
@@ -47,7 +47,7 @@ from deepshard.core.checkpoint_manifest import (
     step_dir_name,
     write_manifest,
 )
-from deepshard.core.checkpoint_stream import tensor_infos
+from deepshard.core.checkpoint.state import clean_name
 from deepshard.finetune.models.hf import to_hf_name
 
 KINDS = {"model.": "master", "optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}

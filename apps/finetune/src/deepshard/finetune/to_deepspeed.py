@@ -12,7 +12,7 @@ data-parallel size W (default: the size it was saved at), in ``OUT_DIR/latest`` 
 
 DeepSpeed must build its engine with two parameter groups in model order, matrices first
 (decayed) then vectors (weight_decay 0): the AdamW of deepshard.  Each rank file is built from one
-tensor at a time (core's checkpoint_stream).  The fp16 dynamic loss-scaler state is not written:
+tensor at a time (core's checkpoint.consolidate).  The fp16 dynamic loss-scaler state is not written:
 ZeRO-1/2 keep DeepSpeed's fresh scaler, ZeRO-3 gets a static one at the saved scale.
 """
 
@@ -28,9 +28,14 @@ from typing import Any
 import torch
 
 from deepshard.compat.deepspeed.ds_files import DsLossScaler, save_for_deepspeed
-from deepshard.core.checkpoint_extra import read_trainer
-from deepshard.core.checkpoint_manifest import latest_good, read_manifest
-from deepshard.core.checkpoint_stream import TensorInfo, iter_full_tensors, load_full_tensor, tensor_infos
+from deepshard.core.checkpoint.consolidate import (
+    TensorInfo,
+    iter_full_tensors,
+    load_full_tensor,
+    tensor_infos,
+)
+from deepshard.core.checkpoint.json_state import read_trainer
+from deepshard.core.checkpoint.manifest import latest_good, read_manifest
 
 DS_VERSION = "0.19.8"
 PREFIXES = {"master": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}

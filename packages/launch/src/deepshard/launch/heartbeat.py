@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint_manifest import pid_alive
+from deepshard.core.checkpoint.owners import pid_alive
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
 _RECORD = 512  # bytes of a heartbeat file, always rewritten whole

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint_manifest import pid_alive
+from deepshard.core.checkpoint.owners import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import signal
 import threading
 from pathlib import Path
 
-from deepshard.core.checkpoint_manifest import pid_alive
+from deepshard.core.checkpoint.owners import pid_alive
 
 log = logging.getLogger(__name__)
 

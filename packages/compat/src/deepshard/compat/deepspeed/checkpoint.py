@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from deepshard.core import Engine
-from deepshard.core.checkpoint import clean_name, load_checkpoint, save_checkpoint
-from deepshard.core.checkpoint_manifest import MANIFEST, latest_good
+from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
+from deepshard.core.checkpoint.state import clean_name, load_checkpoint, save_checkpoint
 
 LATEST = "latest"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepshard.core.checkpoint_manifest import CheckpointError, checked_file, read_manifest
+from deepshard.core.checkpoint.manifest import CheckpointError, checked_file, read_manifest
 
 TRAINER = "trainer.json"
 

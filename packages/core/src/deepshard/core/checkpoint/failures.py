@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from deepshard.core.checkpoint_manifest import CheckpointError
+from deepshard.core.checkpoint.manifest import CheckpointError
 
 log = logging.getLogger("deepshard.checkpoint")
 

@@ -9,7 +9,7 @@ param, lets a bf16 run resume in fp32 and the reverse.  Offloaded state (host or
 is saved and loaded where it lives: its DTensors sit on a host mirror of the mesh.
 
 Scalars (update count, loss scaler, the caller's ``app_state``) and RNG states are JSON files
-beside the shards (checkpoint_extra); loading runs nothing from the checkpoint (checkpoint_safe).
+beside the shards (json_state); loading runs nothing from the checkpoint (safe_load).
 A save checks free space first, and on any failure removes its temp dir on every path out.
 """
 
@@ -32,16 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from deepshard.core.checkpoint_extra import (
-    TRAINER,
-    read_json,
-    read_trainer,
-    rng_file,
-    rng_state,
-    set_rng_state,
-    write_json,
-)
-from deepshard.core.checkpoint_failures import (
+from deepshard.core.checkpoint.failures import (
     MARGIN_BYTES,
     CheckpointSaveError,
     PhaseFailed,
@@ -53,24 +44,31 @@ from deepshard.core.checkpoint_failures import (
     root_cause,
     stall,
 )
-from deepshard.core.checkpoint_manifest import (
+from deepshard.core.checkpoint.json_state import (
+    TRAINER,
+    read_json,
+    read_trainer,
+    rng_file,
+    rng_state,
+    set_rng_state,
+    write_json,
+)
+from deepshard.core.checkpoint.manifest import (
     FORMAT,
-    OWNER,
     CheckpointError,
     describe_files,
     in_the_way,
     latest_good,
     list_files,
-    prune,
     publish,
     read_manifest,
-    remove_dead_temp_dirs,
     step_dir_name,
     verify_files,
     write_manifest,
-    write_owner,
 )
-from deepshard.core.checkpoint_safe import SafeLoadPlanner, SafeReader, read_metadata_safely
+from deepshard.core.checkpoint.owners import OWNER, write_owner
+from deepshard.core.checkpoint.retention import prune, remove_dead_temp_dirs
+from deepshard.core.checkpoint.safe_load import SafeLoadPlanner, SafeReader, read_metadata_safely
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.optim import ZeroOptimizer
 

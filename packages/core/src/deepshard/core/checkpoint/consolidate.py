@@ -3,7 +3,7 @@
 Export tools read the metadata, then ask DCP for a single full tensor at a time: the file
 reader fetches only that tensor's chunks, so memory stays at about one tensor however large
 the model is.  Which keys mean what (the HF names, the config) is the caller's business.  The
-metadata goes through the restricted unpickler and byte items are refused (checkpoint_safe); a
+metadata goes through the restricted unpickler and byte items are refused (checkpoint.safe_load); a
 tensor that does not load is a one-line CheckpointError naming its file.
 """
 
@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from deepshard.core.checkpoint_failures import one_line, root_cause
-from deepshard.core.checkpoint_manifest import CheckpointError
-from deepshard.core.checkpoint_safe import SafeLoadPlanner, SafeReader, read_metadata_safely
+from deepshard.core.checkpoint.failures import one_line, root_cause
+from deepshard.core.checkpoint.manifest import CheckpointError
+from deepshard.core.checkpoint.safe_load import SafeLoadPlanner, SafeReader, read_metadata_safely
 
 
 @dataclass(frozen=True)

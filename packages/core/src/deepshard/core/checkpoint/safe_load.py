@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.futures import Future
 
-from deepshard.core.checkpoint_failures import one_line
-from deepshard.core.checkpoint_manifest import CheckpointError, checked_file, file_problem, read_manifest
+from deepshard.core.checkpoint.failures import one_line
+from deepshard.core.checkpoint.manifest import CheckpointError, checked_file, file_problem, read_manifest
 
 __all__ = ["SafeLoadPlanner", "SafeReader", "read_metadata_safely"]
 

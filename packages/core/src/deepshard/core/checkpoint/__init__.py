@@ -1,0 +1,26 @@
+"""Checkpoints: sharded (DCP), atomic, verified, loaded without running anything they contain.
+
+- ``state``: what a checkpoint holds (DCP state of the ZeRO optimizer's tensors at any stage and
+  world size) and the collective save / load / resume search;
+- ``manifest``: every file's size and crc32, the atomic publish, verification;
+- ``retention``: what a run may remove or set aside in ``checkpoint.dir`` (only what its saves made);
+- ``owners``: the marker that tells a live save's temp dir from a dead run's;
+- ``failures``: a failed save as one line on every rank (disk full, I/O error), its cleanup;
+- ``safe_load``: DCP's metadata and shards read without unpickling code;
+- ``json_state``: the scalars beside the shards (RNG, trainer counters) as JSON;
+- ``consolidate``: one full tensor at a time from the shards (export, conversion).
+"""
+
+from deepshard.core.checkpoint.failures import CheckpointSaveError
+from deepshard.core.checkpoint.manifest import (
+           CheckpointError,
+           latest_good,
+           read_manifest,
+           step_dirs,
+           verify_checkpoint,
+)
+from deepshard.core.checkpoint.retention import prune
+from deepshard.core.checkpoint.state import find_resume, load_checkpoint, save_checkpoint
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "find_resume", "latest_good", "load_checkpoint", "prune",
+           "read_manifest", "save_checkpoint", "step_dirs", "verify_checkpoint"]

@@ -1,0 +1,152 @@
+"""One node of a ``deepshard`` job: torch's elastic agent runs the node's workers.
+
+Every node (one, or each host of a hostfile) runs ``elastic_launch`` with a c10d rendezvous at
+``master_addr:master_port``: the agent starts ``nproc`` workers with ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, restarts them up to ``max_restarts``
+times when one fails, and stops the rest when one dies.  This module turns the agent's verdict
+into one line (``rank 1 on host-a died with SIGKILL``) and an exit code, and watches the workers'
+heartbeats (``deepshard.launch.heartbeat``) to name a rank that hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from deepshard.launch.heartbeat import ENV_DIR, Watchdog
+from deepshard.launch.local import _describe, worker_threads
+
+LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each worker's local rank here (elastic.utils.macros)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What this node's agent needs; every node of a job gets the same except ``nproc``, ``host``,
+    ``is_host`` and ``devices``."""
+
+    nproc: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    max_restarts: int = 0
+    host: str = "localhost"  # this node's name in messages
+    is_host: bool | None = None  # hosts the rendezvous store (None: the agent decides by address)
+    devices: tuple[int, ...] | None = None  # GPU slots of this node (CUDA_VISIBLE_DEVICES); None: all
+    env: dict[str, str] = field(default_factory=dict)  # .deepspeed_env and forwarded variables
+    hang_s: float = 0.0  # a rank that reports progress and makes none this long ends the job; 0: never
+
+
+@dataclass(frozen=True)
+class Failure:
+    line: str
+    code: int  # the process's exit status as a shell reports it: N, or 128 + signal number
+
+
+def worker_command(script: str, args: Sequence[str], *, module: bool, no_python: bool,
+                   no_local_rank: bool) -> tuple[str, list[str]]:
+    """(executable, arguments) of each worker, as DeepSpeed builds it: ``python -u script
+    --local_rank=N args``, ``python -u -m module ...``, or the executable itself (``--no_python``)."""
+    local_rank = [] if no_local_rank else [f"--local_rank={LOCAL_RANK_MACRO}"]
+    if no_python:
+        return script, [*local_rank, *args]
+    return sys.executable, ["-u", *(["-m"] if module else []), script, *local_rank, *args]
+
+
+def describe(failures: dict[int, object], host: str) -> Failure:
+    """The root cause among the agent's failed workers (keyed by global rank): a death by signal
+    first, then an error, then a worker stopped by the agent; its host, rank and cause."""
+    failures = {rank: _without_empty_error(f) for rank, f in failures.items()}
+    described = {rank: _describe(rank, f) for rank, f in failures.items()}
+    rank = min(described, key=lambda r: (described[r][0], getattr(failures[r], "timestamp", 0), r))
+    _, kind, _, line, _ = described[rank]
+    line = line.replace(f"rank {rank}", f"rank {rank} on {host}", 1)
+    exitcode = int(getattr(failures[rank], "exitcode", 1))
+    return Failure(line, 128 - exitcode if exitcode < 0 else exitcode or 1)
+
+
+def _without_empty_error(failure: object) -> object:
+    """A script that wrote no error file (no ``@record``) is described by its exit code, not torch's ``<NONE>``."""
+    data = getattr(failure, "error_file_data", None)
+    if isinstance(data, dict) and data.get("message") in ("<NONE>", "<N/A>"):
+        failure = copy.copy(failure)
+        failure.error_file_data = {}
+    return failure
+
+
+@contextlib.contextmanager
+def _environment(updates: dict[str, str]) -> object:
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _quiet_agent() -> None:
+    """The agent's INFO lines (rendezvous rounds, worker groups) stay out of the job's output; its warnings stay."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | None:
+    """Run this node's workers to the end; None when every worker succeeded, else the root cause."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_agent()
+    env = dict(node.env)
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(worker_threads(node.nproc, cuda=torch.cuda.is_available()))
+    if node.devices is not None and torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.devices))
+    beat_dir = tempfile.mkdtemp(prefix=f"deepshard-{node.run_id}-heartbeat-")
+    env[ENV_DIR] = beat_dir
+    config = LaunchConfig(
+        min_nodes=node.min_nodes, max_nodes=node.max_nodes, nproc_per_node=node.nproc, run_id=node.run_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"{node.master_addr}:{node.master_port}",
+        rdzv_configs={} if node.is_host is None else {"is_host": node.is_host},
+        max_restarts=node.max_restarts, monitor_interval=0.1, start_method="spawn",
+    )
+    watchdog = Watchdog(beat_dir, node.hang_s) if node.hang_s > 0 else None
+    try:
+        with _environment(env), watchdog or contextlib.nullcontext():
+            elastic_launch(config, entry)(*args)
+        return None
+    except ChildFailedError as err:
+        if watchdog is not None and watchdog.hang is not None:
+            return Failure(f"{watchdog.hang} on {node.host}; its workers were stopped", 1)
+        return describe(err.failures, node.host)
+    except SignalException as err:
+        return Failure(f"the launcher on {node.host} got {err.sigval.name}: its workers were stopped",
+                       128 + int(err.sigval))
+    except RendezvousError as err:
+        return Failure(f"rendezvous at {node.master_addr}:{node.master_port} failed on {node.host}: "
+                       f"{type(err).__name__}: {' '.join(str(err).split())}", 1)
+    finally:
+        shutil.rmtree(beat_dir, ignore_errors=True)
+
+
+def exit_signal_name(code: int) -> str:
+    """``SIGKILL`` for 137: the signal of a shell-style exit status over 128."""
+    try:
+        return signal.Signals(code - 128).name
+    except ValueError:
+        return f"exit {code}"

@@ -1,0 +1,144 @@
+"""Several nodes: the command each node runs, started over ssh (one per host) or by Slurm's srun.
+
+Every node runs ``python -m deepshard.launch.cli --no_ssh --node_rank=I ...`` with the job's
+resources (``--world_info``, DeepSpeed's base64 of ``host -> slots``), rendezvous address and run
+id, so each node's elastic agent joins the same c10d rendezvous.  Over ssh the launcher waits for
+every node; when one fails it stops the others (closing their ssh sessions ends the remote
+commands) and its last line is that node's own ``error:`` line, which names host, rank and cause.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from deepshard.launch.hostfile import Resources
+
+SUPPORTED = ("pdsh", "ssh", "slurm")  # pdsh (DeepSpeed's default) means: one ssh per host, in parallel
+REFUSED = ("openmpi", "mpich", "impi", "mvapich")  # DeepSpeed's MPI launchers start ranks, not agents
+
+
+def encode_world(resources: Resources) -> str:
+    return base64.urlsafe_b64encode(json.dumps(resources).encode()).decode()
+
+
+def decode_world(text: str) -> Resources:
+    try:
+        world = json.loads(base64.urlsafe_b64decode(text.encode()))
+        return {str(h): [int(s) for s in slots] for h, slots in world.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"--world_info={text[:40]}: not a base64 JSON of host -> slots ({err})") from None
+
+
+def node_command(node_rank: int | str, *, world: str, master_addr: str, master_port: int, run_id: str,
+                 launch_flags: Sequence[str], script: str, script_args: Sequence[str]) -> list[str]:
+    """The ``deepshard`` command one node runs (``node_rank`` may be a shell expression for srun)."""
+    return [sys.executable, "-u", "-m", "deepshard.launch.cli", "--no_ssh", f"--node_rank={node_rank}",
+            f"--world_info={world}", f"--master_addr={master_addr}", f"--master_port={master_port}",
+            f"--run_id={run_id}", *launch_flags, script, *script_args]
+
+
+def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, venv_script: str | None) -> str:
+    """What ssh runs on a node: the launcher's directory, its forwarded variables, the command."""
+    parts = [f"cd {shlex.quote(cwd)}"]
+    if venv_script:
+        parts.append(f"source {shlex.quote(venv_script)}")
+    parts += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    parts.append("exec " + shlex.join(command))
+    return " && ".join(parts)
+
+
+def ssh_command(host: str, line: str, *, port: int | None, options: Sequence[str] = ()) -> list[str]:
+    return ["ssh", "-o", "BatchMode=yes", *options, *(["-p", str(port)] if port else []), host, line]
+
+
+def srun_command(resources: Resources, command: Sequence[str], *, launcher_args: str = "", comment: str = "",
+                 account: str = "") -> list[str]:
+    """Slurm (inside an allocation): one task per node, each running its node's elastic agent; a
+    task's node rank is its ``SLURM_NODEID``."""
+    hosts = list(resources)
+    return ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(hosts)}", "--export=ALL", *([f"--comment={comment}"] if comment else []),
+            *([f"--account={account}"] if account else []), *shlex.split(launcher_args), *command]
+
+
+def check_reachable(hosts: Sequence[str], *, port: int | None, timeout_s: float = 10.0) -> None:
+    """Every host answers ``ssh host true`` in time (ValueError naming the first that does not)."""
+    options = ("-o", f"ConnectTimeout={max(1, int(timeout_s))}")
+    procs = {h: subprocess.Popen(ssh_command(h, "true", port=port, options=options), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True) for h in hosts}
+    deadline = time.monotonic() + timeout_s
+    failed: list[str] = []
+    for host, proc in procs.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            failed.append(f"host {host}: ssh did not answer within {timeout_s:.0f} s")
+            continue
+        if proc.returncode != 0:
+            reason = " ".join((proc.stderr.read() if proc.stderr else "").split()) or f"exit {proc.returncode}"
+            failed.append(f"host {host} cannot be reached over ssh: {reason}")
+    for proc in procs.values():
+        if proc.stderr:
+            proc.stderr.close()
+    if failed:
+        raise ValueError(f"{failed[0]} (--no_ssh_check skips this check)")
+
+
+def _pump(proc: subprocess.Popen, sink, last: dict[int, str], key: int) -> None:
+    """Copy a node's stderr through, keeping its last ``error:`` line."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("error: "):
+            last[key] = line.rstrip("\n")[len("error: "):]
+        else:
+            sink.write(line)
+            sink.flush()
+
+
+def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2) -> tuple[int, str | None]:
+    """Start one ssh per host; wait for all.  Returns (exit code, the first failed node's error line)."""
+    procs: list[tuple[str, subprocess.Popen]] = []
+    last: dict[int, str] = {}
+    pumps = []
+    bad: int | None = None
+    try:
+        for i, (host, line) in enumerate(lines.items()):
+            proc = subprocess.Popen(ssh_command(host, line, port=port), stdin=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            procs.append((host, proc))
+            pumps.append(threading.Thread(target=_pump, args=(proc, sys.stderr, last, i), daemon=True))
+            pumps[-1].start()
+        while True:
+            codes = [p.poll() for _, p in procs]
+            bad = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if bad is not None or all(c == 0 for c in codes):
+                break
+            time.sleep(poll_s)
+    finally:
+        for _, proc in procs:  # a failed node: the others' sessions close (SIGTERM reaches their agents)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for t in pumps:
+            t.join(timeout=5)
+    if bad is None:
+        return 0, None
+    host, proc = procs[bad]
+    line = last.get(bad) or f"node {host} failed (ssh exit {proc.returncode})"
+    return proc.returncode or 1, line
