@@ -86,6 +86,8 @@ def exit_without_teardown(code: int | str | None) -> None:
 
 if __name__ == "__main__":
     try:
+        # deepshard/deepspeed launchers pass --local_rank=N (unless --no_local_rank); LOCAL_RANK says the same
+        sys.argv = [a for a in sys.argv if not a.startswith("--local_rank=")]
         try:  # +deepspeed=ds_config.json: the file's settings become overrides ahead of the command line's
             sys.argv, translation = merge_argv(sys.argv)
         except ValueError as err:
