@@ -1,0 +1,106 @@
+"""The HF Trainer recipe (issue 26) on a tiny LlamaForCausalLM built from a config: transformers'
+own Trainer (plain torch, no DeepSpeed) as the reference, and deepshard's Trainer with
+``deepspeed=ds_config``.  Data as users have it: token ids (no tokenizer download) with the prompt
+masked by ``labels=-100``, rows of uneven length padded per batch by a collator.  Each function
+returns what transformers logged (``trainer.state.log_history``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB, PAD = 256, 0
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager", pad_token_id=PAD)
+    return LlamaForCausalLM(cfg)
+
+
+def rows(n: int = 48) -> list[dict[str, list[int]]]:
+    """Prompt + response rows of uneven length; only the response is trained on."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        answer = torch.randint(3, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    return out
+
+
+def collate(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Right padding to the batch's longest row (labels -100, attention mask 0)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), width), PAD)
+    labels = torch.full((len(features), width), -100)
+    mask = torch.zeros((len(features), width), dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def ds_config(stage: int) -> dict[str, Any]:
+    """The tutorial's ds_config shape: everything the arguments decide left "auto"."""
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
+    return {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+
+
+def arguments(cls: type, out: Path, *, micro: int, accum: int, max_steps: int = 4, **extra: Any) -> Any:
+    return cls(output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+               learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.5, warmup_steps=1,
+               lr_scheduler_type="linear", max_steps=max_steps, logging_steps=1, save_strategy="no",
+               report_to=[], seed=0, train_sampling_strategy="sequential", remove_unused_columns=False,
+               disable_tqdm=True, **extra)
+
+
+def logged(trainer: Any) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in h.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
+            for h in trainer.state.log_history if "loss" in h]
+
+
+def reference(out: Path, *, micro: int, accum: int) -> list[dict[str, float]]:
+    """transformers' own Trainer, one process, no DeepSpeed."""
+    import transformers
+
+    args = arguments(transformers.TrainingArguments, out, micro=micro, accum=accum)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer.train()
+    return logged(trainer)
+
+
+def ours(out: Path, *, stage: int, micro: int, accum: int) -> list[dict[str, float]]:
+    from deepshard.compat.transformers import Trainer, TrainingArguments
+
+    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage))
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer.train()
+    assert trainer.ds_engine is not None and trainer.ds_engine.engine.config.zero.stage == stage
+    return logged(trainer)
+
+
+def world1(tmp: str) -> dict[str, list[dict[str, float]]]:
+    """The reference (micro 4 x accumulation 2) and ours at ZeRO 0 and 3 with the same batches."""
+    out = Path(tmp)
+    return {"reference": reference(out / "ref", micro=4, accum=2),
+            **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)}}
+
+
+def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
+    """Ours at 2 ranks, micro 2 each: rank r takes batches r, r+2, ... of 2 rows, so a step sees the
+    reference's rows."""
+    out = Path(tmp)
+    return {f"zero{s}": ours(out / f"w2z{s}", stage=s, micro=2, accum=2) for s in (0, 3)}
