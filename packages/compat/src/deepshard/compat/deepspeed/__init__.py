@@ -8,6 +8,7 @@ for keys we do not support.  See the README section "Coming from DeepSpeed".
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -20,43 +21,48 @@ from torch import nn
 from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
 
-from . import comm, zero
+from . import accelerator, comm, moe, ops, runtime, utils, zero
+from .accelerator import get_accelerator
 from .comm import init_distributed
-from .config import CompatConfig, compat_config
+from .config import CompatConfig, compat_config, read_ds_config
 from .engine import DeepSpeedEngine
+from .schedule import client_scheduler, optimizer_defaults
 
-__all__ = ["DeepSpeedEngine", "comm", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
+           "initialize", "moe", "ops", "runtime", "utils", "zero"]
 __version__ = "0.19.8+deepshard"
 
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks: the ModuleList holding the most parameters (``model.model.layers`` in HF)."""
+def find_blocks(model: nn.Module, *, ac: str = "none") -> nn.ModuleList:
+    """The transformer blocks: the ModuleList holding the most parameters (``model.model.layers`` in HF).
+
+    A model without one (CIFAR's ``Net``) gets none: ZeRO 0-2 need no blocks, and ZeRO-3 gathers the
+    whole model as one unit (its memory saving is then the optimizer state and gradients only).
+    """
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
-        raise ValueError(f"deepspeed.initialize(model={type(model).__name__}): no nn.ModuleList of blocks found; "
-                         f"ZeRO-3 shards and gathers per block")
+        if ac != "none":
+            raise ValueError(f"activation_checkpointing: model={type(model).__name__} has no nn.ModuleList of blocks "
+                             f"to checkpoint; remove the section or checkpoint inside the model")
+        return nn.ModuleList()
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def _optimizer_defaults(optimizer: Any) -> dict[str, Any]:
-    """A torch Adam/AdamW given to initialize(): its hyper-parameters become the engine's."""
-    if isinstance(optimizer, Callable) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError("deepspeed.initialize(optimizer=<callable>): not supported; give a torch.optim.AdamW or "
-                         "the ds_config's optimizer section")
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        raise ValueError(f"deepspeed.initialize(optimizer={type(optimizer).__name__}): only Adam/AdamW are "
-                         f"supported (AdamW with fp32 master weights)")
-    g = optimizer.param_groups[0]
-    if isinstance(optimizer, torch.optim.Adam) and not isinstance(optimizer, torch.optim.AdamW) and \
-            g.get("weight_decay", 0) and not g.get("decoupled_weight_decay", False):
-        raise ValueError("deepspeed.initialize(optimizer=torch.optim.Adam(weight_decay>0)): L2-coupled Adam is not "
-                         "supported; use torch.optim.AdamW")
-    return {"lr": float(g["lr"]), "betas": "[" + ",".join(repr(float(b)) for b in g["betas"]) + "]",
-            "eps": float(g["eps"]), "weight_decay": float(g.get("weight_decay", 0.0))}
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's: a "DeepSpeed" argument group with ``--deepspeed``, ``--deepspeed_config`` (and the
+    deprecated ``--deepscale``, ``--deepscale_config``); ``initialize(args=args)`` reads the config path."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file.")
+    return parser
 
 
 def _train_only(model: nn.Module, model_parameters: Iterable | None) -> None:
-    """DeepSpeed trains the parameters it is given: the others are frozen here."""
+    """DeepSpeed trains the parameters it is given (or the client optimizer's): the others are frozen here."""
     if model_parameters is None:
         return
     given: set[int] = set()
@@ -108,33 +114,38 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                ) -> tuple[DeepSpeedEngine, Any, Any, Any]:
     """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
-    The optimizer returned is the engine's (AdamW over fp32 masters); the lr_scheduler is None
-    (the ds_config's scheduler runs inside ``engine.step()``; ``engine.get_lr()`` reads it).
+    ``optimizer=``: torch's Adam/AdamW or ``deepspeed.ops.adam``'s FusedAdam/DeepSpeedCPUAdam built by the
+    script; their hyper-parameters become the engine's AdamW over fp32 masters (and their parameters
+    the trained ones).  The optimizer returned is the engine's.  ``lr_scheduler=``: a torch scheduler
+    over that optimizer, or a callable taking the optimizer and returning one; the engine steps it
+    after each applied update and each update uses its current rate, as DeepSpeed does.  Without it,
+    the ds_config's scheduler runs inside ``engine.step()`` and the scheduler returned reads it.
     """
     if model is None:
         raise ValueError("deepspeed.initialize(): model= is required")
     if mpu is not None or mesh_param is not None:
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=): model parallelism through an mpu is not "
                          "supported; use deepshard.pipeline (pp x dp x tp) instead")
-    if lr_scheduler is not None:
-        raise ValueError("deepspeed.initialize(lr_scheduler=...): not supported; use the ds_config's scheduler "
-                         "section (WarmupLR, WarmupDecayLR, WarmupCosineLR)")
     if config is not None and config_params is not None:
         raise ValueError("deepspeed.initialize(): give config= or config_params=, not both")
     config = config if config is not None else config_params
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if dist_init_required is not False:
         init_distributed()
-    ds_dict = config if isinstance(config, dict) else None
+    ds_dict = read_ds_config(config)[0]
     if optimizer is not None and ds_dict is not None and "optimizer" in ds_dict:
         raise ValueError("deepspeed.initialize(optimizer=...) and the ds_config's optimizer section: give one")
-    defaults = _optimizer_defaults(optimizer) if optimizer is not None else None
+    if lr_scheduler is not None and ds_dict is not None and "scheduler" in ds_dict:
+        raise ValueError("deepspeed.initialize(lr_scheduler=...) and the ds_config's scheduler section: give one")
+    defaults = optimizer_defaults(optimizer) if optimizer is not None else None
     cfg = compat_config(config, dp=comm.get_world_size(), cuda=torch.cuda.is_available(),
                         optimizer_defaults=defaults)
     if optimizer is None and "optim.lr" not in cfg.translation.entries:
         raise ValueError("deepspeed.initialize(): no optimizer: add an optimizer section to the ds_config "
                          "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
+    if model_parameters is None and optimizer is not None:
+        model_parameters = [p for g in optimizer.param_groups for p in g["params"]]
     _train_only(model, model_parameters)
     stage = cfg.engine.zero.stage
     on_meta = zero.built_under_init(model)
@@ -143,9 +154,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if not on_meta:
         model.to(local_device())
     store_factory, offload_params = _store(cfg, stage)
-    engine = core_initialize(model, cfg.engine, blocks=find_blocks(model), store_factory=store_factory,
+    blocks = find_blocks(model, ac=cfg.engine.ac)
+    if stage == 3:
+        zero.check_external_parameters(model, blocks)
+    engine = core_initialize(model, cfg.engine, blocks=blocks, store_factory=store_factory,
                              offload_params=offload_params, materialize=zero.materialize if on_meta else None)
-    ds_engine = DeepSpeedEngine(engine, cfg)
+    if stage == 3:
+        zero.tag_zero3_params(model)
+    scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer, config_scheduler="scheduler" in ds_dict)
+    ds_engine = DeepSpeedEngine(engine, cfg, ds_config=ds_dict, lr_scheduler=scheduler)
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
-    return ds_engine, engine.optimizer, loader, None
+    return ds_engine, engine.optimizer, loader, scheduler

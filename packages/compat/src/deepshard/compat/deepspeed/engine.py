@@ -21,16 +21,22 @@ from deepshard.core.mesh import local_device
 
 from .checkpoint import load_ds_style, save_16bit, save_ds_style
 from .config import CompatConfig
+from .schedule import step_scheduler
+from .timer import ThroughputTimer
 
 
 class DeepSpeedEngine(nn.Module):
     """What DeepSpeed users call on ``model_engine``; ``.engine`` is the deepshard Engine underneath."""
 
-    def __init__(self, engine: Engine, config: CompatConfig) -> None:
+    def __init__(self, engine: Engine, config: CompatConfig, ds_config: dict | None = None,
+                 lr_scheduler: Any = None) -> None:
         super().__init__()
         self.engine = engine
         self.module = engine.model
         self.compat = config
+        self.config = dict(ds_config or {})  # the ds_config as a dict (DeepSpeed keeps what it was given)
+        self.lr_scheduler = lr_scheduler  # a client scheduler (stepped on applied updates), else the config's view
+        self.tput_timer = ThroughputTimer(batch_size=config.train_batch_size)
         self.global_steps = 0  # optimizer boundaries passed (DeepSpeed counts skipped fp16 steps too)
         self.global_samples = 0
         self.micro_steps = 0
@@ -75,6 +81,79 @@ class DeepSpeedEngine(nn.Module):
         opt = self.engine.optimizer
         return [opt.lr_at(opt.num_updates)]
 
+    # --- DeepSpeed's config queries
+    def fp16_enabled(self) -> bool:
+        """Whether the model computes in fp16 (an fp16 ds_config on a CPU host trains in fp32: False)."""
+        return self.engine.config.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.config.precision.dtype == "bf16"
+
+    bf16_enabled = bfloat16_enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.config.zero.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.config.zero.stage > 0
+
+    def gradient_clipping(self) -> float:
+        return self.engine.config.optim.grad_clip
+
+    def steps_per_print(self) -> int:
+        return int(self.config.get("steps_per_print", 10))
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last update (before clipping, loss scale removed); None before one."""
+        stats = self.engine.last_stats
+        return None if stats is None else stats.grad_norm
+
+    def empty_partition_cache(self) -> None:
+        """Release gathered ZeRO-3 parameters (FSDP2 reshards every unit) and the allocator's cache."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> Any:
+        """The module's (an HF model's) own, with ``use_reentrant=False`` (reentrant checkpointing under
+        FSDP2 and our gradient hooks trains silently wrong, so True is refused)."""
+        enable = getattr(self.module, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise AttributeError(f"{type(self.module).__name__} has no gradient_checkpointing_enable; use the "
+                                 f"ds_config's activation_checkpointing section")
+        ckpt = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        if ckpt["use_reentrant"]:
+            raise ValueError("gradient_checkpointing_enable(use_reentrant=True): not supported (it trains silently "
+                             "wrong under ZeRO's gradient hooks); use use_reentrant=False")
+        return enable(gradient_checkpointing_kwargs=ckpt, **kwargs)
+
+    def train_batch(self, data_iter: Any = None) -> Any:
+        raise ValueError("engine.train_batch(): the pipeline engine's call; build the model as "
+                         "deepspeed.pipe.PipelineModule(layers=[...], num_stages=N) to get it, or use "
+                         "loss = engine(batch); engine.backward(loss); engine.step()")
+
+    def eval_batch(self, data_iter: Any = None, **kwargs: Any) -> Any:
+        raise ValueError("engine.eval_batch(): the pipeline engine's call; build the model as "
+                         "deepspeed.pipe.PipelineModule, or run engine.eval() and engine(batch) under torch.no_grad()")
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine lacks come from the module, as in DeepSpeed."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        module = self._modules.get("module")
+        if module is not None and name != "module":
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     @property
     def optimizer(self) -> Any:
         return self.engine.optimizer
@@ -85,6 +164,8 @@ class DeepSpeedEngine(nn.Module):
 
     # --- the loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training:
+            self.tput_timer.start()
         return self.engine(*args, **kwargs)
 
     def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
@@ -105,12 +186,14 @@ class DeepSpeedEngine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.compat.micro_batch_size * self.world_size
-        if not boundary:
-            return
-        stats = self.engine.step()
-        assert stats is not None, "the core engine's accumulation count disagrees with micro_steps"
-        self.global_steps += 1
-        self.skipped_steps += 0 if stats.applied else 1
+        if boundary:
+            stats = self.engine.step()
+            assert stats is not None, "the core engine's accumulation count disagrees with micro_steps"
+            self.global_steps += 1
+            self.skipped_steps += 0 if stats.applied else 1
+            if stats.applied and getattr(self.lr_scheduler, "optimizer", None) is not None:  # a client's
+                step_scheduler(self.lr_scheduler)  # after the update, as DeepSpeed orders them
+        self.tput_timer.stop(global_step=boundary)
 
     def zero_grad(self) -> None:
         """Gradients are cleared by every update; between micro-batches they must accumulate."""

@@ -10,9 +10,12 @@ not the same numbers (load pretrained weights after initialize for exact values)
 
 from __future__ import annotations
 
+import enum
+import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -115,6 +118,8 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     ``modifier_rank`` (broadcast to every rank); with ``modifier_rank=None`` changes are discarded,
     as in DeepSpeed.  Parameters that are not sharded (stages 0-2) are broadcast from
     ``modifier_rank`` on exit.  The optimizer's fp32 masters follow the change."""
+    if isinstance(params, nn.Module):  # a module: all of its parameters
+        params = list(params.parameters())
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if not enabled:
         yield
@@ -124,6 +129,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     fulls = {}
     for p in sharded:
         full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=False)
+        _copy_ds_attributes(p, full, ZeroParamStatus.AVAILABLE)
         fulls[id(p)] = full
         for module, name in owners.get(id(p), []):
             module._parameters[name] = full
@@ -156,3 +162,90 @@ def _sync_fp32_masters(params: list[nn.Parameter], modifier_rank: int | None) ->
         return
     for engine in list(_ENGINES):
         engine.sync_masters_from_params(params)
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's: where a ZeRO-3 parameter's full value is (``p.ds_status``)."""
+
+    AVAILABLE = 1  # gathered: the module computes with the full value
+    NOT_AVAILABLE = 2  # only this rank's shard is held
+    INFLIGHT = 3  # being gathered (never observed here: FSDP2 gathers inside its hooks)
+
+
+_DS_IDS = itertools.count()
+_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_persist")
+
+
+def _copy_ds_attributes(src: torch.Tensor, dst: torch.Tensor, status: ZeroParamStatus) -> None:
+    for name in _DS_ATTRS:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+    if hasattr(src, "ds_id"):
+        dst.ds_status = status
+
+
+def tag_zero3_params(model: nn.Module) -> None:
+    """DeepSpeed's ZeRO-3 parameter attributes on the sharded parameters (what ``model.parameters()``
+    and the optimizer hold): ``ds_id``, ``ds_shape``/``ds_numel`` (the full shape), ``ds_tensor`` (this
+    rank's Shard(0) rows; DeepSpeed's is a flat padded partition), ``ds_status`` NOT_AVAILABLE.  The
+    gathered parameters FSDP2 puts in the modules during forward/backward get the same attributes with
+    ``ds_status`` AVAILABLE (a forward pre-hook that runs after FSDP2's all-gather)."""
+    owners: dict[tuple[int, str], torch.Tensor] = {}
+    for module in model.modules():
+        mine = False
+        for name, p in module._parameters.items():
+            if p is None or not isinstance(p, DTensor):
+                continue
+            mine = True
+            if not hasattr(p, "ds_id"):
+                p.ds_id = next(_DS_IDS)
+                p.ds_shape = torch.Size(p.shape)
+                p.ds_numel = p.numel()
+                p.ds_tensor = p.to_local()
+                p.ds_persist = False
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            owners[(id(module), name)] = p
+        if mine:
+            module.register_forward_pre_hook(partial(_tag_gathered, owners))
+
+
+def _tag_gathered(owners: dict[tuple[int, str], torch.Tensor], module: nn.Module, args: Any) -> None:
+    for name, p in module._parameters.items():
+        sharded = owners.get((id(module), name))
+        if p is not None and sharded is not None and p is not sharded and not hasattr(p, "ds_id"):
+            _copy_ds_attributes(sharded, p, ZeroParamStatus.AVAILABLE)
+
+
+_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's: ``parameter`` (owned by another module) is used in ``module``'s forward.
+
+    FSDP2 keeps the root unit's parameters (those outside every block: embeddings, heads, ...)
+    gathered through the whole forward, so such a use needs nothing.  A parameter owned by a block
+    and used outside it is only gathered during that block's forward: ``deepspeed.initialize``
+    refuses it at ZeRO-3, naming it (move it to the model's root, outside the blocks).
+    """
+    if not isinstance(parameter, torch.Tensor):
+        raise ValueError(f"register_external_parameter(module, {type(parameter).__name__}): expected a parameter")
+    _EXTERNAL.setdefault(module, []).append(parameter)
+
+
+def check_external_parameters(model: nn.Module, blocks: Iterable[nn.Module]) -> None:
+    """At ZeRO-3: every registered external parameter must be gathered whenever its user runs."""
+    owner_block: dict[int, str] = {}
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            owner_block[id(p)] = f"block {i} ({name})"
+    users = {id(m): m for m in model.modules()}
+    for module, external in list(_EXTERNAL.items()):
+        if id(module) not in users:
+            continue
+        for p in external:
+            where = owner_block.get(id(p))
+            inside = where is not None and any(p is q for q in module.parameters())
+            if where is not None and not inside:
+                raise ValueError(f"zero.register_external_parameter({type(module).__name__}, <param of {where}>): "
+                                 f"at ZeRO-3 a block's parameters are gathered only during that block's forward; "
+                                 f"move the shared parameter out of the blocks (to the model's root module)")

@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.dataloader.RepeatingLoader``."""
+
+from ..utils import RepeatingLoader
+
+__all__ = ["RepeatingLoader"]
