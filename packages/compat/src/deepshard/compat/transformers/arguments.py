@@ -38,6 +38,10 @@ class TrainingArguments(transformers.TrainingArguments):
     """transformers' ``TrainingArguments``; ``deepspeed=`` selects deepshard's engine (ZeRO 0-3)."""
 
     def __post_init__(self) -> None:
+        if self.deepspeed and not torch.cuda.is_available():
+            # accelerate treats torchrun's ranks on a CPU-only host as one process each unless told "cpu";
+            # the same script runs here and on GPUs (DeepSpeed's own launch would need GPUs)
+            self.use_cpu = True
         with _hidden(self):
             super().__post_init__()
         self.mixed_precision = "no"  # the engine casts (ds_config fp16/bf16), not accelerate's autocast

@@ -1,0 +1,156 @@
+"""Issue 26: transformers' Trainer recipe with ``from deepshard.compat.transformers import Trainer,
+TrainingArguments`` and ``deepspeed=ds_config``.
+
+The reference is transformers' own Trainer without DeepSpeed (plain torch, one process) on the same
+tiny Llama, rows and schedule (hf_trainer_harness.py); ours runs at ZeRO 0 and 3 with gradient
+accumulation 2 at world 1 and world 2 and must log the same losses, learning rates and gradient norms.
+The "auto" filling is held against transformers' own HfTrainerDeepSpeedConfig code (run over
+accelerate's config helpers, since transformers only builds that class when DeepSpeed is installed).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import types
+
+import pytest
+from hf_trainer_harness import world1, world2
+
+from deepshard.compat.transformers.auto import AutoFill
+from deepshard.launch.local import launch_local
+
+_RUNS: dict[str, object] = {}
+
+
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """One 1-rank launch (the reference and ours) and one 2-rank launch: 10-20 s each here."""
+    if not _RUNS:
+        _RUNS["w1"] = launch_local(world1, 1, str(tmp_path_factory.mktemp("hf_w1")))[0]
+        _RUNS["w2"] = launch_local(world2, 2, str(tmp_path_factory.mktemp("hf_w2")))
+    return _RUNS
+
+
+def _same(ours: list[dict], ref: list[dict], where: str) -> None:
+    assert len(ours) == len(ref) == 4, where
+    for mine, theirs in zip(ours, ref, strict=True):
+        assert mine["step"] == theirs["step"], where
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), where
+        assert mine["learning_rate"] == pytest.approx(theirs["learning_rate"], abs=1e-12), where
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4), where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_world1_logs_equal_transformers_trainer(tmp_path_factory, stage):
+    out = runs(tmp_path_factory)["w1"]
+    _same(out[f"zero{stage}"], out["reference"], f"world 1 zero {stage}")
+    assert out["reference"][-1]["loss"] != out["reference"][0]["loss"]  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_world2_logs_equal_transformers_trainer(tmp_path_factory, stage):
+    """Rows of uneven length split over 2 ranks x 2 micro-batches: exact only with token weighting."""
+    out = runs(tmp_path_factory)
+    for rank, mine in enumerate(out["w2"]):
+        _same(mine[f"zero{stage}"], out["w1"]["reference"], f"world 2 rank {rank} zero {stage}")
+
+
+# --- "auto" filling against transformers' own rules
+def _hf_filler():
+    """transformers' HfTrainerDeepSpeedConfig methods on accelerate's HfDeepSpeedConfig (no DeepSpeed)."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    methods = {k: v for k, v in vars(HfTrainerDeepSpeedConfig).items()
+               if k in ("fill_match", "fill_only", "is_auto", "trainer_config_process", "trainer_config_finalize")}
+
+    def __init__(self, config):
+        HfDeepSpeedConfig.__init__(self, config)
+        self._dtype, self.mismatches = None, []
+
+    return type("HfFiller", (HfDeepSpeedConfig,), {**methods, "__init__": __init__})
+
+
+def _args(**kw):
+    from transformers import TrainingArguments
+
+    base = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, world_size=2, max_grad_norm=1.0,
+                learning_rate=5e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
+                fp16=False, bf16=False, fp16_full_eval=False, bf16_full_eval=False, warmup_steps=0,
+                save_on_each_node=False)
+    ns = types.SimpleNamespace(**{**base, **kw})
+    ns.get_warmup_steps = lambda n: TrainingArguments.get_warmup_steps(ns, n)
+    return ns
+
+
+ALL_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+            "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+ARGS = [dict(), dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, world_size=1),
+        dict(max_grad_norm=0.0, learning_rate=1e-3), dict(adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6),
+        dict(weight_decay=0.1, fp16=True), dict(bf16=True, warmup_steps=0.1), dict(warmup_steps=7, world_size=4)]
+CONFIGS = [ALL_AUTO,
+           {**ALL_AUTO, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
+           {**ALL_AUTO, "train_batch_size": 16, "gradient_clipping": 1.0, "fp16": {"enabled": True}},
+           {"zero_optimization": {"stage": 1}, "optimizer": {"params": {"lr": 5e-5, "betas": [0.9, 0.999]}},
+            "scheduler": {"params": {"warmup_num_steps": 0, "total_num_steps": 100}}}]
+
+
+@pytest.mark.parametrize(("arg_kw", "config"), list(itertools.product(ARGS, CONFIGS)))
+def test_auto_fill_equals_transformers(arg_kw, config):
+    """28 argument/config combinations: the same filled ds_config and the same mismatch list."""
+    args = _args(**arg_kw)
+    ref = _hf_filler()(copy.deepcopy(config))
+    ref.trainer_config_process(args)
+    hidden = 48
+    model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden))
+    ref_error = None
+    try:
+        ref.trainer_config_finalize(args, model, 100)
+    except ValueError as err:
+        ref_error = str(err)
+    ours = AutoFill(copy.deepcopy(config))
+    ours.from_args(args, world_size=args.world_size)
+    ours.for_run(args, hidden_size=hidden, num_training_steps=100)
+    assert ours.ds == ref.config
+    if ref_error is None:
+        ours.check()
+    else:
+        with pytest.raises(ValueError) as err:
+            ours.check()
+        assert str(err.value) == ref_error
+
+
+def test_mismatch_error_names_every_argument_and_key(tmp_path):
+    from deepshard.compat.transformers import TrainingArguments
+    from deepshard.compat.transformers.auto import fill
+
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": "auto"}}}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_grad_norm=0.5,
+                             learning_rate=3e-4, deepspeed=ds, report_to=[])
+    assert args.deepspeed == ds and args.mixed_precision == "no"
+    with pytest.raises(ValueError) as err:
+        fill(args.deepspeed, args, world_size=1, model=None, num_training_steps=10)
+    assert str(err.value) == (
+        "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+        "- ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=4\n"
+        "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.5\n"
+        "- ds optimizer.params.lr=0.0001 vs hf learning_rate=0.0003\n"
+        "The easiest method is to set these DeepSpeed config values to 'auto'.")
+
+
+def test_refused_before_training(tmp_path):
+    from deepshard.compat.transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(torch_compile=True\)"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}},
+                          torch_compile=True, report_to=[])
