@@ -20,7 +20,7 @@ from deepshard.launch.local import launch_local
 
 _EXPORT = """
 import json, resource, sys, time
-from deepshard.finetune.export import export_checkpoint
+from deepshard.finetune.tools.hf_export import export_checkpoint
 from deepshard.core.checkpoint.consolidate import iter_full_tensors
 import safetensors.torch, torch, transformers  # imports count in the baseline, not in the export
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

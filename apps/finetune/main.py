@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from deepshard.finetune.config import register
-from deepshard.finetune.ds_config import merge_argv
+from deepshard.finetune.config.ds_config import merge_argv
 
 register()
 USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # the user's setting, restored when the task starts
@@ -53,7 +53,7 @@ def _restore_full_error() -> None:
 
 def run_hydra(argv: list[str], translation) -> None:
     """``main()``, with what Hydra refuses before our task runs as one ``error:`` line (exit 2)."""
-    from deepshard.finetune.hydra_errors import error_line
+    from deepshard.finetune.config.hydra_errors import error_line
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its several lines
     try:

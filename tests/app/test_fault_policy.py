@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
+from deepshard.finetune.recipe.divergence import DivergenceGuard, TrainingDiverged
 from deepshard.launch.heartbeat import Heartbeat, find_hang, read_beats
 from deepshard.launch.local import job_failed
 

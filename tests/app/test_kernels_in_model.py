@@ -18,7 +18,7 @@ TRAIN_TWICE = textwrap.dedent("""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from deepshard.finetune.config import register, validate
-    from deepshard.finetune.assemble import train_worker
+    from deepshard.finetune.recipe.assemble import train_worker
     register()
     out = {}
     for kernels in ("torch", "triton"):

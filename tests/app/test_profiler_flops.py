@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from deepshard.finetune.assemble import step_flops
 from deepshard.finetune.config import register, validate
 from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.recipe.assemble import step_flops
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SMALL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",

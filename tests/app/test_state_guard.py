@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.finetune.checkpointing import validate_checkpoint
-from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
+from deepshard.finetune.config.settings import validate_checkpoint
+from deepshard.finetune.recipe.divergence import DivergenceGuard, TrainingDiverged
 
 NAN = float("nan")
 

@@ -14,7 +14,7 @@ import pytest
 
 from deepshard.finetune.config import DataConfig
 from deepshard.finetune.data.chat import chat_docs, encode_chat, render_prompt, resolve_template
-from deepshard.finetune.data.records import check_records
+from deepshard.finetune.data.sources import check_records
 from deepshard.finetune.data.tokenizer import embedded_tokenizer_path, load_tokenizer
 
 ASSET = Path(str(embedded_tokenizer_path())).parent / "chat_template.jinja"

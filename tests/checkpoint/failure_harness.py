@@ -30,7 +30,7 @@ def disk_worker(scratch: str, small: str) -> dict:
     fits, one refused up front for lack of space, one that hits a real ENOSPC mid-write."""
     from deepshard.core import init_distributed
     from deepshard.core.checkpoint import state as checkpoint
-    from deepshard.finetune.checkpointing import agree_run_dir, check_shared_dir
+    from deepshard.finetune.recipe.checkpointing import agree_run_dir, check_shared_dir
 
     init_distributed()
     rank = dist.get_rank()

@@ -15,7 +15,7 @@ from hf_fixtures import save_tiny_hf_llama
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 from deepshard.finetune.data.tokenizer import load_tokenizer
-from deepshard.finetune.export import main as export_main
+from deepshard.finetune.tools.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[2]
 

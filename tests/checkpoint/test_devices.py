@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from deepshard.core.checkpoint.state import training_state
-from deepshard.finetune.checkpointing import Preemption
+from deepshard.finetune.recipe.checkpointing import Preemption
 
 
 class CollectiveDevices(TorchDispatchMode):

@@ -12,9 +12,10 @@ from ckpt_harness import MICRO, SPLIT
 from hf_fixtures import save_tiny_hf_llama
 
 from deepshard.core.checkpoint.consolidate import iter_full_tensors
-from deepshard.finetune.export import export_checkpoint, main
 from deepshard.finetune.models.hf import llama_config_from_hf, load_hf_weights
 from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.tools.export import main
+from deepshard.finetune.tools.hf_export import export_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from deepshard.core.checkpoint.consolidate import tensor_infos
 from deepshard.core.checkpoint.manifest import MANIFEST, CheckpointError, verify_checkpoint
 from deepshard.core.checkpoint.safe_load import read_metadata_safely
 from deepshard.core.checkpoint.state import load_checkpoint
-from deepshard.finetune.export import main as export_main
+from deepshard.finetune.tools.export import main as export_main
 
 
 @pytest.fixture

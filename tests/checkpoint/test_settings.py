@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.finetune.checkpointing import validate_checkpoint
+from deepshard.finetune.config.settings import validate_checkpoint
 
 
 def test_on_error_defaults_to_stop_and_accepts_continue():

@@ -21,8 +21,8 @@ from deepshard.core.checkpoint.consolidate import tensor_infos
 from deepshard.core.checkpoint.failures import one_line
 from deepshard.core.checkpoint.manifest import CheckpointError, verify_checkpoint
 from deepshard.core.checkpoint.state import load_checkpoint
-from deepshard.finetune.export import export_checkpoint
-from deepshard.finetune.export import main as export_main
+from deepshard.finetune.tools.export import main as export_main
+from deepshard.finetune.tools.hf_export import export_checkpoint
 from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow

@@ -65,9 +65,9 @@ def app_resume_worker(runs: list[tuple[int, str, str]]) -> list[dict]:
     """For each (our ZeRO stage, imported checkpoint dir, run dir): the app's engine and data stream,
     its resume, then the steps up to the fixture's end; the losses, rates, data position and log line."""
     from deepshard.core import build_mesh, init_distributed
-    from deepshard.finetune.assemble import build_stepper, run_meta
-    from deepshard.finetune.checkpointing import start_checkpointing
     from deepshard.finetune.data.resumable import ResumableStream
+    from deepshard.finetune.recipe.assemble import build_stepper, run_meta
+    from deepshard.finetune.recipe.checkpointing import start_checkpointing
 
     rank, world = init_distributed()
     records: list[str] = []

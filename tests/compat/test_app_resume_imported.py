@@ -14,7 +14,7 @@ from app_resume_harness import app_resume_worker
 from ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
 
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
-from deepshard.finetune.from_deepspeed import import_checkpoint
+from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -53,7 +53,7 @@ def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
 def test_imported_run_maps_names_places_data_and_refuses_another_model(tmp_path):
     """DeepSpeed-free: the pieces of the app's resume of an imported checkpoint, on the ZeRO-2 fixture."""
     from deepshard.core.checkpoint.manifest import CheckpointError
-    from deepshard.finetune.from_deepspeed import ImportedRun
+    from deepshard.finetune.tools.from_deepspeed import ImportedRun
 
     path = import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", tmp_path / "imported")
     run = ImportedRun.of(path)

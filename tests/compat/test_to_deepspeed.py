@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deepshard.compat.deepspeed.ds_files import LossScaler, load_ds_file
-from deepshard.finetune.from_deepspeed import import_checkpoint
-from deepshard.finetune.to_deepspeed import export_checkpoint, main
+from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.finetune.tools.to_deepspeed import export_checkpoint, main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ds_zero3" / "checkpoint"
 TAG = "global_step3"

@@ -125,7 +125,7 @@ def _rank_batches(micro: int, per_step: int):
 def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
     from deepshard.core import initialize
     from deepshard.core.mesh import local_device
-    from deepshard.finetune.steppers import EngineStepper
+    from deepshard.finetune.recipe.steppers import EngineStepper
 
     engine = initialize(model().to(local_device()), _engine_config(stage, accum))
     assert isinstance(engine, Trainer)  # what the app's checkpointing and logging take
@@ -140,7 +140,7 @@ def _pipe_run(axis: str, size: int) -> tuple[list[float], dict]:
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.mesh import local_device
     from deepshard.finetune.models.parallelize import pipeline_llama
-    from deepshard.finetune.steppers import PipelineStepper
+    from deepshard.finetune.recipe.steppers import PipelineStepper
 
     mesh = build_mesh(ParallelDims(**{axis: size}))
     trainer = pipeline_llama(model(), mesh, _engine_config(0, 1), schedule="1f1b", microbatches=2)

@@ -32,7 +32,7 @@ def _check(rec: CollectiveRecorder, expect: int | None = None) -> None:
 
 
 def test_preemption_flag_is_reduced_on_the_compute_device() -> None:
-    from deepshard.finetune.checkpointing import Preemption
+    from deepshard.finetune.recipe.checkpointing import Preemption
 
     with fake_world(), use_local_device(META):  # built as the app builds it: once the device is set
         pre = Preemption()
@@ -103,8 +103,8 @@ def _rows(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_step_loss_reduction_on_compute_device() -> None:
-    from deepshard.finetune.profiling import StepProfiler
-    from deepshard.finetune.steppers import EngineStepper
+    from deepshard.finetune.recipe.profiling import StepProfiler
+    from deepshard.finetune.recipe.steppers import EngineStepper
 
     with fake_world(), use_local_device(META) as device:
         engine = _Engine(build_mesh(ParallelDims()))
@@ -116,8 +116,8 @@ def test_step_loss_reduction_on_compute_device() -> None:
 
 
 def test_eval_reduction_on_compute_device() -> None:
-    from deepshard.finetune.evaluate import evaluate
-    from deepshard.finetune.steppers import EngineStepper
+    from deepshard.finetune.recipe.evaluate import evaluate
+    from deepshard.finetune.recipe.steppers import EngineStepper
 
     with fake_world(), use_local_device(META) as device:
         mesh = build_mesh(ParallelDims())
@@ -131,7 +131,7 @@ def test_eval_reduction_on_compute_device() -> None:
 
 def test_memory_figures_gathered_on_compute_device() -> None:
     from deepshard.core.memory import ModelStateBytes
-    from deepshard.finetune.metrics import memory_scalars
+    from deepshard.finetune.recipe.metrics import memory_scalars
 
     with fake_world(), use_local_device(META) as device, CollectiveRecorder() as rec:
         out = memory_scalars(ModelStateBytes(params=1, grads=2, optimizer=3), world=2, device=device)
@@ -140,7 +140,7 @@ def test_memory_figures_gathered_on_compute_device() -> None:
 
 
 def test_greedy_sample_broadcast_on_compute_device() -> None:
-    from deepshard.finetune.sample import greedy_sample
+    from deepshard.finetune.recipe.sample import greedy_sample
 
     class Tok:
         eos_token_id = 0
@@ -156,7 +156,7 @@ def test_greedy_sample_broadcast_on_compute_device() -> None:
             assert ids.device == META
             return torch.zeros(1, ids.shape[1], 10, device=ids.device)
 
-    from deepshard.finetune.steppers import EngineStepper
+    from deepshard.finetune.recipe.steppers import EngineStepper
 
     with fake_world(), use_local_device(META) as device, CollectiveRecorder() as rec:
         engine = _Engine(build_mesh(ParallelDims()))
@@ -206,7 +206,7 @@ def test_sharded_init_buffers_live_on_compute_device(offload_params: bool) -> No
 
 def test_run_dir_and_shared_dir_agreement_on_backend_placed_collectives(tmp_path: Path) -> None:
     """Every rank takes rank 0's run dir and looks for its probe file: object collectives only."""
-    from deepshard.finetune.checkpointing import agree_run_dir, check_shared_dir
+    from deepshard.finetune.recipe.checkpointing import agree_run_dir, check_shared_dir
 
     with fake_world(world_size=2), use_local_device(META), CollectiveRecorder() as rec:
         assert agree_run_dir(str(tmp_path)) == str(tmp_path)

@@ -25,7 +25,7 @@ from malicious import poison_metadata
 
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
-from deepshard.finetune.export import main as export_main
+from deepshard.finetune.tools.export import main as export_main
 
 pytestmark = pytest.mark.slow
 PAUSED = "pausing this save for a fault-injection test"

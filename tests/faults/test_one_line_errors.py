@@ -4,7 +4,7 @@ key or the override, exit 2, no traceback (issue #33 item 6, and item 7's data p
 Every case runs the real command in a fresh interpreter: ``python apps/finetune/main.py ...`` (Hydra
 override typos, an unwritable or full ``hydra.run.dir``, bad ds_config values, a chat template the
 sandbox refuses, chat files with no assistant turn, a Latin-1 ``.txt``) or ``python -m
-deepshard.finetune.from_deepspeed`` (crafted DeepSpeed checkpoints: no ``.tmp-import`` may be left,
+deepshard.finetune.tools.from_deepspeed`` (crafted DeepSpeed checkpoints: no ``.tmp-import`` may be left,
 and torch's advice to retry with ``weights_only=False`` must never reach the user).
 """
 
@@ -181,7 +181,7 @@ def _zero2(root: Path, *, short_rank: int | None = None, drop: str | None = None
 
 
 def _import(ds: Path, out: Path):
-    proc = subprocess.run([sys.executable, "-m", "deepshard.finetune.from_deepspeed", str(ds), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "deepshard.finetune.tools.from_deepspeed", str(ds), str(out)],
                           capture_output=True, text=True, timeout=300)
     if out.exists():
         assert not list(out.glob("*.tmp-import")), list(out.iterdir())

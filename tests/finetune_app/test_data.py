@@ -11,7 +11,8 @@ from app_harness import prompt_response_rows, write_jsonl, write_save_to_disk
 
 from deepshard.finetune.config import DataConfig
 from deepshard.finetune.data.build import build_datasets
-from deepshard.finetune.data.records import check_records, hf_disk_records, jsonl_records, text_records
+from deepshard.finetune.data.records import hf_disk_records, jsonl_records, text_records
+from deepshard.finetune.data.sources import check_records
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 

@@ -9,7 +9,7 @@ import pytest
 from app_harness import FIXTURES
 
 from deepshard.compat.resolve import fp16_fallback, resolve_batch
-from deepshard.finetune.ds_config import main, merge_argv, translate
+from deepshard.finetune.config.ds_config import main, merge_argv, translate
 
 
 def _load(name: str) -> dict:

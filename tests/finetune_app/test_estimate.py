@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deepshard.finetune.estimate import compose, estimate, main, report
+from deepshard.finetune.models.memory_plan import estimate
+from deepshard.finetune.tools.estimate import compose, main, report
 from deepshard.launch.local import launch_local
 
 
@@ -11,8 +12,8 @@ def _worker(cfgs: dict) -> dict:
 
     from deepshard.core import build_mesh, init_distributed, initialize
     from deepshard.core.mesh import local_device
-    from deepshard.finetune.assemble import build_model
     from deepshard.finetune.config import validate
+    from deepshard.finetune.recipe.assemble import build_model
 
     init_distributed()
     out = {}

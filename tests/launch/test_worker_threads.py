@@ -35,7 +35,7 @@ def test_more_workers_than_gpus_run_on_cpu(nproc, gpus, want):
 
 
 def test_app_refuses_more_workers_than_gpus():
-    from deepshard.finetune.config import resolve_nproc
+    from deepshard.finetune.config.world import resolve_nproc
 
     with pytest.raises(ValueError, match=r"launcher.nproc_per_node=2 > 1 visible GPU\(s\)"):
         resolve_nproc("2", 1)

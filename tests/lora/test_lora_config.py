@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deepshard.finetune.config import validate
-from deepshard.finetune.estimate import compose, estimate, report
+from deepshard.finetune.models.memory_plan import estimate
+from deepshard.finetune.tools.estimate import compose, report
 
 # the tiny preset: dim 256, 6 layers, 8 heads of 32, 4 kv heads, ffn 704, vocab 2048
 DIM, LAYERS, KV, FFN, VOCAB = 256, 6, 4 * 32, 704, 2048
@@ -64,7 +65,7 @@ def test_estimator_counts_adapters_as_trainable_and_the_base_as_params_only():
 
 
 def test_estimator_text_names_the_lora_split(capsys):
-    from deepshard.finetune.estimate import main
+    from deepshard.finetune.tools.estimate import main
 
     assert main(["+peft=lora", "launcher.nproc_per_node=2"]) == 0
     out = capsys.readouterr().out

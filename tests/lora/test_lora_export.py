@@ -135,7 +135,7 @@ def test_exported_adapter_loads_in_peft_with_our_logits(runs, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from deepshard.finetune.export import main
+    from deepshard.finetune.tools.export import main
 
     out = tmp_path / "adapter"
     assert main([str(runs["ckpt"]), str(out), "--adapter"]) == 0
@@ -158,7 +158,7 @@ def test_exported_adapter_loads_in_peft_with_our_logits(runs, tmp_path):
 def test_merged_export_loads_in_transformers_with_our_logits(runs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from deepshard.finetune.export import main
+    from deepshard.finetune.tools.export import main
 
     out = tmp_path / "merged"
     assert main([str(runs["ckpt"]), str(out), "--merge", "--max-shard-size", "200KB"]) == 0
@@ -173,10 +173,11 @@ def test_merged_export_loads_in_transformers_with_our_logits(runs, tmp_path, cap
 
 
 def test_init_from_a_peft_adapter_folder(runs, tmp_path):
-    from deepshard.finetune.adapter_export import check_init_from, export_adapter, load_peft_adapter
     from deepshard.finetune.models.hf import llama_config_from_hf
     from deepshard.finetune.models.llama import Llama
     from deepshard.finetune.models.lora import LoraConfig, apply_lora
+    from deepshard.finetune.models.peft_adapter import check_init_from, load_peft_adapter
+    from deepshard.finetune.tools.adapter_export import export_adapter
 
     out = tmp_path / "adapter"
     export_adapter(runs["ckpt"], out)
@@ -195,7 +196,7 @@ def test_init_from_a_peft_adapter_folder(runs, tmp_path):
 
 def test_resume_refuses_a_mismatched_run(runs):
     from deepshard.core.checkpoint.manifest import CheckpointError
-    from deepshard.finetune.adapter_export import check_lora_resume
+    from deepshard.finetune.recipe.checkpointing import check_lora_resume
 
     meta = json.loads((runs["ckpt"] / "manifest.json").read_text())["meta"]
     check_lora_resume(runs["ckpt"], meta)  # the same run's settings: fine

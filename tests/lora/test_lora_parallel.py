@@ -135,9 +135,9 @@ def _app_pipeline_init() -> dict:
     """The app's pp=2 path (build_stepper from a composed +peft=lora config): every stage holds exactly
     its part of the model the single-process path builds (seeded base and adapters), and it trains."""
     from deepshard.core import build_mesh
-    from deepshard.finetune.assemble import build_model, build_stepper
     from deepshard.finetune.config import validate
-    from deepshard.finetune.estimate import compose
+    from deepshard.finetune.recipe.assemble import build_model, build_stepper
+    from deepshard.finetune.tools.estimate import compose
 
     s = validate(compose(["+peft=lora", "peft.r=4", "parallel.pp=2", "launcher.nproc_per_node=2", "model.dim=64",
                           "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=96",
@@ -266,7 +266,7 @@ def test_adapter_exported_from_a_pp_or_tp_run_loads_in_peft_with_the_reference_l
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from deepshard.finetune.export import main
+    from deepshard.finetune.tools.export import main
 
     ckpt = Path(world2[0][name]["checkpoint"])
     out = tmp_path / "adapter"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.finetune.ds_config import translate
+from deepshard.finetune.config.ds_config import translate
 from deepshard.offload import OffloadConfig, validate_config
 from deepshard.offload.config import validate_param_swap
 
@@ -54,7 +54,7 @@ def test_deepspeed_offload_param_nvme_maps_to_ours():
 
 
 def test_estimator_knows_the_infinity_layout():
-    from deepshard.finetune.estimate import all_estimates, estimate
+    from deepshard.finetune.models.memory_plan import all_estimates, estimate
 
     e = estimate(10_000, stage=3, dp=2, dtype="bf16", offload="nvme", offload_params="nvme", param_buffer_bytes=640)
     assert (e.device, e.host, e.nvme) == (0, 640, 16 * 10_000 // 2)  # params = fp32 masters, grads, 2 moments
@@ -66,7 +66,7 @@ def test_estimator_knows_the_infinity_layout():
 
 def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
     from deepshard.finetune.config import validate
-    from deepshard.finetune.estimate import compose
+    from deepshard.finetune.tools.estimate import compose
 
     base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}",
             "launcher.nproc_per_node=2"]
@@ -78,7 +78,7 @@ def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
 
 
 def _infinity_host(path, *overrides: str) -> int:
-    from deepshard.finetune.estimate import compose, report
+    from deepshard.finetune.tools.estimate import compose, report
 
     base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={path}", "model=tiny",
             "launcher.nproc_per_node=2"]

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
 
-from deepshard.finetune.estimate import infinity_buffers, largest_unit  # noqa: E402
 from deepshard.finetune.models.llama import LlamaConfig  # noqa: E402
+from deepshard.finetune.models.memory_plan import infinity_buffers, largest_unit  # noqa: E402
 
 # torch + gloo alone take ~200 MiB of it; the forward also holds the deferred update's buffer_count
 # buffers of 16 bytes per element of the largest unit (infinity_store.DeferredStep)

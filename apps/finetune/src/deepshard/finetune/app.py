@@ -17,11 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from deepshard.core.precision import LossScaleAtMinimum
-from deepshard.finetune.assemble import train_worker
 from deepshard.finetune.config import Settings, validate
+from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
-from deepshard.finetune.divergence import TrainingDiverged
-from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs, under_torchrun
+from deepshard.finetune.recipe.assemble import train_worker
+from deepshard.finetune.recipe.divergence import TrainingDiverged
+from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs
 from deepshard.launch.local import JobFailed, launch_local, start_worker_server
 from deepshard.offload import remove_scratch
 

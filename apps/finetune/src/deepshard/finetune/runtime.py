@@ -15,44 +15,15 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from deepshard.finetune.data.records import check_records
+from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.resumable import check_fits
+from deepshard.finetune.data.sources import check_records
 from deepshard.launch.run_lock import acquire
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from deepshard.finetune.config import Settings
-
-
-def resolve_nproc(value: str, cuda_devices: int) -> int:
-    """``auto``: every local GPU, or 2 workers on a CPU-only host (so the default run really shards)."""
-    if str(value) == "auto":
-        return cuda_devices or 2
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
-    if 0 < cuda_devices < n:
-        raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
-                         f"rank; use at most {cuda_devices} (or 'auto')")
-    return n
-
-
-def under_torchrun() -> bool:
-    """torchrun (any node count) already started one process per rank and set the environment."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def host_world_size(nproc_per_node: str) -> int:
-    """torchrun's WORLD_SIZE, or the number of local workers the app will start."""
-    import torch
-
-    if "WORLD_SIZE" in os.environ and under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return resolve_nproc(nproc_per_node, torch.cuda.device_count())
 
 
 def job_dirs(settings: Settings, run_dir: str) -> dict[str, str]:

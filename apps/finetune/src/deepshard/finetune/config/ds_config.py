@@ -3,7 +3,7 @@
 The translation is ``deepshard.compat.ds_config``'s (the same one ``deepshard.compat.deepspeed``
 uses); here its entries become overrides placed before the command line's own, so anything given on
 the command line wins; keys the app does not support are named in one warning (an error with
-``deepspeed.strict=true``).  ``python -m deepshard.finetune.ds_config FILE`` prints the overrides.
+``deepspeed.strict=true``).  ``python -m deepshard.finetune.config.ds_config FILE`` prints the overrides.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def merge_argv(argv: list[str]) -> tuple[list[str], Translation | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m deepshard.finetune.ds_config FILE``: the equivalent command-line overrides."""
+    """``python -m deepshard.finetune.config.ds_config FILE``: the equivalent command-line overrides."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m deepshard.finetune.ds_config ds_config.json", file=sys.stderr)
+        print("usage: python -m deepshard.finetune.config.ds_config ds_config.json", file=sys.stderr)
         return 2
     try:
         tr = read(args[0])

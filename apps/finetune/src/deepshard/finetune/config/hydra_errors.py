@@ -16,7 +16,7 @@ import re
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from deepshard.finetune.ds_config import Translation
+from deepshard.finetune.config.ds_config import Translation
 
 
 def _key(arg: str) -> str:
@@ -44,7 +44,7 @@ def _no_such_key(cause: OmegaConfBaseException, argv: list[str]) -> str:
     elif known:
         hint = f"valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(known)}"
     else:
-        hint = "see AppSchema in apps/finetune/src/deepshard/finetune/config.py"
+        hint = "see AppSchema in apps/finetune/src/deepshard/finetune/config/settings.py"
     return f"{_override(argv, full_key)}: no such key; {hint}"
 
 

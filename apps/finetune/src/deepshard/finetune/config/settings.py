@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -24,11 +26,10 @@ from deepshard.compat.resolve import host_dtype, resolve_batch
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import ParallelDims
-from deepshard.finetune.checkpointing import CheckpointConfig, validate_checkpoint
+from deepshard.finetune.config.world import host_world_size, resolve_nproc
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
 from deepshard.finetune.models.lora import LoraConfig, check_lora_parallel, lora_settings
-from deepshard.finetune.runtime import host_world_size, resolve_nproc
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 
@@ -69,6 +70,36 @@ ModelSchema = dataclasses.make_dataclass(
     "ModelSchema", [("name", str, field(default="tiny")),  # tiny | small | hf
                     ("path", typing.Optional[str], field(default=None))],  # noqa: UP045 - OmegaConf needs Optional
     bases=(hydra_twin(LlamaConfig, "LlamaTwin", exclude=("kernels",)),))
+
+
+AUTO = ("auto", "auto_or_fresh")  # checkpoint.resume values that search checkpoint.dir
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0: only at the end (and on preemption)
+    keep_last: int = 3  # 0 keeps every checkpoint
+    # auto: the newest good checkpoint under dir (none there: start fresh; some, none usable: an error)
+    # | auto_or_fresh: the same, but starts fresh (with a warning) when none is usable | none | PATH
+    # (a step-* directory, or a folder of them)
+    resume: str = "auto"
+    dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
+    on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
+
+
+def validate_checkpoint(c: dict[str, Any]) -> CheckpointConfig:
+    """Typed checkpoint settings; ValueError naming the key."""
+    s = CheckpointConfig(**c)
+    for key in ("every_steps", "keep_last"):
+        value = getattr(s, key)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
+    if s.on_error not in ("stop", "continue"):
+        raise ValueError(f"checkpoint.on_error={s.on_error!r}: valid values are 'stop' and 'continue'")
+    if s.resume not in AUTO + ("none",) and not Path(s.resume).is_dir():
+        raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'auto_or_fresh', 'none' or an "
+                         f"existing checkpoint directory")
+    return s
 
 
 @dataclass(frozen=True)
@@ -349,7 +380,7 @@ def _validate_offload(c: dict, stage: int) -> OffloadConfig:
 
 
 def _check_param_swap(settings: Settings, world: int) -> None:
-    from deepshard.finetune.estimate import count_params, largest_unit
+    from deepshard.finetune.models.memory_plan import count_params, largest_unit
     from deepshard.offload.config import validate_param_swap
 
     per_rank = -(-count_params(settings.model) // world)
@@ -383,6 +414,10 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                         launcher=launcher, peft=lora_settings(cfg["peft"]))
     if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
         check_lora_parallel(settings.peft, tp=parallel.tp)
+        if settings.peft.init_from:  # a PEFT folder to start from: its settings must match the run's
+            from deepshard.finetune.models.peft_adapter import check_init_from
+
+            check_init_from(settings.peft.init_from, settings.peft)
     if settings.offload.params == "nvme" and (parallel.pp > 1 or parallel.tp > 1 or settings.peft is not None):
         raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of plain (not tensor-parallel) "
                          "parameters, whole blocks of one model: not with parallel.pp/tp > 1 or +peft=lora "

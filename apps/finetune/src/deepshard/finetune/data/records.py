@@ -172,12 +172,3 @@ def read_records(data) -> Iterator[Record]:
         return text_records(data.path, text_unit=data.text_unit)
     assert data.name == "hf_disk", data.name  # config.validate admits only SOURCES' names
     return hf_disk_records(data.path, split=data.split, **fields)
-
-
-def check_records(data) -> int:
-    """Read every record of a user data source now (ValueError naming file and line); returns the count."""
-    if data.name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
-        from deepshard.finetune.data.chat import check_chat_rows
-
-        return check_chat_rows(data.path)
-    return sum(1 for _ in read_records(data)) if data.name in READERS else 0

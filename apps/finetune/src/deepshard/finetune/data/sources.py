@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 
 from deepshard.core.parallelize import IGNORE_INDEX
-from deepshard.finetune.data.chat import chat_docs
+from deepshard.finetune.data.chat import chat_docs, check_chat_rows
 from deepshard.finetune.data.corpus import generate
 from deepshard.finetune.data.records import READERS, Record, read_records
 
@@ -50,3 +50,10 @@ def record_docs(tokenizer, data) -> Iterator[tuple[list[int], list[int]]]:
 
 # data.name -> docs(tokenizer, data): (token ids, labels) per document, from the typed data config
 SOURCES = {"embedded": embedded_docs, **dict.fromkeys(READERS, record_docs), "chat": chat_docs}
+
+
+def check_records(data) -> int:
+    """Read every record of a user data source now (ValueError naming file and line); returns the count."""
+    if data.name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
+        return check_chat_rows(data.path)
+    return sum(1 for _ in read_records(data)) if data.name in READERS else 0

@@ -211,10 +211,6 @@ def lora_settings(c: dict | None) -> LoraConfig | None:
     lora = LoraConfig(r=c["r"], alpha=float(c["alpha"]), dropout=float(c["dropout"]),
                         target_modules=tuple(c["target_modules"]), modules_to_save=tuple(c["modules_to_save"]),
                         init_from=c["init_from"])
-    if lora.init_from:
-        from deepshard.finetune.adapter_export import check_init_from
-
-        check_init_from(lora.init_from, lora)
     return lora
 
 

@@ -1,4 +1,4 @@
-"""Run assembly: from the validated ``Settings`` to one rank's :class:`~deepshard.finetune.train.FinetuneTrainer`.
+"""Run assembly: from the validated ``Settings`` to one rank's :class:`~deepshard.finetune.recipe.trainer.FinetuneTrainer`.
 
 This is the one place that reads the whole ``Settings``; every component is built from its own
 section (the model from ``model``/``peft``, ZeRO and precision from ``engine``, offload from
@@ -22,22 +22,22 @@ from torch.utils.data import Dataset
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.mesh import local_device
-from deepshard.finetune.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.config import Settings
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.chat import resolve_template
 from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.data.tokenizer import load_tokenizer
-from deepshard.finetune.divergence import DivergenceGuard
-from deepshard.finetune.faults import step_hooks_from_env
-from deepshard.finetune.liveness import BeatingProfiler
-from deepshard.finetune.metrics import RunLogger
 from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.models.lora import apply_lora, init_adapters
-from deepshard.finetune.profiling import build_profiler, model_flops
-from deepshard.finetune.steppers import EngineStepper, PipelineStepper
-from deepshard.finetune.train import FinetuneTrainer, SampleConfig
+from deepshard.finetune.recipe.checkpointing import agree_run_dir, start_checkpointing
+from deepshard.finetune.recipe.divergence import DivergenceGuard
+from deepshard.finetune.recipe.faults import step_hooks_from_env
+from deepshard.finetune.recipe.liveness import BeatingProfiler
+from deepshard.finetune.recipe.metrics import RunLogger
+from deepshard.finetune.recipe.profiling import build_profiler, model_flops
+from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper
+from deepshard.finetune.recipe.trainer import FinetuneTrainer, SampleConfig
 from deepshard.launch.heartbeat import Heartbeat
 from deepshard.launch.local import worker_threads
 from deepshard.offload import make_store_factory, param_offload
@@ -56,7 +56,7 @@ def init_model(model: Llama, s: Settings) -> None:
     if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base), or a PEFT folder's
         init_adapters(model, seed=s.train.seed)
         if s.peft.init_from:
-            from deepshard.finetune.adapter_export import load_peft_adapter
+            from deepshard.finetune.models.peft_adapter import load_peft_adapter
 
             load_peft_adapter(model, s.peft.init_from)
 

@@ -17,9 +17,7 @@ import signal
 import sys
 import threading
 import time
-import typing
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,44 +25,23 @@ import torch
 import torch.distributed as dist
 
 from deepshard.core.checkpoint.failures import CheckpointSaveError
-from deepshard.core.checkpoint.manifest import CheckpointError, latest_good, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.manifest import (
+    CheckpointError,
+    latest_good,
+    read_manifest,
+    step_dirs,
+    verify_checkpoint,
+)
 from deepshard.core.checkpoint.retention import prune, set_aside
 from deepshard.core.checkpoint.state import find_resume, load_checkpoint, save_checkpoint, unsupported_reason
 from deepshard.core.mesh import local_device
 from deepshard.core.trainer_protocol import Trainer
+from deepshard.finetune.config.settings import AUTO, CheckpointConfig
 from deepshard.finetune.data.resumable import ResumableStream
 
 log = logging.getLogger("deepshard.finetune")
 
 
-AUTO = ("auto", "auto_or_fresh")  # checkpoint.resume values that search checkpoint.dir
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every_steps: int = 0  # 0: only at the end (and on preemption)
-    keep_last: int = 3  # 0 keeps every checkpoint
-    # auto: the newest good checkpoint under dir (none there: start fresh; some, none usable: an error)
-    # | auto_or_fresh: the same, but starts fresh (with a warning) when none is usable | none | PATH
-    # (a step-* directory, or a folder of them)
-    resume: str = "auto"
-    dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
-    on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
-
-
-def validate_checkpoint(c: dict[str, Any]) -> CheckpointConfig:
-    """Typed checkpoint settings; ValueError naming the key."""
-    s = CheckpointConfig(**c)
-    for key in ("every_steps", "keep_last"):
-        value = getattr(s, key)
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
-    if s.on_error not in ("stop", "continue"):
-        raise ValueError(f"checkpoint.on_error={s.on_error!r}: valid values are 'stop' and 'continue'")
-    if s.resume not in AUTO + ("none",) and not Path(s.resume).is_dir():
-        raise ValueError(f"checkpoint.resume={s.resume!r}: valid values are 'auto', 'auto_or_fresh', 'none' or an "
-                         f"existing checkpoint directory")
-    return s
 
 
 class Preemption:
@@ -237,8 +214,7 @@ class RunCheckpoints:
         path, verified = self._resolve()
         step = 0
         if path is not None:
-            from deepshard.finetune.adapter_export import check_lora_resume
-            from deepshard.finetune.from_deepspeed import ImportedRun
+            from deepshard.finetune.tools.from_deepspeed import ImportedRun
 
             check_lora_resume(path, self.meta)  # LoRA into LoRA on the same base, full into full
             dp = self.engine.mesh["dp"]
@@ -357,3 +333,17 @@ def start_checkpointing(settings: CheckpointConfig, *, run_dir: str, engine: Tra
     ckpt = RunCheckpoints(settings, run_dir=run_dir, engine=engine, data=data, tokens_per_step=tokens_per_step,
                           meta=meta, tokenizer=tokenizer)
     return ckpt, ckpt.resume(micro_batches_per_step=micro_batches_per_step)
+
+
+def check_lora_resume(path: str | Path, meta: dict[str, Any]) -> None:
+    """Before a resume loads anything: LoRA adapters resume only into a LoRA run on the same base, and a
+    full checkpoint only into a full run (CheckpointError naming both sides)."""
+    saved = read_manifest(path).get("meta", {})
+    if ("peft" in saved) != ("peft" in meta):
+        holds, runs = ("LoRA adapters only", "without +peft=lora") if "peft" in saved else \
+            ("every weight (a full fine-tune)", "with +peft=lora")
+        raise CheckpointError(f"checkpoint {str(path)!r} holds {holds} but this run is {runs}; resume it the way "
+                              f"it was trained, or start from it another way (export, peft.init_from)")
+    if "peft" in meta and saved.get("base") != meta.get("base"):
+        raise CheckpointError(f"checkpoint {str(path)!r}: its adapters were trained on the base {saved.get('base')}, "
+                              f"this run's base is {meta.get('base')}; resume with the same model.path and train.seed")

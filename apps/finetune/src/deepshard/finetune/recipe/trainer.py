@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from deepshard.core.mesh import local_device
-from deepshard.finetune.checkpointing import RunCheckpoints
-from deepshard.finetune.divergence import DivergenceGuard, TrainingDiverged
-from deepshard.finetune.evaluate import evaluate
-from deepshard.finetune.metrics import RunLogger, memory_line, memory_scalars
-from deepshard.finetune.profiling import StepProfiler
-from deepshard.finetune.sample import greedy_sample
-from deepshard.finetune.steppers import EngineStepper, PipelineStepper, StepOutput
+from deepshard.finetune.recipe.checkpointing import RunCheckpoints
+from deepshard.finetune.recipe.divergence import DivergenceGuard, TrainingDiverged
+from deepshard.finetune.recipe.evaluate import evaluate
+from deepshard.finetune.recipe.metrics import RunLogger, memory_line, memory_scalars
+from deepshard.finetune.recipe.profiling import StepProfiler
+from deepshard.finetune.recipe.sample import greedy_sample
+from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper, StepOutput
 from deepshard.launch.heartbeat import Heartbeat
 
 
@@ -41,7 +41,7 @@ class SampleConfig:
 
 @dataclass
 class FinetuneTrainer:
-    """One rank's training, built by :func:`deepshard.finetune.assemble.assemble`; ``fit()`` runs it."""
+    """One rank's training, built by :func:`deepshard.finetune.recipe.assemble.assemble`; ``fit()`` runs it."""
 
     train: Any  # the config's train section (max_steps, log_every, eval_every)
     every_steps: int  # checkpoint.every_steps: when a save is due (the checkpointer decides the rest)

@@ -30,7 +30,6 @@ from torch import nn
 
 from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
 from deepshard.core.checkpoint.manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
-from deepshard.core.dtensor_utils import copy_global
 from deepshard.finetune.models.hf import (
     from_hf_name,
     hf_config_dict,
@@ -40,10 +39,9 @@ from deepshard.finetune.models.hf import (
     write_safetensors,
 )
 from deepshard.finetune.models.llama import LlamaConfig
-from deepshard.finetune.models.lora import LoraConfig, is_adapter, peft_key
+from deepshard.finetune.models.lora import LoraConfig, peft_key
 
 PREFIX = "model."
-PEFT_PREFIX = "base_model.model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -88,7 +86,7 @@ def peft_config(lora: LoraConfig, base: dict[str, Any]):
 
 
 def _copy_tokenizer(ckpt: Path, names: list[str], out: Path) -> bool:
-    from deepshard.finetune.export import copy_sealed
+    from deepshard.finetune.tools.hf_export import copy_sealed
 
     copy_sealed(ckpt, names, out)
     return bool(names)
@@ -96,7 +94,7 @@ def _copy_tokenizer(ckpt: Path, names: list[str], out: Path) -> bool:
 
 def _tokenizer_files(ckpt: Path, manifest: dict[str, Any]) -> list[str]:
     """The tokenizer files the manifest lists (anything else in tokenizer/ is refused by name)."""
-    from deepshard.finetune.export import TOKENIZER
+    from deepshard.finetune.tools.hf_export import TOKENIZER
 
     return sealed_files(ckpt, manifest, TOKENIZER)
 
@@ -218,66 +216,3 @@ def out_dir_ready(out: Path) -> Path:
     return out
 
 
-def check_init_from(path: str, lora: LoraConfig) -> None:
-    """``peft.init_from=DIR`` before start: a PEFT LoRA folder whose settings match this run's."""
-    cfg_file = Path(path).expanduser() / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"peft.init_from={path!r}: no adapter_config.json there (expected a PEFT adapter folder, "
-                         f"e.g. one written by export --adapter or PeftModel.save_pretrained)")
-    try:
-        c = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
-    if c.get("peft_type") != "LORA":
-        raise ValueError(f"peft.init_from={path!r}: peft_type={c.get('peft_type')!r}; only LORA adapters load")
-    targets = c.get("target_modules") or []
-    for key, theirs, ours in (("peft.r", c.get("r"), lora.r), ("peft.alpha", c.get("lora_alpha"), lora.alpha),
-                              ("peft.target_modules", sorted(targets), sorted(lora.target_modules))):
-        if theirs != ours:
-            raise ValueError(f"peft.init_from={path!r}: the adapter has {key.split('.')[1]}={theirs!r} but "
-                             f"{key}={ours!r}; set {key} to match")
-    if not any((Path(path).expanduser() / n).is_file() for n in ("adapter_model.safetensors",)):
-        raise ValueError(f"peft.init_from={path!r}: no adapter_model.safetensors there (pickled .bin adapters "
-                         f"are never loaded)")
-
-
-@torch.no_grad()
-def load_peft_adapter(model: nn.Module, path: str) -> int:
-    """Copy a PEFT adapter folder's weights into ``model``'s adapters (plain or ZeRO-3 shards); returns
-    the number of tensors loaded."""
-    from peft.utils import load_peft_weights
-
-    weights = load_peft_weights(str(Path(path).expanduser()), device="cpu")
-    params = dict(model.named_parameters())
-    wanted = {n for n, p in params.items() if p.requires_grad}
-    loaded = set()
-    for key, t in weights.items():
-        if not key.startswith(PEFT_PREFIX):
-            raise ValueError(f"peft.init_from={path!r}: key {key!r} is not a PEFT LlamaForCausalLM adapter key")
-        name = from_hf_name(key[len(PEFT_PREFIX):]).replace(".modules_to_save", "")
-        if name not in wanted:
-            raise ValueError(f"peft.init_from={path!r}: {key!r} has no trainable place in this run "
-                             f"(check peft.target_modules / peft.modules_to_save)")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(f"peft.init_from={path!r}: {key} has shape {list(t.shape)}, this run expects "
-                             f"{list(params[name].shape)}")
-        copy_global(params[name], t)
-        loaded.add(name)
-    missing = sorted(n for n in wanted - loaded if is_adapter(n))
-    if missing:
-        raise ValueError(f"peft.init_from={path!r}: no weights for {missing[:3]}")
-    return len(loaded)
-
-
-def check_lora_resume(path: str | Path, meta: dict[str, Any]) -> None:
-    """Before a resume loads anything: LoRA adapters resume only into a LoRA run on the same base, and a
-    full checkpoint only into a full run (CheckpointError naming both sides)."""
-    saved = read_manifest(path).get("meta", {})
-    if ("peft" in saved) != ("peft" in meta):
-        holds, runs = ("LoRA adapters only", "without +peft=lora") if "peft" in saved else \
-            ("every weight (a full fine-tune)", "with +peft=lora")
-        raise CheckpointError(f"checkpoint {str(path)!r} holds {holds} but this run is {runs}; resume it the way "
-                              f"it was trained, or start from it another way (export, peft.init_from)")
-    if "peft" in meta and saved.get("base") != meta.get("base"):
-        raise CheckpointError(f"checkpoint {str(path)!r}: its adapters were trained on the base {saved.get('base')}, "
-                              f"this run's base is {meta.get('base')}; resume with the same model.path and train.seed")

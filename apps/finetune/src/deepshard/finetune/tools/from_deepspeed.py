@@ -1,4 +1,4 @@
-"""``python -m deepshard.finetune.from_deepspeed DS_CHECKPOINT_DIR [--tag TAG] OUT_DIR``
+"""``python -m deepshard.finetune.tools.from_deepspeed DS_CHECKPOINT_DIR [--tag TAG] OUT_DIR``
 
 A DeepSpeed ZeRO-1/2/3 checkpoint (``latest``, ``mp_rank_*_model_states.pt``,
 ``*zero_pp_rank_*_optim_states.pt``; any data-parallel world size) as one of our checkpoints,
@@ -354,7 +354,7 @@ class ImportedRun:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.from_deepspeed", description=__doc__.split("\n\n")[1])
+    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.tools.from_deepspeed", description=__doc__.split("\n\n")[1])
     ap.add_argument("ds_checkpoint_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in DS_CHECKPOINT_DIR/latest)")

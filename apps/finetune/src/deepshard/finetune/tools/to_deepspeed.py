@@ -1,4 +1,4 @@
-"""``python -m deepshard.finetune.to_deepspeed CKPT OUT_DIR [--stage N] [--world W] [--tag TAG]``
+"""``python -m deepshard.finetune.tools.to_deepspeed CKPT OUT_DIR [--stage N] [--world W] [--tag TAG]``
 
 One of our checkpoints (a ``step-*`` directory, or a folder of them: the newest good one) as a
 DeepSpeed ZeRO-1/2/3 checkpoint that DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` resumes at
@@ -205,7 +205,7 @@ def ds_group(trainer: dict, index: int, *, decay: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.to_deepspeed")
+    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.tools.to_deepspeed")
     ap.add_argument("ckpt")
     ap.add_argument("out_dir")
     ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1, 2 or 3)")

@@ -1,0 +1,2 @@
+"""The training recipe: run assembly, the trainer and its parts (steppers, checkpoints, divergence,
+evaluation, sampling, logging, profiling, the test-fault seam)."""
