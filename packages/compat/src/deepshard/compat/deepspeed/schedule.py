@@ -48,7 +48,8 @@ def optimizer_defaults(optimizer: Any) -> dict[str, Any]:
         hint = "adam_w_mode=True" if isinstance(optimizer, (FusedAdam, DeepSpeedCPUAdam)) else "torch.optim.AdamW"
         raise ValueError(f"deepspeed.initialize(optimizer={name}(weight_decay>0)): L2-coupled Adam is not supported; "
                          f"use {hint} (decoupled weight decay)")
-    return {"lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
+    # a scheduler built over it already set lr (to 0 at a warm-up's start): its base rate is initial_lr
+    return {"lr": float(g.get("initial_lr", g["lr"])), "betas": [float(b) for b in g["betas"]],
             "eps": float(g["eps"]), "weight_decay": float(g.get("weight_decay", 0.0))}
 
 
