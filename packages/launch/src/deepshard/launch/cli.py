@@ -42,8 +42,10 @@ DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: used when it exists and --hos
 DEFAULT_PORT = 29500
 CPU_WORKERS = 2  # a CPU-only host's default worker count, as the app's
 # DeepSpeed flags deepshard parses but does not offer (refused, named, rather than ignored)
-NOT_OFFERED = {"save_pid": "--save_pid", "autotuning": "--autotuning", "bind_cores_to_rank": "--bind_cores_to_rank",
-               "bind_core_list": "--bind_core_list", "enable_each_rank_log": "--enable_each_rank_log"}
+# (dest -> (flag, whether it takes a value))
+NOT_OFFERED = {"save_pid": ("--save_pid", False), "autotuning": ("--autotuning", True),
+               "bind_cores_to_rank": ("--bind_cores_to_rank", False), "bind_core_list": ("--bind_core_list", True),
+               "enable_each_rank_log": ("--enable_each_rank_log", True)}
 
 
 class UsageError(ValueError):
@@ -74,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--exclude", default="", help="host[:slot,...][@host...]: all but these")
     p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts (default: all)")
     p.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
-                   help=f"workers per node (default: every visible GPU; a CPU-only host: {CPU_WORKERS})")
+                   help="workers per node: at most the visible GPUs (default: all of them); a CPU-only host "
+                   f"takes any positive number of worker processes (default {CPU_WORKERS})")
     p.add_argument("--master_addr", default="", help="rendezvous host (default: the first host; one node: 127.0.0.1)")
     p.add_argument("--master_port", type=int, default=None,
                    help=f"rendezvous port (default {DEFAULT_PORT}; one node: a free port)")
@@ -99,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang_s", type=float, default=300.0, help="end a job whose rank made no progress this long")
     p.add_argument("--world_info", default=None, help=argparse.SUPPRESS)  # a node's view of the job (ssh, srun)
     p.add_argument("--run_id", default=None, help=argparse.SUPPRESS)
-    for dest, flag in NOT_OFFERED.items():
-        p.add_argument(flag, dest=dest, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    for dest, (flag, takes_value) in NOT_OFFERED.items():
+        p.add_argument(flag, dest=dest, default=None, help=argparse.SUPPRESS,
+                       **({} if takes_value else {"action": "store_const", "const": True}))
     p.add_argument("user_script", help="the training script (or module, or executable)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -112,7 +116,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     flags = [a for a in unknown if a.startswith("-")]
     if unknown:
         raise UsageError(unknown_flag_line(parser, flags or unknown))
-    for dest, flag in NOT_OFFERED.items():
+    for dest, (flag, _) in NOT_OFFERED.items():
         if getattr(args, dest) is not None:
             raise UsageError(f"{flag} is a DeepSpeed flag deepshard does not offer")
     return args
@@ -133,14 +137,13 @@ def _check_script(args: argparse.Namespace) -> None:
                          "--no_python an executable)")
 
 
-def _local_workers(num_gpus: int) -> int:
-    import torch
-
-    gpus = torch.cuda.device_count()
+def local_workers(num_gpus: int, gpus: int) -> int:
+    """This host's worker count: ``--num_gpus``, at most the ``gpus`` it has; default all (CPU-only: 2)."""
     if num_gpus <= 0:
         return gpus or CPU_WORKERS
     if gpus and num_gpus > gpus:
-        raise UsageError(f"--num_gpus={num_gpus}: this host has {gpus} visible GPU(s); use at most {gpus}")
+        raise UsageError(f"--num_gpus={num_gpus}: this host has {gpus} visible GPU(s); use at most {gpus} "
+                         "(only a CPU-only host runs any number of worker processes)")
     return num_gpus  # a CPU-only host: any positive number of worker processes
 
 
@@ -153,7 +156,9 @@ def resources(args: argparse.Namespace) -> tuple[Resources, bool]:
     if path is None:
         if args.num_gpus == 0 or args.num_gpus < -1:
             raise UsageError(f"--num_gpus={args.num_gpus}: must be a positive number of workers")
-        pool = {"localhost": _local_workers(args.num_gpus)}
+        import torch
+
+        pool = {"localhost": local_workers(args.num_gpus, torch.cuda.device_count())}
         return select(pool, args.include, args.exclude), False
     if not os.path.isfile(path):
         raise UsageError(f"--hostfile={path}: no such file")

@@ -1,0 +1,167 @@
+"""The deepshard command's input, in-process: DeepSpeed's flags, hostfile and include/exclude meanings,
+the worker command lines, the srun and ssh command lines, and each bad input as one ``error:`` line
+with exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from deepshard.launch import cli, remote
+from deepshard.launch.agent import describe, worker_command
+from deepshard.launch.env_file import job_env
+from deepshard.launch.hostfile import limit, read_hostfile, select
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return "train.py"
+
+
+def refused(capsys, argv) -> str:
+    assert cli.run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+@pytest.mark.parametrize(("flag", "near"), [("--num-gpus", "--num_gpus"), ("--num_gpu_s", "--num_gpus"),
+                                            ("--master-port", "--master_port"), ("--no_local_ranks", "--no_local_rank"),
+                                            ("--hostfiles", "--hostfile")])
+def test_unknown_flag_names_the_nearest(capsys, script, flag, near):
+    line = refused(capsys, [flag, "2", script])
+    assert line == f"error: unknown flag {flag}; did you mean {near}?"
+
+
+def test_script_that_does_not_exist(capsys, script):
+    assert "missing.py: no such file" in refused(capsys, ["missing.py"])
+    assert "--module nosuchpkg.train: no module 'nosuchpkg'" in refused(capsys, ["--module", "nosuchpkg.train"])
+    assert "--no_python ./nope: no such executable" in refused(capsys, ["--no_python", "./nope"])
+
+
+def test_script_args_are_the_scripts(capsys, script):
+    args = cli.parse([script, "--num_gpus", "7", "--bogus"])  # after the script: its own arguments
+    assert args.user_args == ["--num_gpus", "7", "--bogus"] and args.num_gpus == -1
+
+
+def test_deepspeed_defaults_and_synonyms():
+    args = cli.parse(["--num_accelerators=3", "t.py"])
+    assert args.num_gpus == 3 and args.num_nodes == -1 and args.launcher == "pdsh" and args.max_restarts == 0
+    assert args.master_port is None and args.include == args.exclude == "" and not args.no_local_rank
+
+
+def test_num_gpus_on_cpu_is_any_positive_count_and_capped_on_gpu():
+    assert cli.local_workers(-1, 0) == 2 and cli.local_workers(-1, 8) == 8
+    assert cli.local_workers(16, 0) == 16  # CPU-only: worker processes
+    with pytest.raises(cli.UsageError, match=r"--num_gpus=4: this host has 2 visible GPU\(s\); use at most 2"):
+        cli.local_workers(4, 2)
+
+
+def test_hostfile_lines(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# the cluster\n\nworker-0 slots=4\n  worker-1 slots=2  # half\n")
+    assert read_hostfile(path) == {"worker-0": 4, "worker-1": 2}
+    path.write_text("worker-0 slots=4\nworker-1 slot=2\n")
+    with pytest.raises(ValueError, match=rf"^{path}:2: 'worker-1 slot=2' is not a hostfile line"):
+        read_hostfile(path)
+    path.write_text("a slots=1\na slots=2\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: host a is listed twice"):
+        read_hostfile(path)
+
+
+def test_malformed_hostfile_is_one_line(capsys, script, tmp_path):
+    (tmp_path / "hosts").write_text("worker-0 slots=4\nworker-1 slots=two\n")
+    assert refused(capsys, ["--hostfile=hosts", script]).startswith("error: hosts:2: 'worker-1 slots=two'")
+    assert "--hostfile=nope: no such file" in refused(capsys, ["--hostfile=nope", script])
+
+
+def test_include_exclude_as_deepspeed():
+    pool = {"w0": 4, "w1": 4, "w2": 2}
+    assert select(pool, include="w0@w1:0,2") == {"w0": [0, 1, 2, 3], "w1": [0, 2]}
+    assert select(pool, include="w2:1@w0:3") == {"w0": [3], "w2": [1]}  # the hostfile's order
+    assert select(pool, exclude="w1:0@w2") == {"w0": [0, 1, 2, 3], "w1": [1, 2, 3]}
+    assert limit(select(pool), num_nodes=2, num_gpus=1) == {"w0": [0], "w1": [0]}
+    with pytest.raises(ValueError, match="host 'w9' is not in the hostfile"):
+        select(pool, include="w9")
+    with pytest.raises(ValueError, match="host w2 has no slot 2"):
+        select(pool, include="w0@w2:2")
+    with pytest.raises(ValueError, match="use one of them"):
+        select(pool, include="w0", exclude="w1")
+
+
+def test_include_naming_a_missing_host_or_slot(capsys, script, tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    assert "host '127.0.0.3' is not in the hostfile" in refused(capsys, ["-H", "hosts", "-i", "127.0.0.3", script])
+    assert "host 127.0.0.2 has no slot 1 (its slots: 0)" in refused(
+        capsys, ["-H", "hosts", "--include=127.0.0.1:0@127.0.0.2:1", script])
+    assert "--num_nodes=3: only 2 host(s)" in refused(capsys, ["-H", "hosts", "--num_nodes=3", script])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--launcher=openmpi"], "MPI launchers start ranks"),
+    (["--launcher=pbs"], "valid values are pdsh, ssh, slurm"),
+    (["--no_ssh"], "--no_ssh needs --node_rank"),
+    (["--max_restarts=-1"], "must be 0 or more"),
+    (["--save_pid"], "--save_pid is a DeepSpeed flag deepshard does not offer"),
+    (["--elastic_training", "--min_elastic_nodes=3", "--max_elastic_nodes=2", "--no_ssh", "--node_rank=0"],
+     "--min_elastic_nodes=3 > --max_elastic_nodes=2"),
+])
+def test_other_refusals(capsys, script, monkeypatch, argv, says):
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    assert says in refused(capsys, [*argv, script])
+
+
+def test_worker_commands():
+    py = sys.executable
+    assert worker_command("t.py", ["a"], module=False, no_python=False, no_local_rank=False) == (
+        py, ["-u", "t.py", "--local_rank=${local_rank}", "a"])  # torch's agent substitutes the macro
+    assert worker_command("p.m", ["a"], module=True, no_python=False, no_local_rank=True) == (py, ["-u", "-m", "p.m", "a"])
+    assert worker_command("./x.sh", [], module=False, no_python=True, no_local_rank=False) == (
+        "./x.sh", ["--local_rank=${local_rank}"])
+
+
+def test_env_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / ".deepspeed_env").write_text("# comment\nFOO=a=b c\nexport BAR=1\n")
+    env = job_env({"NCCL_DEBUG": "INFO", "HOME": str(tmp_path / "home"), "SECRET": "x"})
+    assert env == {"NCCL_DEBUG": "INFO", "FOO": "a=b c", "BAR": "1"}
+    (tmp_path / "other").write_text("OK=1\nnot a line\n")
+    with pytest.raises(ValueError, match=r"other:2: 'not a line' is not a NAME=VALUE line"):
+        job_env({"DS_ENV_FILE": str(tmp_path / "other")})
+    with pytest.raises(ValueError, match="DS_ENV_FILE=missing: no such file"):
+        job_env({"DS_ENV_FILE": "missing"})
+
+
+def test_srun_and_node_commands():
+    world = {"n1": [0, 1], "n2": [0, 1]}
+    node = remote.node_command("-1", world=remote.encode_world(world), master_addr="n1", master_port=29500,
+                               run_id="r1", launch_flags=["--max_restarts=1"], script="t.py", script_args=["x"])
+    cmd = remote.srun_command(world, node, launcher_args="--exclusive --mem=0", comment="c", account="acct")
+    assert cmd[:cmd.index(sys.executable)] == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n1,n2", "--export=ALL", "--comment=c",
+        "--account=acct", "--exclusive", "--mem=0"]
+    args = cli.parse(node[node.index("-m") + 2:])
+    assert args.no_ssh and args.node_rank == -1 and remote.decode_world(args.world_info) == world
+    assert (args.master_addr, args.master_port, args.run_id, args.max_restarts) == ("n1", 29500, "r1", 1)
+    assert args.user_script == "t.py" and args.user_args == ["x"]
+
+
+def test_remote_shell_line_keeps_values_quoted():
+    line = remote.remote_shell_line(["python", "t.py", "a b"], env={"FOO": "x y; rm -rf /"}, cwd="/w d",
+                                    venv_script=None)
+    assert line == "cd '/w d' && export FOO='x y; rm -rf /' && exec python t.py 'a b'"
+
+
+def test_describe_names_host_rank_and_signal():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    killed = ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file="/nonexistent")
+    stopped = ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file="/nonexistent")
+    failed = describe({3: killed, 2: stopped}, "worker-1")
+    assert (failed.line, failed.code) == ("rank 3 on worker-1 died with SIGKILL", 137)
+    exited = describe({1: ProcessFailure(local_rank=1, pid=2, exitcode=3, error_file="/nonexistent")}, "h")
+    assert (exited.line, exited.code) == ("rank 1 on h exited with code 3", 3)

@@ -1,0 +1,187 @@
+"""The deepshard command with real processes: one node (a script, --module, --no_python,
+--no_local_rank, .deepspeed_env), a dead rank, two nodes by --no_ssh on two shells, and a hostfile of
+two loopback hosts over ssh (a stand-in ``ssh`` on PATH that runs the remote line here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepshard.core.mesh import free_port
+
+pytestmark = pytest.mark.slow
+
+DEEPSHARD = [sys.executable, "-m", "deepshard.launch.cli"]
+
+# each rank prints one JSON line: what the launcher gave it, and a collective over the whole world
+SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FROM_ENV_FILE")
+row = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "sum": t.item()}
+os.write(1, f"RESULT {json.dumps(row)}\\n".encode())  # one write: the ranks share the pipe
+dist.destroy_process_group()
+"""
+
+DIE = """
+import os, signal, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    open("killed_at", "w").write(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+
+FAKE_SSH = """#!/bin/sh
+# ssh HOST LINE, run here: options skipped, the host recorded
+while [ $# -gt 0 ]; do case "$1" in -o|-p) shift 2;; -*) shift;; *) break;; esac; done
+echo "$1" >> "$FAKE_SSH_LOG"
+shift
+exec sh -c "$*"
+"""
+
+
+def launch(argv, cwd, *, env=None, timeout=120):
+    """Run a command in its own session; whatever it started is stopped when this returns."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen(argv, cwd=cwd, env={**base, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the agent stops its workers (their own sessions) on SIGTERM
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def results(out: str) -> list[dict]:
+    rows = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return sorted(rows, key=lambda r: int(r["env"]["RANK"]))
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(SCRIPT)
+    return tmp_path
+
+
+def test_one_node_script_module_and_env_file(job):
+    (job / ".deepspeed_env").write_text("# forwarded to every worker\nFROM_ENV_FILE=a b=c\n")
+    code, out, err = launch([*DEEPSHARD, "--num_gpus", "2", "script.py", "--lr", "1"], job)
+    assert code == 0, err
+    rows = results(out)
+    assert [r["argv"] for r in rows] == [["--local_rank=0", "--lr", "1"], ["--local_rank=1", "--lr", "1"]]
+    assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["WORLD_SIZE"]) for r in rows] == [
+        ("0", "0", "2"), ("1", "1", "2")]
+    assert all(r["env"]["MASTER_ADDR"] and r["env"]["MASTER_PORT"].isdigit() for r in rows)
+    assert all(r["env"]["FROM_ENV_FILE"] == "a b=c" and r["sum"] == 3.0 for r in rows)
+
+    code, out, err = launch([*DEEPSHARD, "--num_accelerators=3", "--module", "--no_local_rank", "pkg.train", "x"], job)
+    assert code == 0, err
+    assert [r["argv"] for r in results(out)] == [["x"]] * 3 and results(out)[0]["sum"] == 6.0
+
+
+def test_no_python_executable(job):
+    (job / "run.sh").write_text('#!/bin/sh\necho "EXE $RANK/$WORLD_SIZE $*"\n')
+    (job / "run.sh").chmod(0o755)
+    code, out, err = launch([*DEEPSHARD, "--no_python", "./run.sh", "a"], job)
+    assert code == 0, err
+    assert sorted(line for line in out.splitlines() if line.startswith("EXE")) == [
+        "EXE 0/2 --local_rank=0 a", "EXE 1/2 --local_rank=1 a"]
+
+
+def test_dead_rank_ends_the_job_naming_host_rank_and_signal(job):
+    (job / "die.py").write_text(DIE)
+    code, _, err = launch([*DEEPSHARD, "die.py"], job)
+    ended = time.time()
+    assert code == 128 + signal.SIGKILL, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 on ") and last.endswith(" died with SIGKILL"), err
+    took = ended - float((job / "killed_at").read_text())
+    print(f"dead rank -> job's end: {took:.1f} s")
+    assert took < 15
+
+
+def test_two_nodes_no_ssh_on_two_shells(job):
+    port = free_port()
+    common = ["--no_ssh", "--num_nodes=2", "--num_gpus=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    procs = [subprocess.Popen([*DEEPSHARD, *common, f"--node_rank={r}", "script.py"], cwd=job, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=20)
+    assert [p.returncode for p in procs] == [0, 0], [o[1] for o in outs]
+    rows = results(outs[0][0] + outs[1][0])
+    assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["WORLD_SIZE"]) for r in rows] == [
+        ("0", "0", "2"), ("1", "0", "2")]
+    assert all(r["sum"] == 3.0 and r["argv"] == [f"--local_rank={r['env']['LOCAL_RANK']}"] for r in rows)
+
+
+def test_hostfile_of_two_hosts_over_ssh_with_include(job, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (job / "hosts").write_text("# two loopback 'nodes'\n127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    (job / ".deepspeed_env").write_text("FROM_ENV_FILE=over ssh\n")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+    code, out, err = launch([*DEEPSHARD, "--hostfile=hosts", "--include=127.0.0.1:0@127.0.0.2:0",
+                             f"--master_port={free_port()}", "script.py"], job, env=env)
+    assert code == 0, err
+    rows = results(out)
+    assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["WORLD_SIZE"]) for r in rows] == [
+        ("0", "0", "2"), ("1", "0", "2")]
+    assert all(r["sum"] == 3.0 and r["env"]["FROM_ENV_FILE"] == "over ssh" for r in rows)
+    reached = (tmp_path / "ssh.log").read_text().split()
+    assert sorted(set(reached)) == ["127.0.0.1", "127.0.0.2"] and len(reached) == 4  # the check, then the job
+
+
+def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text('#!/bin/sh\necho "ssh: connect to host: No route to host" >&2\nexit 255\n')
+    (bin_dir / "ssh").chmod(0o755)
+    (job / "hosts").write_text("127.0.0.1 slots=1\nworker-9 slots=1\n")
+    code, out, err = launch([*DEEPSHARD, "-H", "hosts", "script.py"], job,
+                            env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert code == 2 and err.count("\n") == 1 and not out
+    assert err.startswith("error: host 127.0.0.1 cannot be reached over ssh: ssh: connect to host: No route to host")
+
+
+@pytest.mark.skipif(shutil.which("deepshard") is None, reason="the deepshard console script is not installed")
+def test_the_app_under_the_launchers_workers(tmp_path):
+    """``deepshard apps/finetune/main.py +zero=stage3`` trains as the app's own 2 workers do."""
+    main = Path(__file__).resolve().parents[2] / "apps" / "finetune" / "main.py"
+    overrides = ["+zero=stage3", "train.max_steps=3"]
+    code, out, err = launch(["deepshard", str(main), *overrides, f"hydra.run.dir={tmp_path / 'ds'}"], tmp_path)
+    assert code == 0, err[-3000:]
+    code, own, err = launch([sys.executable, str(main), *overrides, f"hydra.run.dir={tmp_path / 'own'}"], tmp_path)
+    assert code == 0, err[-3000:]
+    done = [line.split(", logs in")[0] for line in (out + own).splitlines() if line.startswith("done:")]
+    assert len(done) == 2 and "loss" in done[0]
+    assert done[0].split("loss ")[1].split(" (")[0] == done[1].split("loss ")[1].split(" (")[0], done
