@@ -21,7 +21,7 @@ from torch import nn
 from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
 
-from . import accelerator, comm, moe, ops, runtime, utils, zero
+from . import accelerator, comm, moe, ops, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
 from .comm import init_distributed
 from .config import CompatConfig, compat_config, read_ds_config
@@ -29,7 +29,7 @@ from .engine import DeepSpeedEngine
 from .schedule import client_scheduler, optimizer_defaults
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
-           "initialize", "moe", "ops", "runtime", "utils", "zero"]
+           "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+deepshard"
 
 
@@ -139,14 +139,17 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if lr_scheduler is not None and ds_dict is not None and "scheduler" in ds_dict:
         raise ValueError("deepspeed.initialize(lr_scheduler=...) and the ds_config's scheduler section: give one")
     defaults = optimizer_defaults(optimizer) if optimizer is not None else None
-    cfg = compat_config(config, dp=comm.get_world_size(), cuda=torch.cuda.is_available(),
-                        optimizer_defaults=defaults)
+    pipelined = isinstance(model, pipe.PipelineModule)
+    dp = comm.get_world_size() // (model.num_stages if pipelined else 1)
+    cfg = compat_config(config, dp=max(dp, 1), cuda=torch.cuda.is_available(), optimizer_defaults=defaults)
     if optimizer is None and "optim.lr" not in cfg.translation.entries:
         raise ValueError("deepspeed.initialize(): no optimizer: add an optimizer section to the ds_config "
                          "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
     if model_parameters is None and optimizer is not None:
         model_parameters = [p for g in optimizer.param_groups for p in g["params"]]
     _train_only(model, model_parameters)
+    if pipelined:
+        return _initialize_pipeline(model, cfg, ds_dict, optimizer, lr_scheduler, training_data, collate_fn)
     stage = cfg.engine.zero.stage
     on_meta = zero.built_under_init(model)
     if on_meta and stage != 3:
@@ -166,3 +169,24 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
     return ds_engine, engine.optimizer, loader, scheduler
+
+
+def _initialize_pipeline(model: pipe.PipelineModule, cfg: CompatConfig, ds_dict: dict, optimizer: Any,
+                         lr_scheduler: Any, training_data: Any, collate_fn: Callable | None) -> tuple:
+    """``initialize(model=PipelineModule)``: DeepSpeed's pipeline engine on deepshard.pipeline."""
+    from .pipe_engine import PipelineEngine, pipeline_mesh
+
+    if zero.built_under_init(model):
+        raise ValueError("zero.Init() with a PipelineModule: not supported (pipelines train at ZeRO 0-1)")
+    model.to(local_device())
+    engine = PipelineEngine(model, cfg, ds_dict, mesh=pipeline_mesh(model))
+    engine.lr_scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer,
+                                           config_scheduler="scheduler" in ds_dict)
+    loader = None
+    if training_data is not None:  # DeepSpeed's loader for a pipeline: this dp replica's share
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        dp = engine.mesh["dp"]
+        sampler = DistributedSampler(training_data, num_replicas=dp.size(), rank=dp.get_local_rank())
+        loader = DataLoader(training_data, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,58 @@
+"""DeepSpeed's pipeline API as DeepSpeedExamples' pipeline_parallelism script uses it, per rank:
+``PipelineModule(layers=[LayerSpec, TiedLayerSpec, callables], num_stages, loss_fn, partition_method)``
+and ``engine.train_batch(data_iter)`` / ``engine.eval_batch(data_iter)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F  # noqa: N812
+
+import deepshard.compat.deepspeed as deepspeed
+from deepshard.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+VOCAB, HIDDEN, SEQ, MICRO = 11, 8, 5, 2
+
+
+def lm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def head(embedding, x):
+    return x @ embedding.weight.t()
+
+
+def micro_batch(k: int):
+    g = torch.Generator().manual_seed(50 + k)
+    ids = torch.randint(VOCAB, (MICRO, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def tied_layers():
+    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN), LayerSpec(nn.Linear, HIDDEN, HIDDEN), torch.tanh,
+            LayerSpec(nn.Linear, HIDDEN, HIDDEN), TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=head)]
+
+
+def run_pipe(num_stages: int, stage: int, steps: int, gas: int):
+    torch.manual_seed(0)
+    model = PipelineModule(layers=tied_layers(), num_stages=num_stages, loss_fn=lm_loss,
+                           partition_method="parameters")
+    ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+                 "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    rank, dp = engine.mesh["dp"].get_local_rank(), engine.mesh["dp"].size()
+    data_iter = iter([micro_batch(k * dp + rank) for k in range(steps * gas)])
+    losses = [engine.train_batch(data_iter).item() for _ in range(steps)]
+    eval_iter = iter([micro_batch(1000 + k * dp + rank) for k in range(gas)])
+    out = {"losses": losses, "eval": engine.eval_batch(eval_iter).item(), "ranges": engine.pipeline.ranges,
+           "first": engine.is_first_stage(), "last": engine.is_last_stage()}
+    try:
+        engine(torch.zeros(1))
+    except ValueError as err:
+        out["forward_refused"] = str(err)
+    return out
+
+
+def run_all():
+    return {"pp2": run_pipe(2, 0, steps=3, gas=4), "dp2": run_pipe(1, 1, steps=3, gas=2)}
