@@ -60,11 +60,15 @@ def ds_config(stage: int) -> dict[str, Any]:
 
 
 def arguments(cls: type, out: Path, *, micro: int, accum: int, max_steps: int = 4, **extra: Any) -> Any:
-    return cls(output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-               learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.5, warmup_steps=1,
-               lr_scheduler_type="linear", max_steps=max_steps, logging_steps=1, save_strategy="no",
-               report_to=[], seed=0, train_sampling_strategy="sequential", remove_unused_columns=False,
-               disable_tqdm=True, **extra)
+    settings = dict(output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                    learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.5, warmup_steps=1,
+                    lr_scheduler_type="linear", max_steps=max_steps, logging_steps=1, save_strategy="no",
+                    report_to=[], seed=0, train_sampling_strategy="sequential", remove_unused_columns=False,
+                    disable_tqdm=True)
+    return cls(**{**settings, **extra})
+
+
+EVAL = {"per_device_eval_batch_size": 1}  # eval_loss is a mean over rows of row means: the same at any world
 
 
 def logged(trainer: Any) -> list[dict[str, float]]:
@@ -72,35 +76,81 @@ def logged(trainer: Any) -> list[dict[str, float]]:
             for h in trainer.state.log_history if "loss" in h]
 
 
-def reference(out: Path, *, micro: int, accum: int) -> list[dict[str, float]]:
-    """transformers' own Trainer, one process, no DeepSpeed."""
+def reference(out: Path, *, micro: int, accum: int, **extra: Any) -> dict[str, Any]:
+    """transformers' own Trainer without DeepSpeed: its logs and its eval_loss after training."""
     import transformers
 
-    args = arguments(transformers.TrainingArguments, out, micro=micro, accum=accum)
+    args = arguments(transformers.TrainingArguments, out, micro=micro, accum=accum, **EVAL, **extra)
     trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
     trainer.train()
-    return logged(trainer)
+    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"]}
 
 
-def ours(out: Path, *, stage: int, micro: int, accum: int) -> list[dict[str, float]]:
+def our_trainer(out: Path, *, stage: int, micro: int, accum: int, **extra: Any) -> Any:
     from deepshard.compat.transformers import Trainer, TrainingArguments
 
-    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage))
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage), **extra)
+    return Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+
+
+def ours(out: Path, *, stage: int, micro: int, accum: int) -> dict[str, Any]:
+    trainer = our_trainer(out, stage=stage, micro=micro, accum=accum, **EVAL)
     trainer.train()
     assert trainer.ds_engine is not None and trainer.ds_engine.engine.config.zero.stage == stage
+    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"]}
+
+
+def probe_batch() -> dict[str, torch.Tensor]:
+    return collate(rows(52)[48:])
+
+
+def lifecycle(tmp: str) -> dict[str, Any]:
+    """World 2, ZeRO-3: train 4 steps saving checkpoint-2 and checkpoint-4, evaluate, save_model; a
+    fresh Trainer resumed from checkpoint-2.  Rank 0 loads the saved model with from_pretrained and
+    measures its logits against the engine's."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    out = Path(tmp)
+    full = our_trainer(out / "run", stage=3, micro=2, accum=2, save_strategy="steps", save_steps=2, **EVAL)
+    full.train()
+    eval_loss = full.evaluate(eval_dataset=rows(8))["eval_loss"]
+    full.save_model(str(out / "final"))
+    with torch.no_grad():
+        ours_logits = full.ds_engine(**probe_batch()).logits
+    gap = None
+    if dist.get_rank() == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(str(out / "final"))
+        with torch.no_grad():
+            gap = (loaded(**probe_batch()).logits - ours_logits).abs().max().item()
+    resumed = our_trainer(out / "resumed", stage=3, micro=2, accum=2, **EVAL)
+    resumed.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
+    return {"full": logged(full), "resumed": logged(resumed), "eval_loss": eval_loss, "logit_gap": gap,
+            "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*")),
+            "files": sorted(p.name for p in (out / "run" / "checkpoint-2").iterdir())}
+
+
+def resume_at_world1(tmp: str) -> list[dict[str, float]]:
+    """The world-2 ZeRO-3 checkpoint-2 resumed at world 1, ZeRO 0 (micro 4: the same rows per step)."""
+    trainer = our_trainer(Path(tmp) / "resumed_w1", stage=0, micro=4, accum=2)
+    trainer.train(resume_from_checkpoint=str(Path(tmp) / "run" / "checkpoint-2"))
     return logged(trainer)
 
 
-def world1(tmp: str) -> dict[str, list[dict[str, float]]]:
-    """The reference (micro 4 x accumulation 2) and ours at ZeRO 0 and 3 with the same batches."""
+def world1(tmp: str) -> dict[str, Any]:
+    """The reference (micro 4 x accumulation 2) and ours at ZeRO 0 and 3 with the same batches; then
+    world 2's checkpoint (in ``tmp``) resumed here."""
     out = Path(tmp)
     return {"reference": reference(out / "ref", micro=4, accum=2),
-            **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)}}
+            **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)},
+            "resumed_w1": resume_at_world1(tmp)}
 
 
 def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
     """Ours at 2 ranks, micro 2 each: rank r takes batches r, r+2, ... of 2 rows, so a step sees the
-    reference's rows."""
+    reference's rows.  transformers' own Trainer with DDP on the same 2 ranks gives the eval_loss to
+    compare with (transformers' eval_loss at 2 ranks is not its 1-rank value)."""
     out = Path(tmp)
-    return {f"zero{s}": ours(out / f"w2z{s}", stage=s, micro=2, accum=2) for s in (0, 3)}
+    return {"ddp": reference(out / "ddp", micro=2, accum=2, use_cpu=True),
+            **{f"zero{s}": ours(out / f"w2z{s}", stage=s, micro=2, accum=2) for s in (0, 3)},
+            **lifecycle(tmp)}

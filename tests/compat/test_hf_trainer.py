@@ -25,9 +25,10 @@ _RUNS: dict[str, object] = {}
 
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One 1-rank launch (the reference and ours) and one 2-rank launch: 10-20 s each here."""
-    if not _RUNS:
-        _RUNS["w1"] = launch_local(world1, 1, str(tmp_path_factory.mktemp("hf_w1")))[0]
-        _RUNS["w2"] = launch_local(world2, 2, str(tmp_path_factory.mktemp("hf_w2")))
+    if not _RUNS:  # world 2 first: world 1 resumes its checkpoint
+        tmp = str(tmp_path_factory.mktemp("hf_trainer"))
+        _RUNS["w2"] = launch_local(world2, 2, tmp)
+        _RUNS["w1"] = launch_local(world1, 1, tmp)[0]
     return _RUNS
 
 
@@ -44,8 +45,9 @@ def _same(ours: list[dict], ref: list[dict], where: str) -> None:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_world1_logs_equal_transformers_trainer(tmp_path_factory, stage):
     out = runs(tmp_path_factory)["w1"]
-    _same(out[f"zero{stage}"], out["reference"], f"world 1 zero {stage}")
-    assert out["reference"][-1]["loss"] != out["reference"][0]["loss"]  # it trains
+    _same(out[f"zero{stage}"]["logs"], out["reference"]["logs"], f"world 1 zero {stage}")
+    assert out["reference"]["logs"][-1]["loss"] != out["reference"]["logs"][0]["loss"]  # it trains
+    assert out[f"zero{stage}"]["eval_loss"] == pytest.approx(out["reference"]["eval_loss"], abs=1e-5)
 
 
 @pytest.mark.slow
@@ -54,7 +56,27 @@ def test_world2_logs_equal_transformers_trainer(tmp_path_factory, stage):
     """Rows of uneven length split over 2 ranks x 2 micro-batches: exact only with token weighting."""
     out = runs(tmp_path_factory)
     for rank, mine in enumerate(out["w2"]):
-        _same(mine[f"zero{stage}"], out["w1"]["reference"], f"world 2 rank {rank} zero {stage}")
+        _same(mine[f"zero{stage}"]["logs"], out["w1"]["reference"]["logs"], f"world 2 rank {rank} zero {stage}")
+        assert mine[f"zero{stage}"]["eval_loss"] == pytest.approx(mine["ddp"]["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_save_model_evaluate(tmp_path_factory):
+    """World 2, ZeRO-3: checkpoint-N in transformers' layout with the engine's sharded state inside;
+    a fresh Trainer resumed from checkpoint-2 logs what the uninterrupted run logged (bit-exact), and
+    so, within 1e-5, does one resumed at world 1 / ZeRO 0; save_model() loads with from_pretrained
+    (logits equal the engine's); evaluate() equals transformers' own (DDP) eval_loss."""
+    out = runs(tmp_path_factory)
+    w1, w2 = out["w1"], out["w2"]
+    for rank, r in enumerate(w2):
+        assert r["checkpoints"] == ["checkpoint-2", "checkpoint-4"], rank
+        assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "latest", "global_step2",
+                "model.safetensors", "config.json"} <= set(r["files"]), rank
+        _same(r["full"], w1["reference"]["logs"], f"rank {rank} full run")
+        assert r["resumed"] == r["full"], rank  # bit-exact
+        assert r["eval_loss"] == pytest.approx(r["ddp"]["eval_loss"], abs=1e-5), rank
+    assert w2[0]["logit_gap"] < 1e-5
+    _same(w1["resumed_w1"], w1["reference"]["logs"], "checkpoint-2 of world 2 / ZeRO-3 resumed at world 1 / ZeRO 0")
 
 
 # --- "auto" filling against transformers' own rules
