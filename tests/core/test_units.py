@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from deepshard.core import (
     ZeroConfig,
 )
 from deepshard.core.config import EngineConfig, OptimConfig
+from deepshard.core.config_error import ConfigError, named
 from deepshard.core.mesh import ParallelDims
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, shard_rows
 
@@ -95,17 +97,32 @@ def test_buckets_respect_size_and_dtype():
 
 
 @pytest.mark.parametrize("make,key", [
-    (lambda: ZeroConfig(stage=4), "zero.stage"),
-    (lambda: ZeroConfig(reduce_bucket_size=-1), "zero.reduce_bucket_size"),
-    (lambda: SchedulerConfig(name="OneCycle"), "scheduler.name"),
-    (lambda: SchedulerConfig(name="WarmupDecayLR", warmup_num_steps=5, total_num_steps=5), "scheduler.total_num_steps"),
-    (lambda: PrecisionConfig(dtype="fp8"), "precision.dtype"),
-    (lambda: OptimConfig(lr=0), "optim.lr"),
-    (lambda: EngineConfig(grad_accum=0), "train.grad_accum"),
-    (lambda: EngineConfig(ac="some"), "ac"),
+    (lambda: ZeroConfig(stage=4), "stage=4"),
+    (lambda: ZeroConfig(reduce_bucket_size=-1), "reduce_bucket_size=-1"),
+    (lambda: SchedulerConfig(name="OneCycle"), "name='OneCycle'"),
+    (lambda: SchedulerConfig(name="WarmupDecayLR", warmup_num_steps=5, total_num_steps=5), "total_num_steps=5"),
+    (lambda: PrecisionConfig(dtype="fp8"), "dtype='fp8'"),
+    (lambda: OptimConfig(lr=0), "lr=0"),
+    (lambda: EngineConfig(grad_accum=0), "grad_accum=0"),
+    (lambda: EngineConfig(ac="some"), "ac='some'"),
+])
+def test_core_configs_name_their_own_fields(make, key):
+    """Core knows its fields, not the user's keys: the caller (app, compat) puts its key in front."""
+    with pytest.raises(ConfigError, match="^" + re.escape(key) + ": "):
+        make()
+
+
+def test_a_config_error_goes_under_the_callers_key():
+    with pytest.raises(ValueError, match=r"^zero\.stage=4: valid stages"), named("zero"):
+        ZeroConfig(stage=4)
+    with pytest.raises(ValueError, match=r"^zero_optimization\.stage=4: "), named(lambda f: f"zero_optimization.{f}"):
+        ZeroConfig(stage=4)
+
+
+@pytest.mark.parametrize("make,key", [
     (lambda: ParallelDims(pp=3).resolve(4), "parallel.pp"),
     (lambda: ParallelDims(pp=2, dp=3, tp=1).resolve(4), "parallel.dp"),
 ])
-def test_bad_config_names_the_key(make, key):
+def test_bad_layout_names_the_keys(make, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         make()

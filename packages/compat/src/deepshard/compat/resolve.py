@@ -9,28 +9,33 @@ from __future__ import annotations
 
 import sys
 
+APP_BATCH_KEYS = ("train.global_batch_size", "train.micro_batch_size", "train.grad_accum")
+DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
-def resolve_batch(train: dict, dp: int) -> None:
+
+def resolve_batch(train: dict, dp: int, *, keys: tuple[str, str, str] = APP_BATCH_KEYS) -> None:
     """Any two of ``global_batch_size``, ``micro_batch_size``, ``grad_accum`` fix the third (0 = derive).
 
-    A contradiction is a ValueError that shows the numbers; ``train`` is updated in place.
+    A contradiction is a ValueError that shows the numbers, under the caller's ``keys`` (the app's, or
+    the ds_config's ``DS_BATCH_KEYS``); ``train`` is updated in place.
     """
+    kg, km, ka = keys
     g, m, a = train.get("global_batch_size", 0), train["micro_batch_size"], train["grad_accum"]
     if not g:
         return  # no global batch: validate() insists on positive micro batch and accumulation
     if m == 0 and a == 0:
         a = 1
     if m == 0 or a == 0:
-        known, name = (a, "train.grad_accum") if m == 0 else (m, "train.micro_batch_size")
+        known, name = (a, ka) if m == 0 else (m, km)
         derived, rest = divmod(g, known * dp)
         if rest or derived < 1:
             raise ValueError(
-                f"train.global_batch_size={g} is not divisible by {name}={known} x data-parallel size {dp} "
+                f"{kg}={g} is not divisible by {name}={known} x data-parallel size {dp} "
                 f"= {known * dp}: choose a global batch that is a multiple of {known * dp}")
         m, a = (derived, a) if m == 0 else (m, derived)
     elif m * a * dp != g:
         raise ValueError(
-            f"train.global_batch_size={g} != train.micro_batch_size={m} x train.grad_accum={a} x "
+            f"{kg}={g} != {km}={m} x {ka}={a} x "
             f"data-parallel size {dp} = {m * a * dp}: give two of the three, or make them agree")
     train["micro_batch_size"], train["grad_accum"] = m, a
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepshard.core.config_error import ConfigError
 from deepshard.core.precision import PrecisionConfig
 from deepshard.core.schedules import SchedulerConfig
 
@@ -36,14 +37,14 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"zero.reduce_dtype={self.reduce_dtype!r}: valid values are {list(REDUCE_DTYPES)}")
+            raise ConfigError("reduce_dtype", self.reduce_dtype, f"valid values are {list(REDUCE_DTYPES)}")
         if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero.stage={self.stage}: valid stages are 0, 1, 2, 3")
+            raise ConfigError("stage", self.stage, "valid stages are 0, 1, 2, 3")
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, key) <= 0:
-                raise ValueError(f"zero.{key}={getattr(self, key)}: must be a positive number of elements")
+                raise ConfigError(key, getattr(self, key), "must be a positive number of elements")
         if self.prefetch < 0:
-            raise ValueError(f"zero.prefetch={self.prefetch}: must be >= 0")
+            raise ConfigError("prefetch", self.prefetch, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -58,15 +59,15 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+            raise ConfigError("lr", self.lr, "must be > 0")
         if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optim.betas={list(self.betas)}: each must be in [0, 1)")
+            raise ConfigError("betas", self.betas, "each must be in [0, 1)")
         if self.eps <= 0:
-            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+            raise ConfigError("eps", self.eps, "must be > 0")
         if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+            raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
         if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+            raise ConfigError("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
-            raise ValueError(f"train.grad_accum={self.grad_accum}: must be >= 1")
+            raise ConfigError("grad_accum", self.grad_accum, "must be >= 1")
         if self.ac not in AC_MODES:
-            raise ValueError(f"ac={self.ac!r}: valid values are {list(AC_MODES)}")
+            raise ConfigError("ac", self.ac, f"valid values are {list(AC_MODES)}")

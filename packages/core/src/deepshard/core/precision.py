@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepshard.core.config_error import ConfigError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -24,14 +26,14 @@ class PrecisionConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"precision.dtype={self.dtype!r}: valid values are {sorted(DTYPES)}")
+            raise ConfigError("dtype", self.dtype, f"valid values are {sorted(DTYPES)}")
         for key in ("loss_scale_window", "hysteresis"):
             if getattr(self, key) < 1:
-                raise ValueError(f"precision.{key}={getattr(self, key)}: must be >= 1")
+                raise ConfigError(key, getattr(self, key), "must be >= 1")
         if self.loss_scale < 0:
-            raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0 means dynamic)")
+            raise ConfigError("loss_scale", self.loss_scale, "must be >= 0 (0 means dynamic)")
         if self.min_loss_scale <= 0:
-            raise ValueError(f"precision.min_loss_scale={self.min_loss_scale}: must be > 0")
+            raise ConfigError("min_loss_scale", self.min_loss_scale, "must be > 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

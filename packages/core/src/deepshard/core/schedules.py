@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deepshard.core.config_error import ConfigError
+
 SCHEDULES = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -27,16 +29,14 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULES:
-            raise ValueError(f"scheduler.name={self.name!r}: valid schedules are {list(SCHEDULES)}")
+            raise ConfigError("name", self.name, f"valid schedules are {list(SCHEDULES)}")
         if self.warmup_type not in ("log", "linear"):
-            raise ValueError(f"scheduler.warmup_type={self.warmup_type!r}: valid values are ['linear', 'log']")
+            raise ConfigError("warmup_type", self.warmup_type, "valid values are ['linear', 'log']")
         if self.warmup_num_steps < 0:
-            raise ValueError(f"scheduler.warmup_num_steps={self.warmup_num_steps}: must be >= 0")
+            raise ConfigError("warmup_num_steps", self.warmup_num_steps, "must be >= 0")
         if self.name in ("WarmupDecayLR", "WarmupCosineLR") and self.total_num_steps <= self.warmup_num_steps:
-            raise ValueError(
-                f"scheduler.total_num_steps={self.total_num_steps}: {self.name} needs total_num_steps > "
-                f"warmup_num_steps ({self.warmup_num_steps})"
-            )
+            raise ConfigError("total_num_steps", self.total_num_steps,
+                              f"{self.name} needs total_num_steps > warmup_num_steps ({self.warmup_num_steps})")
 
 
 class LRSchedule:

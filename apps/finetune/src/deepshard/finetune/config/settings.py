@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from deepshard.compat.resolve import host_dtype, resolve_batch
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import EngineConfig
+from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.config.world import host_world_size, resolve_nproc
 from deepshard.finetune.models.hf import llama_config_from_hf
@@ -404,9 +405,17 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     model = _validate_model(cfg["model"], cfg["kernels"], data.seq_len)
     o = dict(cfg["optim"])
     o["betas"] = tuple(o["betas"])
-    engine = EngineConfig(zero=ZeroConfig(**cfg["zero"]), precision=_validate_precision(cfg["precision"]),
-                          optim=OptimConfig(**o), scheduler=SchedulerConfig(**cfg["scheduler"]),
-                          grad_accum=train.grad_accum, ac=cfg["ac"])
+    with named("zero"):  # core names its own fields; the user's key goes in front
+        zero = ZeroConfig(**cfg["zero"])
+    with named("precision"):
+        precision = _validate_precision(cfg["precision"])
+    with named("optim"):
+        optim = OptimConfig(**o)
+    with named("scheduler"):
+        scheduler = SchedulerConfig(**cfg["scheduler"])
+    with named({"grad_accum": "train.grad_accum", "ac": "ac"}.__getitem__):
+        engine = EngineConfig(zero=zero, precision=precision, optim=optim, scheduler=scheduler,
+                              grad_accum=train.grad_accum, ac=cfg["ac"])
     settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),

@@ -3,13 +3,12 @@
 ``deepshard.compat.ds_config.translate`` turns the DeepSpeed keys into deepshard's typed values, per
 section; :func:`engine_config` applies those to DeepSpeed's defaults (not the app's Hydra defaults: a
 DeepSpeed user without ``gradient_clipping`` gets none) and builds the frozen core configs.  The
-batch triple goes through ``deepshard.compat.resolve``.  Any ValueError is re-worded with the
-ds_config's own key names and the file it came from.
+batch triple goes through ``deepshard.compat.resolve``.  A bad value is named by the ds_config's own
+key (core's ``ConfigError`` put under it, by table, never by rewriting text) and the file it came from.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -17,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from deepshard.compat.ds_config import Translation, load, translate
-from deepshard.compat.resolve import fp16_fallback, resolve_batch
+from deepshard.compat.resolve import DS_BATCH_KEYS, fp16_fallback, resolve_batch
 from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
+from deepshard.core.config_error import ConfigError, named
 
 # our key -> the ds_config key it came from (for error messages)
 DS_KEYS = {
@@ -53,16 +53,14 @@ class CompatConfig:
     fp16_on_cpu: bool = False
 
 
-def ds_name(message: str, source: str) -> str:
-    """``message`` with our keys replaced by the ds_config's, prefixed by where the config came from."""
-    for ours, theirs in sorted(DS_KEYS.items(), key=lambda kv: -len(kv[0])):
-        message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?![\w])", theirs, message)
-    return f"{source}: {message}"
+def ds_key(ours: str) -> str:
+    """The ds_config's key for one of ours (``zero.stage`` -> ``zero_optimization.stage``)."""
+    return DS_KEYS.get(ours, ours)
 
 
 def _typed(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
-    """``values`` checked against ``cls``'s field types (a ValueError naming ``section.key``, which
-    :func:`ds_name` turns into the ds_config's key); ints pass for floats, as JSON writes them."""
+    """``values`` checked against ``cls``'s field types (a ConfigError naming the field, which the
+    caller puts under the ds_config's key); ints pass for floats, as JSON writes them."""
     hints = typing.get_type_hints(cls)
     for key, value in values.items():
         want = hints.get(key)
@@ -80,7 +78,7 @@ def _typed(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
             ok = True
         if not ok:
             kind = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(want, "a list of numbers")
-            raise ValueError(f"{section}.{key}={value!r}: expected {kind}")
+            raise ConfigError(key, value, f"expected {kind}")
     return values
 
 
@@ -93,12 +91,19 @@ def engine_config(s: dict[str, dict[str, Any]], *, grad_accum: int) -> EngineCon
         scheduler["warmup_max_lr"] = optim["lr"]  # DeepSpeed's WarmupLR peaks at the optimizer's lr by default
     if scheduler.get("name") == "WarmupCosineLR":  # its warm-up is a ratio of the optimizer's lr
         scheduler = {k: v for k, v in scheduler.items() if k not in ("warmup_min_lr", "warmup_max_lr")}
-    _typed(OptimConfig, s["optim"], "optim")
-    _typed(SchedulerConfig, s["scheduler"], "scheduler")
-    return EngineConfig(zero=ZeroConfig(**_typed(ZeroConfig, s["zero"], "zero")),
-                        precision=PrecisionConfig(**_typed(PrecisionConfig, s["precision"], "precision")),
-                        optim=OptimConfig(**optim), scheduler=SchedulerConfig(**scheduler),
-                        grad_accum=grad_accum, ac=s["app"].get("ac", "none"))
+    with named(lambda f: ds_key(f"optim.{f}")):
+        _typed(OptimConfig, s["optim"], "optim")
+        optim_config = OptimConfig(**optim)
+    with named(lambda f: ds_key(f"scheduler.{f}")):
+        _typed(SchedulerConfig, s["scheduler"], "scheduler")
+        scheduler_config = SchedulerConfig(**scheduler)
+    with named(lambda f: ds_key(f"zero.{f}")):
+        zero = ZeroConfig(**_typed(ZeroConfig, s["zero"], "zero"))
+    with named(lambda f: ds_key(f"precision.{f}")):
+        precision = PrecisionConfig(**_typed(PrecisionConfig, s["precision"], "precision"))
+    with named({"grad_accum": "gradient_accumulation_steps", "ac": "activation_checkpointing"}.__getitem__):
+        return EngineConfig(zero=zero, precision=precision, optim=optim_config, scheduler=scheduler_config,
+                            grad_accum=grad_accum, ac=s["app"].get("ac", "none"))
 
 
 def read_ds_config(config: dict | str | Path | None) -> tuple[dict, str]:
@@ -126,9 +131,9 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
     s = tr.sections()
     train = {"global_batch_size": 0, "micro_batch_size": 1, "grad_accum": 1, **s["train"]}
     try:
-        resolve_batch(train, dp)
+        resolve_batch(train, dp, keys=DS_BATCH_KEYS)
     except ValueError as err:
-        raise ValueError(ds_name(str(err), source) + _batch_hint(train, dp)) from None
+        raise ValueError(f"{source}: {err}{_batch_hint(train, dp)}") from None
     precision = {"precision": {"dtype": s["precision"].get("dtype", "fp32")}}
     fallback = fp16_fallback(precision, cuda)  # prints the one-line notice: fp16 trains in fp32 on CPU
     if fallback:
@@ -136,7 +141,7 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
     try:
         engine = engine_config(tr.sections(), grad_accum=train["grad_accum"])
     except ValueError as err:
-        raise ValueError(ds_name(str(err), source)) from None
+        raise ValueError(f"{source}: {err}") from None
     if warn and tr.unsupported:
         print(f"warning: {source}: not supported, ignored: {', '.join(tr.unsupported)}", file=sys.stderr)
     global_batch = train["micro_batch_size"] * train["grad_accum"] * dp
