@@ -33,19 +33,22 @@ def tied_layers():
             LayerSpec(nn.Linear, HIDDEN, HIDDEN), TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=head)]
 
 
-def run_pipe(num_stages: int, stage: int, steps: int, gas: int):
+def run_pipe(num_stages: int, stage: int, steps: int, gas: int, clip: float = 0.0):
     torch.manual_seed(0)
     model = PipelineModule(layers=tied_layers(), num_stages=num_stages, loss_fn=lm_loss,
                            partition_method="parameters")
     ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-                 "zero_optimization": {"stage": stage}}
+                 "zero_optimization": {"stage": stage}, "gradient_clipping": clip}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     rank, dp = engine.mesh["dp"].get_local_rank(), engine.mesh["dp"].size()
     data_iter = iter([micro_batch(k * dp + rank) for k in range(steps * gas)])
-    losses = [engine.train_batch(data_iter).item() for _ in range(steps)]
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_batch(data_iter).item())
+        norms.append(engine.get_global_grad_norm())
     eval_iter = iter([micro_batch(1000 + k * dp + rank) for k in range(gas)])
-    out = {"losses": losses, "eval": engine.eval_batch(eval_iter).item(), "ranges": engine.pipeline.ranges,
+    out = {"losses": losses, "norms": norms, "eval": engine.eval_batch(eval_iter).item(), "ranges": engine.pipeline.ranges,
            "first": engine.is_first_stage(), "last": engine.is_last_stage()}
     try:
         engine(torch.zeros(1))
@@ -55,4 +58,4 @@ def run_pipe(num_stages: int, stage: int, steps: int, gas: int):
 
 
 def run_all():
-    return {"pp2": run_pipe(2, 0, steps=3, gas=4), "dp2": run_pipe(1, 1, steps=3, gas=2)}
+    return {"pp2": run_pipe(2, 0, steps=3, gas=4, clip=0.5), "dp2": run_pipe(1, 1, steps=3, gas=2)}

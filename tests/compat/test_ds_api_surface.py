@@ -212,3 +212,60 @@ def test_gradient_checkpointing_passthrough_keeps_non_reentrant():
     assert seen == {"use_reentrant": False}
     with pytest.raises(ValueError, match="use_reentrant=True"):
         engine.gradient_checkpointing_enable({"use_reentrant": True})
+
+
+def test_client_scheduler_resumes_from_a_checkpoint(tmp_path):
+    """DeepSpeed saves the client lr_scheduler's state; a resumed run continues the same rates and losses."""
+    def run(load: bool, steps: range):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=1e-2)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=lambda_schedule(opt),
+                                          config=dict(DS))
+        if load:
+            engine.load_checkpoint(tmp_path)
+        losses = []
+        for k, (x, y) in enumerate(data(4)):
+            if k not in steps:
+                continue
+            loss = nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if k == 1 and not load:
+                engine.save_checkpoint(tmp_path)
+        return losses, engine.get_lr()
+
+    whole, lr_whole = run(False, range(4))
+    resumed, lr_resumed = run(True, range(2, 4))
+    assert resumed == pytest.approx(whole[2:], abs=1e-7) and lr_resumed == pytest.approx(lr_whole)
+
+
+class Shared(nn.Module):
+    """A block uses a parameter it does not own (DeepSpeed scripts register it as external)."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 6)
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.owner = owner
+        shared = self.embed.weight if owner == "root" else self.layers[0].weight
+        deepspeed.zero.register_external_parameter(self.layers[1], shared)
+
+    def forward(self, x):
+        shared = self.embed.weight if self.owner == "root" else self.layers[0].weight
+        x = self.layers[0](self.embed(x))
+        return self.layers[1](x) + x @ shared.t()
+
+
+def test_register_external_parameter_at_zero3():
+    """A root parameter used inside a block is gathered for the whole forward (accepted, trains); a block's
+    parameter used by another block is only gathered in its own: refused, naming the fix."""
+    z3 = {**DS, "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = deepspeed.initialize(model=Shared("root"), config=z3)
+    x = torch.randn(4, 6)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    with pytest.raises(ValueError, match=r"register_external_parameter\(Linear, <param of block 0 \(weight\)>\).*"
+                                         r"move the shared parameter out of the blocks"):
+        deepspeed.initialize(model=Shared("block"), config=z3)

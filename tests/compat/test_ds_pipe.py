@@ -1,7 +1,8 @@
 """Issue 32: ``deepspeed.pipe.PipelineModule`` + ``engine.train_batch`` / ``eval_batch`` on deepshard.pipeline,
-world 2 (pp=2 with an embedding tied to the output head across the two stages; and pp=1 x dp=2), against
-a plain single-process torch loop written here: DeepSpeed's pipeline loss contract (the mean of the
-micro-batches' mean losses, averaged over dp ranks), AdamW."""
+world 2 (pp=2 with an embedding tied to the output head across the two stages, clipped at 0.5; and pp=1 x
+dp=2), against a plain single-process torch loop written here: DeepSpeed's pipeline loss contract (the
+mean of the micro-batches' mean losses, averaged over dp ranks), AdamW, the tied weight in the gradient
+norm once."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def results() -> list[dict]:
     return _RUN[0]
 
 
-def reference(steps: int, gas: int, dp: int):
+def reference(steps: int, gas: int, dp: int, clip: float = 0.0):
     torch.manual_seed(0)  # the layers in PipelineModule's order: the tied embedding once, then two Linears
     embed, l1, l2 = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
     params = [*embed.parameters(), *l1.parameters(), *l2.parameters()]
@@ -32,7 +33,7 @@ def reference(steps: int, gas: int, dp: int):
         logits = l2(torch.tanh(l1(embed(ids)))) @ embed.weight.t()
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
-    losses = [[] for _ in range(dp)]
+    losses, norms = [[] for _ in range(dp)], []
     for step in range(steps):
         opt.zero_grad()
         total = 0.0
@@ -41,27 +42,29 @@ def reference(steps: int, gas: int, dp: int):
             losses[r].append(rank_loss.item())
             total = total + rank_loss / dp
         total.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")).item())
         opt.step()
     with torch.no_grad():
         evals = [(sum(loss_of(*micro_batch(1000 + k * dp + r)) for k in range(gas)) / gas).item() for r in range(dp)]
-    return losses, sum(evals) / dp
+    return losses, sum(evals) / dp, norms
 
 
 @pytest.mark.slow
 def test_pipeline_module_with_tied_layers_at_pp2_equals_torch():
-    ref, ref_eval = reference(steps=3, gas=4, dp=1)
+    ref, ref_eval, ref_norms = reference(steps=3, gas=4, dp=1, clip=0.5)  # the tied weight's grad counted once
     outs = [o["pp2"] for o in results()]
     assert [o["first"] for o in outs] == [True, False] and [o["last"] for o in outs] == [False, True]
     assert outs[0]["ranges"][1][-1] == 4 and len(outs[0]["ranges"]) == 2  # the tied embedding on both stages
     for rank, out in enumerate(outs):  # train_batch's loss on every stage, as DeepSpeed broadcasts it
         assert out["losses"] == pytest.approx(ref[0], abs=1e-5), f"rank {rank}"
+        assert out["norms"] == pytest.approx(ref_norms, rel=1e-5)
         assert out["eval"] == pytest.approx(ref_eval, abs=1e-5)
         assert "Only train_batch() is accessible in pipeline mode" in out["forward_refused"]
 
 
 @pytest.mark.slow
 def test_pipeline_module_data_parallel_equals_torch():
-    ref, ref_eval = reference(steps=3, gas=2, dp=2)
+    ref, ref_eval, _ = reference(steps=3, gas=2, dp=2)
     mean = [sum(v) / 2 for v in zip(*ref)]  # DeepSpeed's train_batch returns the dp-averaged loss
     for rank, out in enumerate(o["dp2"] for o in results()):
         assert out["losses"] == pytest.approx(mean, abs=1e-5), f"rank {rank}"

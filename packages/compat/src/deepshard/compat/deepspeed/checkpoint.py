@@ -31,13 +31,14 @@ def _json(client_state: dict) -> dict:
 
 
 def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dict, counters: dict[str, int],
-                  save_latest: bool) -> Path:
+                  save_latest: bool, extra: dict[str, Any] | None = None) -> Path:
     oc = engine.config.optim
     opt = engine.optimizer
     # what a DeepSpeed optimizer group needs on resume (to_deepspeed): the rate of the next update
     optimizer = {"lr": float(opt.lr_at(opt.num_updates)), "betas": list(oc.betas), "eps": oc.eps,
                  "weight_decay": oc.weight_decay}
-    app = {"client_state": _json(client_state), "counters": counters, "tag": tag, "optimizer": optimizer}
+    app = {"client_state": _json(client_state), "counters": counters, "tag": tag, "optimizer": optimizer,
+           **(extra or {})}  # e.g. a client lr_scheduler's state (engine.py)
     path = save_checkpoint(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
                            model=engine.model, app_state=app)
     if save_latest and dist.get_rank() == 0:

@@ -21,7 +21,7 @@ from deepshard.core.mesh import local_device
 
 from .checkpoint import load_ds_style, save_16bit, save_ds_style
 from .config import CompatConfig
-from .schedule import step_scheduler
+from .schedule import load_scheduler_state, scheduler_state, step_scheduler
 from .timer import ThroughputTimer
 
 
@@ -226,7 +226,7 @@ class DeepSpeedEngine(nn.Module):
         """
         tag = tag or f"global_step{self.global_steps}"
         save_ds_style(self.engine, Path(save_dir), str(tag), client_state=dict(client_state or {}),
-                      counters=self.counters(), save_latest=save_latest)
+                      counters=self.counters(), save_latest=save_latest, extra=scheduler_state(self.lr_scheduler))
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
@@ -244,6 +244,8 @@ class DeepSpeedEngine(nn.Module):
         path, app = found
         for key, value in app.get("counters", {}).items():
             setattr(self, key, int(value))
+        if load_lr_scheduler_states and not load_module_only:
+            load_scheduler_state(self.lr_scheduler, app)
         return str(path), app.get("client_state", {})
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",

@@ -99,6 +99,33 @@ class PipelineEngine(nn.Module):
         self.trainer = build_trainer(self.pipeline, config.engine, mesh=mesh)
         self.module = self.pipeline.modules[0]
         self.tied = _tied_groups(model, self.pipeline.ranges, mesh)
+        self._count_tied_once()
+
+    def _count_tied_once(self) -> None:
+        """The gradient norm (clipping, ``get_global_grad_norm``) counts a tied weight once, as DeepSpeed
+        does: each of the ``k`` stages holding its (summed, equal) gradient contributes ``1/k``."""
+        zero = self.trainer.zero
+        holders = {i: dist.get_world_size(group) for i, group in self._tied_indices()}
+        if not holders:
+            return
+        replication = zero.replication
+
+        def counted_once() -> list[int]:
+            return [r * holders.get(i, 1) for i, r in enumerate(replication())]
+
+        zero.replication = counted_once  # this engine's own stage object
+
+    def _tied_indices(self) -> list[tuple[int, Any]]:
+        """(index in the stage's params, group) of every tied weight shared with another stage."""
+        index = {id(q): i for i, q in enumerate(self.trainer.zero.params)}
+        found: dict[int, Any] = {}
+        for layer in self.module.modules():
+            if isinstance(layer, TiedLayer) and layer.key in self.tied:
+                for attr in layer.attrs:
+                    i = index.get(id(getattr(layer.module, attr)))
+                    if i is not None:
+                        found.setdefault(i, self.tied[layer.key])
+        return list(found.items())
 
     # --- DeepSpeed's queries
     def is_first_stage(self) -> bool:
@@ -175,17 +202,9 @@ class PipelineEngine(nn.Module):
         return self._mean_over_replicas(total.to(device))
 
     def _sum_tied_grads(self) -> None:
-        zero = self.trainer.zero
-        index = {id(q): i for i, q in enumerate(zero.params)}
-        grads = zero.local_grads()  # views of the reducers' buckets (ZeRO 0-1): summed in place
-        done: set[int] = set()
-        for layer in self.module.modules():
-            if isinstance(layer, TiedLayer) and layer.key in self.tied:
-                for attr in layer.attrs:
-                    i = index.get(id(getattr(layer.module, attr)))
-                    if i is not None and i not in done:
-                        done.add(i)
-                        dist.all_reduce(grads[i], group=self.tied[layer.key])
+        grads = self.trainer.zero.local_grads()  # views of the reducers' buckets (ZeRO 0-1): summed in place
+        for i, group in self._tied_indices():
+            dist.all_reduce(grads[i], group=group)
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """One update over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""

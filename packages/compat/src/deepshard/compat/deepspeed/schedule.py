@@ -9,6 +9,7 @@ first group (DeepSpeed's order: ``optimizer.step()`` then ``lr_scheduler.step()`
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -118,3 +119,28 @@ def step_scheduler(scheduler: Any) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
         scheduler.step()
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """A client scheduler's state for the checkpoint (DeepSpeed saves ``lr_scheduler.state_dict()``), its
+    JSON values only: checkpoints here hold no pickles, and what is dropped (lambdas) torch does not restore."""
+    if getattr(scheduler, "optimizer", None) is None:
+        return {}
+    kept = {}
+    for key, value in scheduler.state_dict().items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        kept[key] = value
+    return {"lr_scheduler": kept}
+
+
+def load_scheduler_state(scheduler: Any, app: dict[str, Any]) -> None:
+    """Restore a client scheduler and the rate it left in its optimizer (the next update's)."""
+    state = app.get("lr_scheduler")
+    if state is None or getattr(scheduler, "optimizer", None) is None:
+        return
+    scheduler.load_state_dict({**scheduler.state_dict(), **state})
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
