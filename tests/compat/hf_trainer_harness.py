@@ -47,9 +47,11 @@ def collate(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def ds_config(stage: int) -> dict[str, Any]:
+def ds_config(stage: int, *, offload: bool = False) -> dict[str, Any]:
     """The tutorial's ds_config shape: everything the arguments decide left "auto"."""
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": "auto"}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
     return {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
@@ -83,21 +85,28 @@ def reference(out: Path, *, micro: int, accum: int, **extra: Any) -> dict[str, A
     args = arguments(transformers.TrainingArguments, out, micro=micro, accum=accum, **EVAL, **extra)
     trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
     trainer.train()
-    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"]}
+    with torch.no_grad():
+        logits = trainer.model(**probe_batch()).logits
+    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"],
+            "logits": logits.tolist()}
 
 
-def our_trainer(out: Path, *, stage: int, micro: int, accum: int, **extra: Any) -> Any:
+def our_trainer(out: Path, *, stage: int, micro: int, accum: int, offload: bool = False, **extra: Any) -> Any:
     from deepshard.compat.transformers import Trainer, TrainingArguments
 
-    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage), **extra)
+    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage, offload=offload),
+                     **extra)
     return Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
 
 
-def ours(out: Path, *, stage: int, micro: int, accum: int) -> dict[str, Any]:
-    trainer = our_trainer(out, stage=stage, micro=micro, accum=accum, **EVAL)
+def ours(out: Path, *, stage: int, micro: int, accum: int, **extra: Any) -> dict[str, Any]:
+    trainer = our_trainer(out, stage=stage, micro=micro, accum=accum, **EVAL, **extra)
     trainer.train()
     assert trainer.ds_engine is not None and trainer.ds_engine.engine.config.zero.stage == stage
-    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"]}
+    with torch.no_grad():
+        logits = trainer.ds_engine(**probe_batch()).logits
+    return {"logs": logged(trainer), "eval_loss": trainer.evaluate(eval_dataset=rows(8))["eval_loss"],
+            "logits": logits.tolist()}
 
 
 def probe_batch() -> dict[str, torch.Tensor]:
@@ -143,6 +152,8 @@ def world1(tmp: str) -> dict[str, Any]:
     out = Path(tmp)
     return {"reference": reference(out / "ref", micro=4, accum=2),
             **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)},
+            # the tutorial's fp16=True: on a CPU-only host the engine trains in fp32 (one notice)
+            "zero2_fp16": ours(out / "w1z2fp16", stage=2, micro=4, accum=2, fp16=True),
             "resumed_w1": resume_at_world1(tmp)}
 
 
@@ -153,4 +164,7 @@ def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
     out = Path(tmp)
     return {"ddp": reference(out / "ddp", micro=2, accum=2, use_cpu=True),
             **{f"zero{s}": ours(out / f"w2z{s}", stage=s, micro=2, accum=2) for s in (0, 3)},
+            # one row per micro-batch, 4 of them per rank: each step still sees the reference's 8 rows
+            "zero2_accum4": ours(out / "w2z2a4", stage=2, micro=1, accum=4),
+            "zero3_offload": ours(out / "w2z3off", stage=3, micro=2, accum=2, offload=True),
             **lifecycle(tmp)}
