@@ -47,13 +47,13 @@ ALLOWED = {
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",
     f"{FINETUNE}/models/lora.py:init_adapters":
         "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",
-    f"{FINETUNE}/from_deepspeed.py:DsCheckpoint.full":
+    f"{FINETUNE}/tools/from_deepspeed.py:DsCheckpoint.full":
         "the DeepSpeed importer assembles each tensor in host memory from the rank files (no GPU, no group)",
-    f"{FINETUNE}/to_deepspeed.py:export_checkpoint":
+    f"{FINETUNE}/tools/to_deepspeed.py:export_checkpoint":
         "the DeepSpeed exporter writes DeepSpeed's files from host tensors (no GPU, no process group)",
-    f"{FINETUNE}/to_deepspeed.py:export_zero3":
+    f"{FINETUNE}/tools/to_deepspeed.py:export_zero3":
         "the ZeRO-3 exporter writes DeepSpeed's per-rank files from host tensors (no GPU, no process group)",
-    f"{FINETUNE}/adapter_export.py:export_adapter":
+    f"{FINETUNE}/tools/adapter_export.py:export_adapter":
         "export builds the PEFT folder in host memory from the checkpoint files (no process group, no GPU)",
 }
 

@@ -19,11 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+from run_harness import MAIN, ROOT, TINY, wait_for_step
 
-ROOT = Path(__file__).resolve().parents[2]
-MAIN = ROOT / "apps/finetune/main.py"
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
-        "data.seq_len=64", "train.log_every=1", "optim.lr=0.01", "data.num_docs=600"]
 LOCK = ".deepshard.lock"  # deepshard.launch.run_lock.LOCK_NAME, spelled out: the test must run on code without it
 
 pytestmark = pytest.mark.slow
@@ -50,21 +47,6 @@ def _jobs():
                     os.killpg(proc.pid, signal.SIGCONT)
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """stdout up to the log line of ``step``; a silent hang is killed at ``timeout``."""
-    seen = ""
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
-    try:
-        for line in proc.stdout:
-            seen += line
-            if re.search(rf"step\s+{step}\s+loss", line):
-                return seen
-    finally:
-        timer.cancel()
-    raise AssertionError(f"the run ended before step {step}: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
 
 
 class _Drained:
@@ -110,7 +92,7 @@ def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the
     first, third = tmp_path / "first", tmp_path / "third"
     with _jobs() as start:
         job = start(first, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
-        _wait_for_step(job, 2)
+        wait_for_step(job, 2)
         drained = _Drained(job)
         beats = _beats(first)
         assert sorted(beats) == ["rank0.json", "rank1.json"]

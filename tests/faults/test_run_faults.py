@@ -15,18 +15,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from run_harness import MAIN, TINY, wait_for_step
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
-MAIN = ROOT / "apps/finetune/main.py"
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
-        "data.seq_len=64", "train.log_every=1", "optim.lr=0.01", "data.num_docs=600"]
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +30,6 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subproces
     cmd = [sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
-
-
-def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """stdout up to the log line of ``step`` (rank 0 logs every step); a silent hang is killed at ``timeout``."""
-    seen = ""
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
-    try:
-        for line in proc.stdout:
-            seen += line
-            if re.search(rf"step\s+{step}\s+loss", line):
-                return seen
-    finally:
-        timer.cancel()
-    raise AssertionError(f"the run ended before step {step}: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
 
 
 def _worker_pid(run_dir: Path, rank: int) -> int:
@@ -77,7 +57,7 @@ def _reaped(proc: subprocess.Popen, *pids: int):
 def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "train.max_steps=100000")
-    _wait_for_step(proc, 3)
+    wait_for_step(proc, 3)
     pid = _worker_pid(run_dir, 1)
     with _reaped(proc, pid):
         t0 = time.monotonic()
@@ -94,7 +74,7 @@ def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(tmp_path):
     hang_s = 6
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
-    _wait_for_step(proc, 3)
+    wait_for_step(proc, 3)
     pid = _worker_pid(run_dir, 1)
     with _reaped(proc, pid):
         t0 = time.monotonic()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,26 @@ class StepOutput:
     memory: ModelStateBytes | None = None  # measured model-state bytes after backward, when asked
 
 
-class EngineStepper:
+class _Stepper:
+    """What both steppers share: the optimizer step of the trainer they hold (``engine``), and one whole
+    step for callers outside the trainer (tests, benches); the trainer calls the two halves itself."""
+
+    engine: Any
+    prof: Any
+
+    def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> StepStats:
+        with self.prof.phase("optimizer"):
+            return self.engine.step()
+
+    def __call__(self, batches: Iterator[dict]) -> StepOutput:
+        loss = self.forward_backward(batches)
+        return StepOutput(loss.item(), self.step())
+
+
+class EngineStepper(_Stepper):
     """Per step: count the valid label tokens of all its micro-batches (one all-reduce over dp), then
     ``engine(batch, reduction="sum")`` and ``engine.backward(loss_sum, num_items=count)`` per micro-batch,
     then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
@@ -59,15 +79,6 @@ class EngineStepper:
                 self.engine.backward(loss_sum, num_items=num_items)
         dist.all_reduce(total, group=self.dp_group)
         return total / num_items.clamp(min=1.0)
-
-    def step(self) -> StepStats:
-        with self.prof.phase("optimizer"):
-            return self.engine.step()
-
-    def __call__(self, batches: Iterator[dict]) -> StepOutput:
-        """One whole step (the trainer calls the two halves itself)."""
-        loss = self.forward_backward(batches)
-        return StepOutput(loss.item(), self.step())
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -110,7 +121,7 @@ def valid_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
-class PipelineStepper:
+class PipelineStepper(_Stepper):
     """A step stacks ``microbatches`` micro-batches (``pipeline.microbatches x train.grad_accum``) into
     one batch for the schedule; ``doc_ids`` ride along to every stage."""
 
@@ -136,15 +147,6 @@ class PipelineStepper:
         ids, labels, kwargs = self._stack([next(batches) for _ in range(self.microbatches)])
         with self.prof.phase("forward"):  # forward and backward run inside the schedule
             return self.trainer.forward_backward(ids, labels, **kwargs)
-
-    def step(self) -> StepStats:
-        with self.prof.phase("optimizer"):
-            return self.trainer.step()
-
-    def __call__(self, batches: Iterator[dict]) -> StepOutput:
-        """One whole step (the trainer calls the two halves itself)."""
-        loss = self.forward_backward(batches)
-        return StepOutput(loss.item(), self.step())
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This replica's summed token loss over ``rows_per_forward`` rows (forward only)."""
