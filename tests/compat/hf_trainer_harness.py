@@ -146,6 +146,49 @@ def resume_at_world1(tmp: str) -> list[dict[str, float]]:
     return logged(trainer)
 
 
+def lora_llama():
+    """The tiny Llama with LoRA on q/v (random B, so the adapter's values matter from step 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   lora_dropout=0.0, init_lora_weights=False))
+
+
+def lora_reference(out: Path) -> dict[str, Any]:
+    """transformers' own Trainer on the LoRA model, one process: logs and held-out logits."""
+    import transformers
+
+    args = arguments(transformers.TrainingArguments, out, micro=4, accum=2)
+    trainer = transformers.Trainer(model=lora_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer.train()
+    with torch.no_grad():
+        logits = trainer.model(**probe_batch()).logits
+    return {"logs": logged(trainer), "logits": logits.tolist()}
+
+
+def lora_ours(out: Path) -> dict[str, Any]:
+    """Ours at ZeRO-3 on the LoRA model; save_model() writes the adapter, which rank 0 loads with
+    PeftModel.from_pretrained on a fresh base (its logits against the engine's)."""
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    from deepshard.compat.transformers import Trainer, TrainingArguments
+
+    args = arguments(TrainingArguments, out, micro=2, accum=2, deepspeed=ds_config(3))
+    trainer = Trainer(model=lora_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer.train()
+    trainer.save_model(str(out / "adapter"))
+    with torch.no_grad():
+        logits = trainer.ds_engine(**probe_batch()).logits
+    gap = None
+    if dist.get_rank() == 0:
+        loaded = PeftModel.from_pretrained(tiny_llama(), str(out / "adapter"))
+        with torch.no_grad():
+            gap = (loaded(**probe_batch()).logits - logits).abs().max().item()
+    return {"logs": logged(trainer), "logits": logits.tolist(), "loaded_gap": gap,
+            "files": sorted(p.name for p in (out / "adapter").iterdir())}
+
+
 def world1(tmp: str) -> dict[str, Any]:
     """The reference (micro 4 x accumulation 2) and ours at ZeRO 0 and 3 with the same batches; then
     world 2's checkpoint (in ``tmp``) resumed here."""
@@ -154,7 +197,7 @@ def world1(tmp: str) -> dict[str, Any]:
             **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)},
             # the tutorial's fp16=True: on a CPU-only host the engine trains in fp32 (one notice)
             "zero2_fp16": ours(out / "w1z2fp16", stage=2, micro=4, accum=2, fp16=True),
-            "resumed_w1": resume_at_world1(tmp)}
+            "resumed_w1": resume_at_world1(tmp), "lora_reference": lora_reference(out / "lora_ref")}
 
 
 def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
@@ -167,4 +210,5 @@ def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
             # one row per micro-batch, 4 of them per rank: each step still sees the reference's 8 rows
             "zero2_accum4": ours(out / "w2z2a4", stage=2, micro=1, accum=4),
             "zero3_offload": ours(out / "w2z3off", stage=3, micro=2, accum=2, offload=True),
+            "lora": lora_ours(out / "lora"),
             **lifecycle(tmp)}

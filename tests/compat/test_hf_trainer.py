@@ -89,6 +89,21 @@ def test_checkpoint_resume_save_model_evaluate(tmp_path_factory):
     _same(w1["resumed_w1"], w1["reference"]["logs"], "checkpoint-2 of world 2 / ZeRO-3 resumed at world 1 / ZeRO 0")
 
 
+@pytest.mark.slow
+def test_lora_at_zero3_saves_a_real_adapter(tmp_path_factory):
+    """peft LoRA at world 2, ZeRO-3: the logs equal transformers' own Trainer on the same LoRA model,
+    and save_model() writes the adapter (not DeepSpeed's empty [0] tensors: peft#2500) that
+    PeftModel.from_pretrained loads with our logits."""
+    out = runs(tmp_path_factory)
+    ref = out["w1"]["lora_reference"]
+    for rank, r in enumerate(out["w2"]):
+        mine = r["lora"]
+        _same(mine["logs"], ref["logs"], f"rank {rank} lora")
+        _same_weights(mine, ref, f"rank {rank} lora")
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= set(mine["files"])
+    assert out["w2"][0]["lora"]["loaded_gap"] < 1e-5
+
+
 # --- "auto" filling against transformers' own rules
 def _hf_filler():
     """transformers' HfTrainerDeepSpeedConfig methods on accelerate's HfDeepSpeedConfig (no DeepSpeed)."""
