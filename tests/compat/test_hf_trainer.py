@@ -196,8 +196,19 @@ def test_mismatch_error_names_every_argument_and_key(tmp_path):
 
 
 def test_refused_before_training(tmp_path):
-    from deepshard.compat.transformers import TrainingArguments
+    """What does not combine with the engine fails at construction, one line naming the argument."""
+    from hf_trainer_harness import collate, rows, tiny_llama
 
+    from deepshard.compat.transformers import Trainer, TrainingArguments
+
+    ds = {"zero_optimization": {"stage": 2}}
     with pytest.raises(ValueError, match=r"^TrainingArguments\(torch_compile=True\)"):
-        TrainingArguments(output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}},
-                          torch_compile=True, report_to=[])
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, torch_compile=True, report_to=[])
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(load_best_model_at_end=True\)"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, load_best_model_at_end=True,
+                          eval_strategy="steps", save_strategy="steps", report_to=[])
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, report_to=[])
+    with pytest.raises(ValueError, match=r"^Trainer\(optimizers=...\)"):
+        Trainer(model=model, args=args, train_dataset=rows(8), data_collator=collate,
+                optimizers=(torch.optim.AdamW(model.parameters()), None))

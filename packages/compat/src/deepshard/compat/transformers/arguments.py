@@ -63,5 +63,8 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(f"TrainingArguments(fsdp={self.fsdp!r}) with deepspeed=: give one of them")
         if self.fp16 and self.bf16:
             raise ValueError("TrainingArguments(fp16=True, bf16=True): at most one of fp16 and bf16")
+        if self.load_best_model_at_end:
+            raise ValueError("TrainingArguments(load_best_model_at_end=True) with deepspeed=: not supported; "
+                             "resume_from_checkpoint= the best checkpoint-N instead")
         if self.auto_find_batch_size:
             raise ValueError("TrainingArguments(auto_find_batch_size=True) with deepspeed=: not supported")
