@@ -14,14 +14,14 @@ import contextlib
 import copy
 import logging
 import os
+import re
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launch.heartbeat import ENV_DIR, Watchdog
+from deepshard.launch.heartbeat import ENV_DIR, Watchdog, remove_dead_beats
 from deepshard.launch.local import _describe, worker_threads
 
 LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each worker's local rank here (elastic.utils.macros)
@@ -70,6 +70,9 @@ def describe(failures: dict[int, object], host: str) -> Failure:
     rank = min(described, key=lambda r: (described[r][0], getattr(failures[r], "timestamp", 0), r))
     _, kind, _, line, _ = described[rank]
     line = line.replace(f"rank {rank}", f"rank {rank} on {host}", 1)
+    attempt = re.search(r"attempt_(\d+)", str(getattr(failures[rank], "error_file", "")))
+    if attempt and int(attempt.group(1)) > 0:  # torch's agent numbers each run of the workers
+        line += f" (after {attempt.group(1)} restart(s): --max_restarts used up)"
     exitcode = int(getattr(failures[rank], "exitcode", 1))
     return Failure(line, 128 - exitcode if exitcode < 0 else exitcode or 1)
 
@@ -97,10 +100,33 @@ def _environment(updates: dict[str, str]) -> object:
                 os.environ[k] = v
 
 
-def _quiet_agent() -> None:
-    """The agent's INFO lines (rendezvous rounds, worker groups) stay out of the job's output; its warnings stay."""
+class _RestartLine(logging.Filter):
+    """Of the agent's INFO lines only its restart decision passes, as one line of ours."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.host = host
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if "will restart worker group" in str(record.msg) and len(record.args or ()) == 4:
+            _, state, left, most = record.args  # type: ignore[misc]
+            print(f"deepshard: a worker on {self.host} {str(state).lower()}; restarting the workers "
+                  f"(restart {int(most) - int(left) + 1} of {most})", file=sys.stderr, flush=True)
+        return False
+
+
+def _quiet_agent(host: str) -> None:
+    """The agent's INFO lines (rendezvous rounds, worker groups) stay out of the job's output, but for its
+    restarts (one line each); its warnings stay."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    api = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    api.setLevel(logging.INFO)
+    for f in [f for f in api.filters if isinstance(f, _RestartLine)]:
+        api.removeFilter(f)
+    api.addFilter(_RestartLine(host))
 
 
 def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | None:
@@ -111,13 +137,19 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _quiet_agent()
+    _quiet_agent(node.host)
     env = dict(node.env)
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(worker_threads(node.nproc, cuda=torch.cuda.is_available()))
     if node.devices is not None and torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.devices))
-    beat_dir = tempfile.mkdtemp(prefix=f"deepshard-{node.run_id}-heartbeat-")
+    # each rendezvous round (each restart) gives the workers a fresh store on a fresh MASTER_PORT: the agent's
+    # shared store keeps the last attempt's keys, and restarted gloo ranks dial the dead ranks' addresses
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    own_beat_dir = ENV_DIR not in os.environ  # a directory the user names is used and left in place
+    beat_dir = tempfile.mkdtemp(prefix=f"deepshard-{node.run_id}-heartbeat-") if own_beat_dir else os.environ[ENV_DIR]
+    if not own_beat_dir:
+        remove_dead_beats(beat_dir)  # an earlier run's files are never judged
     env[ENV_DIR] = beat_dir
     config = LaunchConfig(
         min_nodes=node.min_nodes, max_nodes=node.max_nodes, nproc_per_node=node.nproc, run_id=node.run_id,
@@ -141,12 +173,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
         return Failure(f"rendezvous at {node.master_addr}:{node.master_port} failed on {node.host}: "
                        f"{type(err).__name__}: {' '.join(str(err).split())}", 1)
     finally:
-        shutil.rmtree(beat_dir, ignore_errors=True)
+        if own_beat_dir:
+            shutil.rmtree(beat_dir, ignore_errors=True)
 
 
-def exit_signal_name(code: int) -> str:
-    """``SIGKILL`` for 137: the signal of a shell-style exit status over 128."""
-    try:
-        return signal.Signals(code - 128).name
-    except ValueError:
-        return f"exit {code}"
