@@ -94,8 +94,8 @@ def reference(out: Path, *, micro: int, accum: int, **extra: Any) -> dict[str, A
 def our_trainer(out: Path, *, stage: int, micro: int, accum: int, offload: bool = False, **extra: Any) -> Any:
     from deepshard.compat.transformers import Trainer, TrainingArguments
 
-    args = arguments(TrainingArguments, out, micro=micro, accum=accum, deepspeed=ds_config(stage, offload=offload),
-                     **extra)
+    extra.setdefault("deepspeed", ds_config(stage, offload=offload))
+    args = arguments(TrainingArguments, out, micro=micro, accum=accum, **extra)
     return Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
 
 
@@ -189,6 +189,19 @@ def lora_ours(out: Path) -> dict[str, Any]:
             "files": sorted(p.name for p in (out / "adapter").iterdir())}
 
 
+def from_json_file(out: Path) -> list[dict[str, float]]:
+    """transformers' documented ZeRO-2 config with a WarmupDecayLR section, all "auto", as a JSON path."""
+    import json
+
+    ds = {**ds_config(2), "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ds_config.json").write_text(json.dumps(ds))
+    trainer = our_trainer(out, stage=2, micro=4, accum=2, deepspeed=str(out / "ds_config.json"))
+    trainer.train()
+    return logged(trainer)
+
+
 def world1(tmp: str) -> dict[str, Any]:
     """The reference (micro 4 x accumulation 2) and ours at ZeRO 0 and 3 with the same batches; then
     world 2's checkpoint (in ``tmp``) resumed here."""
@@ -197,7 +210,8 @@ def world1(tmp: str) -> dict[str, Any]:
             **{f"zero{s}": ours(out / f"w1z{s}", stage=s, micro=4, accum=2) for s in (0, 3)},
             # the tutorial's fp16=True: on a CPU-only host the engine trains in fp32 (one notice)
             "zero2_fp16": ours(out / "w1z2fp16", stage=2, micro=4, accum=2, fp16=True),
-            "resumed_w1": resume_at_world1(tmp), "lora_reference": lora_reference(out / "lora_ref")}
+            "resumed_w1": resume_at_world1(tmp), "lora_reference": lora_reference(out / "lora_ref"),
+            "json_file": from_json_file(out / "json")}
 
 
 def world2(tmp: str) -> dict[str, list[dict[str, float]]]:

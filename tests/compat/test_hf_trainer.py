@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import types
 
 import pytest
@@ -102,6 +103,18 @@ def test_lora_at_zero3_saves_a_real_adapter(tmp_path_factory):
         _same_weights(mine, ref, f"rank {rank} lora")
         assert {"adapter_model.safetensors", "adapter_config.json"} <= set(mine["files"])
     assert out["w2"][0]["lora"]["loaded_gap"] < 1e-5
+
+
+@pytest.mark.slow
+def test_json_path_with_a_deepspeed_scheduler(tmp_path_factory):
+    """deepspeed="ds_config.json" with WarmupDecayLR, every value "auto": DeepSpeed's schedule runs
+    (warm-up 1 -> DeepSpeed's minimum of 2 steps, log warm-up, each update one step late), not
+    transformers' lr_scheduler_type; before the first real update it equals the reference."""
+    out = runs(tmp_path_factory)["w1"]
+    logs, ref = out["json_file"], out["reference"]["logs"]
+    assert [h["learning_rate"] for h in logs] == pytest.approx([0.0, 0.0, 3e-3, 3e-3])
+    assert [h["loss"] for h in logs[:2]] == pytest.approx([h["loss"] for h in ref[:2]], abs=1e-5)
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in logs)
 
 
 # --- "auto" filling against transformers' own rules
