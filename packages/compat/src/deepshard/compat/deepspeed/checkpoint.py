@@ -18,6 +18,8 @@ from deepshard.core import Engine
 from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
 from deepshard.core.checkpoint.state import clean_name, load_checkpoint, save_checkpoint
 
+from .ds_files import check_tag
+
 LATEST = "latest"
 
 
@@ -50,8 +52,8 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
     """The checkpoint directory for ``load_dir`` and ``tag`` (``latest`` when no tag), or None."""
     if tag is None and (load_dir / LATEST).is_file():
-        tag = (load_dir / LATEST).read_text().strip()
-    target = load_dir / tag if tag is not None else load_dir
+        tag = check_tag((load_dir / LATEST).read_text().strip(), str(load_dir / LATEST))
+    target = load_dir / check_tag(str(tag), f"load_checkpoint({str(load_dir)!r})") if tag is not None else load_dir
     if (target / MANIFEST).is_file():
         return target
     if not target.is_dir():

@@ -128,6 +128,15 @@ def load_ds_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: not loaded ({type(err).__name__}: {refusal_reason(str(err))})") from None
 
 
+def check_tag(tag: str, source: str) -> str:
+    """A checkpoint tag names a directory inside the checkpoint directory: never a path (no separator,
+    not ``.`` or ``..``), so a crafted ``latest`` file cannot send a reader outside it."""
+    if not tag or tag in (".", "..") or any(c in tag for c in ("/", "\\", "\0")) or (os.altsep and os.altsep in tag):
+        raise ValueError(f"{source}: tag {tag!r} is not a checkpoint name (a tag names a directory inside the "
+                         f"checkpoint directory: no path separators, not '.' or '..')")
+    return tag
+
+
 def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
     """``ckpt_dir/tag`` (the tag from ``ckpt_dir/latest`` when not given), or ckpt_dir itself when it
     already holds the files."""
@@ -141,8 +150,8 @@ def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
         if not latest.is_file():
             raise ValueError(f"{root}: no 'latest' file and no *model_states.pt: give --tag (one of "
                              f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
-        tag = latest.read_text().strip()
-    tag_dir = root / tag
+        tag = check_tag(latest.read_text().strip(), str(latest))
+    tag_dir = root / check_tag(tag, str(root))
     if not tag_dir.is_dir():
         raise ValueError(f"{root}: tag {tag!r} has no directory {tag_dir}")
     return tag_dir
