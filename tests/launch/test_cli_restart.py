@@ -1,0 +1,95 @@
+"""deepshard --max_restarts with the app: a worker SIGKILLed at step 6 of 8 (checkpoints every 4
+steps) is restarted, the app resumes from step 4 and ends with the losses of an uninterrupted run,
+bit for bit (fp32); a failure that repeats at the same step stops once the restarts are used up,
+naming the step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAIN = Path(__file__).resolve().parents[2] / "apps" / "finetune" / "main.py"
+RUN = ["+zero=stage3", "train.max_steps=8", "checkpoint.every_steps=4", "train.log_every=1"]
+
+
+def launch(argv, cwd, env, on_start=None, timeout=240):
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        if on_start is not None:
+            on_start(proc)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tag = next(t for t in acc.Tags()["scalars"] if t.endswith("loss") and "eval" not in t)
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def kill_rank_at(beat_dir: Path, rank: int, step: int, stop: threading.Event, killed: list) -> None:
+    """SIGKILL ``rank`` once its heartbeat says it reached ``step`` (first attempt only)."""
+    path = beat_dir / f"rank{rank}.json"
+    while not stop.wait(0.02):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if beat["step"] >= step and beat["phase"] != "startup":
+            os.kill(int(beat["pid"]), signal.SIGKILL)
+            killed.append(beat["step"])
+            return
+
+
+def test_restart_resumes_from_the_last_checkpoint_bit_exact(tmp_path):
+    code, _, err = launch(["deepshard", str(MAIN), *RUN, f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, {})
+    assert code == 0, err[-3000:]
+    beat_dir = tmp_path / "beats"
+    beat_dir.mkdir()
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=kill_rank_at, args=(beat_dir, 1, 6, stop, killed), daemon=True)
+    try:
+        code, out, err = launch(["deepshard", "--max_restarts=1", str(MAIN), *RUN, f"hydra.run.dir={tmp_path / 'cut'}"],
+                                tmp_path, {"DEEPSHARD_HEARTBEAT_DIR": str(beat_dir)}, on_start=lambda p: watcher.start())
+    finally:
+        stop.set()
+    assert code == 0, err[-3000:]
+    assert killed and killed[0] in (6, 7), killed
+    assert "a worker on" in err and "restarting the workers (restart 1 of 1)" in err
+    assert "resumed from" in err + out and "step-00000004 at step 4" in err + out
+    whole, cut = losses(tmp_path / "whole"), losses(tmp_path / "cut")
+    assert sorted(whole) == list(range(1, 9)) and set(range(5, 9)) <= set(cut)
+    assert [cut[s] for s in range(5, 9)] == [whole[s] for s in range(5, 9)]  # fp32: bit for bit
+
+
+def test_a_failure_that_repeats_stops_after_the_restarts_naming_the_step(tmp_path):
+    start = time.time()
+    code, _, err = launch(["deepshard", "--max_restarts=1", str(MAIN), *RUN, f"hydra.run.dir={tmp_path / 'r'}"],
+                          tmp_path, {"DEEPSHARD_TEST_FAULT": "error@6"})
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 on ") and "injected test fault at step 6" in last, err[-2000:]
+    assert last.endswith("(after 1 restart(s): --max_restarts used up)")
+    assert err.count("restarting the workers") == 1
+    print(f"repeating failure ended after {time.time() - start:.0f} s")
