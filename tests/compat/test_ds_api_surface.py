@@ -269,3 +269,20 @@ def test_register_external_parameter_at_zero3():
     with pytest.raises(ValueError, match=r"register_external_parameter\(Linear, <param of block 0 \(weight\)>\).*"
                                          r"move the shared parameter out of the blocks"):
         deepspeed.initialize(model=Shared("block"), config=z3)
+
+
+def test_optimizer_as_a_callable_of_the_parameters():
+    """DeepSpeed's optimizer=Callable: called with model_parameters, its result mapped like an instance."""
+    torch.manual_seed(0)
+    model = Tiny()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict(DS),
+                                      optimizer=lambda ps: deepspeed.ops.adam.FusedAdam(ps, lr=1e-2, betas=(0.9, 0.95)))
+    losses = []
+    for x, y in data():
+        loss = nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    ref, _ = reference_losses(4, lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0),
+                              lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0))
+    assert losses == pytest.approx(ref, abs=1e-6)

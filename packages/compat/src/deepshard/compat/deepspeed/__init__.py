@@ -115,7 +115,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer=``: torch's Adam/AdamW or ``deepspeed.ops.adam``'s FusedAdam/DeepSpeedCPUAdam built by the
-    script; their hyper-parameters become the engine's AdamW over fp32 masters (and their parameters
+    script (or a callable building one from ``model_parameters``); their hyper-parameters become the engine's AdamW over fp32 masters (and their parameters
     the trained ones).  The optimizer returned is the engine's.  ``lr_scheduler=``: a torch scheduler
     over that optimizer, or a callable taking the optimizer and returning one; the engine steps it
     after each applied update and each update uses its current rate, as DeepSpeed does.  Without it,
@@ -138,6 +138,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("deepspeed.initialize(optimizer=...) and the ds_config's optimizer section: give one")
     if lr_scheduler is not None and ds_dict is not None and "scheduler" in ds_dict:
         raise ValueError("deepspeed.initialize(lr_scheduler=...) and the ds_config's scheduler section: give one")
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed: optimizer(params)
+        model_parameters = (list(model_parameters) if model_parameters is not None
+                            else [p for p in model.parameters() if p.requires_grad])
+        optimizer = optimizer(model_parameters)
     defaults = optimizer_defaults(optimizer) if optimizer is not None else None
     pipelined = isinstance(model, pipe.PipelineModule)
     dp = comm.get_world_size() // (model.num_stages if pipelined else 1)

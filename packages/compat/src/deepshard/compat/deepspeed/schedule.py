@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,9 +23,6 @@ HYPER = ("lr", "betas", "eps")
 def optimizer_defaults(optimizer: Any) -> dict[str, Any]:
     """A script's Adam/AdamW/FusedAdam/DeepSpeedCPUAdam as the engine's AdamW hyper-parameters."""
     name = type(optimizer).__name__
-    if isinstance(optimizer, Callable) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError("deepspeed.initialize(optimizer=<callable>): not supported; build the optimizer "
-                         "(torch.optim.AdamW(model.parameters(), ...) or deepspeed.ops.adam.FusedAdam) and pass it")
     if isinstance(optimizer, torch.optim.SGD):
         raise ValueError("deepspeed.initialize(optimizer=torch.optim.SGD): not supported: deepshard's update is "
                          "AdamW over fp32 masters (its state stores hold Adam's two moments, sharded by ZeRO); use "
