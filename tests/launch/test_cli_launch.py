@@ -142,14 +142,20 @@ def test_two_nodes_no_ssh_on_two_shells(job):
     assert all(r["sum"] == 3.0 and r["argv"] == [f"--local_rank={r['env']['LOCAL_RANK']}"] for r in rows)
 
 
-def test_hostfile_of_two_hosts_over_ssh_with_include(job, tmp_path):
+@pytest.fixture
+def fake_ssh(tmp_path) -> dict[str, str]:
+    """The environment of a launcher whose ``ssh`` runs the remote line on this host (and logs the host)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text(FAKE_SSH)
     (bin_dir / "ssh").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+
+
+def test_hostfile_of_two_hosts_over_ssh_with_include(job, tmp_path, fake_ssh):
     (job / "hosts").write_text("# two loopback 'nodes'\n127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     (job / ".deepspeed_env").write_text("FROM_ENV_FILE=over ssh\n")
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+    env = fake_ssh
     code, out, err = launch([*DEEPSHARD, "--hostfile=hosts", "--include=127.0.0.1:0@127.0.0.2:0",
                              f"--master_port={free_port()}", "script.py"], job, env=env)
     assert code == 0, err
@@ -159,6 +165,15 @@ def test_hostfile_of_two_hosts_over_ssh_with_include(job, tmp_path):
     assert all(r["sum"] == 3.0 and r["env"]["FROM_ENV_FILE"] == "over ssh" for r in rows)
     reached = (tmp_path / "ssh.log").read_text().split()
     assert sorted(set(reached)) == ["127.0.0.1", "127.0.0.2"] and len(reached) == 4  # the check, then the job
+
+
+def test_dead_rank_on_the_second_node_is_named_over_ssh(job, fake_ssh):
+    (job / "die.py").write_text(DIE)
+    (job / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    code, _, err = launch([*DEEPSHARD, "-H", "hosts", f"--master_port={free_port()}", "--no_ssh_check", "die.py"], job,
+                          env=fake_ssh)
+    assert code == 128 + signal.SIGKILL, err
+    assert err.strip().splitlines()[-1] == "error: rank 1 on 127.0.0.2 (node 1) died with SIGKILL", err
 
 
 def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):

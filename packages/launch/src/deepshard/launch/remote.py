@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from deepshard.launch.hostfile import Resources
+from deepshard.launch.local import _lost_peer
 
 SUPPORTED = ("pdsh", "ssh", "slurm")  # pdsh (DeepSpeed's default) means: one ssh per host, in parallel
 REFUSED = ("openmpi", "mpich", "impi", "mvapich")  # DeepSpeed's MPI launchers start ranks, not agents
@@ -106,12 +107,13 @@ def _pump(proc: subprocess.Popen, sink, last: dict[int, str], key: int) -> None:
             sink.flush()
 
 
-def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2) -> tuple[int, str | None]:
+def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2,
+                 settle_s: float = 3.0) -> tuple[int, str | None]:
     """Start one ssh per host; wait for all.  Returns (exit code, the first failed node's error line)."""
     procs: list[tuple[str, subprocess.Popen]] = []
     last: dict[int, str] = {}
     pumps = []
-    bad: int | None = None
+    order: list[int] = []  # failed nodes, in the order they were seen to fail
     try:
         for i, (host, line) in enumerate(lines.items()):
             proc = subprocess.Popen(ssh_command(host, line, port=port), stdin=subprocess.DEVNULL,
@@ -119,10 +121,15 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
             procs.append((host, proc))
             pumps.append(threading.Thread(target=_pump, args=(proc, sys.stderr, last, i), daemon=True))
             pumps[-1].start()
+        settle_until = None
         while True:
             codes = [p.poll() for _, p in procs]
-            bad = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if bad is not None or all(c == 0 for c in codes):
+            order += [i for i, c in enumerate(codes) if c not in (None, 0) and i not in order]
+            if all(c == 0 for c in codes) or (order and all(c is not None for c in codes)):
+                break
+            if order and settle_until is None:  # the cause's peers fail a moment later: let them say so
+                settle_until = time.monotonic() + settle_s
+            if settle_until is not None and time.monotonic() > settle_until:
                 break
             time.sleep(poll_s)
     finally:
@@ -135,10 +142,13 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        for t in pumps:
-            t.join(timeout=5)
-    if bad is None:
+    for t in pumps:
+        t.join(timeout=5)
+    if not order:
         return 0, None
+    # the cause: a node whose line is not a lost peer's, one whose rank died of a signal, the first seen
+    bad = min(order, key=lambda i: (_lost_peer(last.get(i, "")), (procs[i][1].returncode or 0) <= 128,
+                                    order.index(i)))
     host, proc = procs[bad]
     line = last.get(bad) or f"node {host} failed (ssh exit {proc.returncode})"
     return proc.returncode or 1, line
