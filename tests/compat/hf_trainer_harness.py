@@ -197,7 +197,26 @@ def from_json_file(out: Path) -> list[dict[str, float]]:
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "ds_config.json").write_text(json.dumps(ds))
-    trainer = our_trainer(out, stage=2, micro=4, accum=2, deepspeed=str(out / "ds_config.json"))
+    trainer = our_trainer(out, stage=2, micro=4, accum=2, deepspeed=str(out / "ds_config.json"),
+                          report_to=["tensorboard"])
+    trainer.train()
+    return logged(trainer)
+
+
+SHORT_LAST = {"max_steps": -1, "num_train_epochs": 1}  # 12 batches of 4 at accumulation 5: the last step has 2
+
+
+def short_last_reference(out: Path) -> list[dict[str, float]]:
+    import transformers
+
+    args = arguments(transformers.TrainingArguments, out, micro=4, accum=5, **SHORT_LAST)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer.train()
+    return logged(trainer)
+
+
+def short_last_ours(out: Path) -> list[dict[str, float]]:
+    trainer = our_trainer(out, stage=0, micro=4, accum=5, **SHORT_LAST)
     trainer.train()
     return logged(trainer)
 
@@ -211,7 +230,8 @@ def world1(tmp: str) -> dict[str, Any]:
             # the tutorial's fp16=True: on a CPU-only host the engine trains in fp32 (one notice)
             "zero2_fp16": ours(out / "w1z2fp16", stage=2, micro=4, accum=2, fp16=True),
             "resumed_w1": resume_at_world1(tmp), "lora_reference": lora_reference(out / "lora_ref"),
-            "json_file": from_json_file(out / "json")}
+            "json_file": from_json_file(out / "json"),
+            "short_last_reference": short_last_reference(out / "short_ref"), "short_last": short_last_ours(out / "short")}
 
 
 def world2(tmp: str) -> dict[str, list[dict[str, float]]]:

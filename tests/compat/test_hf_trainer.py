@@ -115,6 +115,18 @@ def test_json_path_with_a_deepspeed_scheduler(tmp_path_factory):
     assert [h["learning_rate"] for h in logs] == pytest.approx([0.0, 0.0, 3e-3, 3e-3])
     assert [h["loss"] for h in logs[:2]] == pytest.approx([h["loss"] for h in ref[:2]], abs=1e-5)
     assert len(logs) == 4 and all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in logs)
+    assert list(tmp_path_factory.getbasetemp().rglob("json/**/events.out.tfevents*"))  # report_to="tensorboard"
+
+
+@pytest.mark.slow
+def test_epoch_with_a_short_last_accumulation(tmp_path_factory):
+    """num_train_epochs=1 over 12 batches at accumulation 5: the last update has 2 micro-batches,
+    token-weighted over those, as transformers does."""
+    out = runs(tmp_path_factory)["w1"]
+    assert len(out["short_last"]) == 3
+    for mine, ref in zip(out["short_last"], out["short_last_reference"], strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
 # --- "auto" filling against transformers' own rules
