@@ -57,5 +57,19 @@ def run_pipe(num_stages: int, stage: int, steps: int, gas: int, clip: float = 0.
     return out
 
 
+def pipeline_example_style(steps: int, gas: int):
+    """DeepSpeedExamples' pipeline_parallelism/train.py shape: training_data= to initialize, then
+    ``engine.train_batch()`` with no iterator (the engine's RepeatingLoader over its own loader)."""
+    torch.manual_seed(0)
+    net = PipelineModule(layers=tied_layers(), loss_fn=lm_loss, num_stages=2, partition_method="uniform")
+    trainset = [row for k in range(steps * gas) for row in zip(*micro_batch(k))]  # one (ids, labels) per row
+    ds_config = {"train_batch_size": MICRO * gas, "train_micro_batch_size_per_gpu": MICRO,
+                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+                                           training_data=trainset, config=ds_config)
+    return [engine.train_batch().item() for _ in range(steps)]
+
+
 def run_all():
-    return {"pp2": run_pipe(2, 0, steps=3, gas=4, clip=0.5), "dp2": run_pipe(1, 1, steps=3, gas=2)}
+    return {"pp2": run_pipe(2, 0, steps=3, gas=4, clip=0.5), "dp2": run_pipe(1, 1, steps=3, gas=2),
+            "loader": pipeline_example_style(steps=2, gas=4)}

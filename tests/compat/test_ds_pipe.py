@@ -69,3 +69,34 @@ def test_pipeline_module_data_parallel_equals_torch():
     for rank, out in enumerate(o["dp2"] for o in results()):
         assert out["losses"] == pytest.approx(mean, abs=1e-5), f"rank {rank}"
         assert out["eval"] == pytest.approx(ref_eval, abs=1e-5)
+
+
+def loader_reference(steps: int, gas: int):
+    """The engine's loader at dp=1: DistributedSampler(shuffle, seed 0) = randperm(n) with seed 0, rows in
+    micro-batches of 2; the tied model trained as in reference()."""
+    rows = [row for k in range(steps * gas) for row in zip(*micro_batch(k))]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    torch.manual_seed(0)
+    embed, l1, l2 = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+    opt = torch.optim.AdamW([*embed.parameters(), *l1.parameters(), *l2.parameters()], lr=1e-2, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(gas):
+            idx = order[(step * gas + k) * 2:(step * gas + k + 1) * 2]
+            ids = torch.stack([rows[i][0] for i in idx])
+            labels = torch.stack([rows[i][1] for i in idx])
+            logits = l2(torch.tanh(l1(embed(ids)))) @ embed.weight.t()
+            total = total + F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)) / gas
+        total.backward()
+        opt.step()
+        losses.append(total.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_train_batch_reads_the_engines_own_loader():
+    ref = loader_reference(steps=2, gas=4)
+    for rank, out in enumerate(o["loader"] for o in results()):
+        assert out == pytest.approx(ref, abs=1e-5), f"rank {rank}"

@@ -193,4 +193,6 @@ def _initialize_pipeline(model: pipe.PipelineModule, cfg: CompatConfig, ds_dict:
         dp = engine.mesh["dp"]
         sampler = DistributedSampler(training_data, num_replicas=dp.size(), rank=dp.get_local_rank())
         loader = DataLoader(training_data, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+        engine.training_dataloader = loader
+        engine.set_dataiterator(iter(utils.RepeatingLoader(loader)))
     return engine, engine.optimizer, loader, engine.lr_scheduler

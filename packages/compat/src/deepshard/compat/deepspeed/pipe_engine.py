@@ -83,6 +83,8 @@ class PipelineEngine(nn.Module):
         self.micro_batches = config.grad_accum
         self.global_steps = 0
         self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
+        self.data_iterator: Any = None  # over training_dataloader, repeated (DeepSpeed's default data_iter)
         for p in model.parameters():  # every stage starts from rank 0's build (tied copies equal)
             dist.broadcast(p.data, src=0)
 
@@ -173,8 +175,16 @@ class PipelineEngine(nn.Module):
         dist.all_reduce(value, group=self.mesh["pp"].get_group())  # only the last stage is non-zero
         return value
 
+    def set_dataiterator(self, iterator: Any) -> None:
+        """DeepSpeed's: the iterator ``train_batch()`` / ``eval_batch()`` read when given none."""
+        self.data_iterator = iterator
+
     def _run(self, data_iter: Any, *, train: bool) -> torch.Tensor:
         p, n = self.pipeline, self.micro_batches
+        data_iter = data_iter if data_iter is not None else self.data_iterator
+        if data_iter is None and (p.has_first or p.has_last):
+            raise ValueError("train_batch()/eval_batch(): no data_iter given and no training_data= given to "
+                             "deepspeed.initialize (pass data_iter=iter(RepeatingLoader(loader)))")
         args, labels = _batch(data_iter, n) if (p.has_first or p.has_last) else ((), None)
         losses: list[torch.Tensor] = []
         inputs = args if p.has_first else ()
