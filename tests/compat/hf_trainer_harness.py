@@ -124,6 +124,7 @@ def lifecycle(tmp: str) -> dict[str, Any]:
     full = our_trainer(out / "run", stage=3, micro=2, accum=2, save_strategy="steps", save_steps=2, **EVAL)
     full.train()
     eval_loss = full.evaluate(eval_dataset=rows(8))["eval_loss"]
+    predict_loss = full.predict(rows(8)).metrics["test_loss"]
     full.save_model(str(out / "final"))
     with torch.no_grad():
         ours_logits = full.ds_engine(**probe_batch()).logits
@@ -134,7 +135,7 @@ def lifecycle(tmp: str) -> dict[str, Any]:
             gap = (loaded(**probe_batch()).logits - ours_logits).abs().max().item()
     resumed = our_trainer(out / "resumed", stage=3, micro=2, accum=2, **EVAL)
     resumed.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
-    return {"full": logged(full), "resumed": logged(resumed), "eval_loss": eval_loss, "logit_gap": gap,
+    return {"full": logged(full), "resumed": logged(resumed), "eval_loss": eval_loss, "predict_loss": predict_loss, "logit_gap": gap,
             "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*")),
             "files": sorted(p.name for p in (out / "run" / "checkpoint-2").iterdir())}
 
@@ -244,5 +245,6 @@ def world2(tmp: str) -> dict[str, list[dict[str, float]]]:
             # one row per micro-batch, 4 of them per rank: each step still sees the reference's 8 rows
             "zero2_accum4": ours(out / "w2z2a4", stage=2, micro=1, accum=4),
             "zero3_offload": ours(out / "w2z3off", stage=3, micro=2, accum=2, offload=True),
+            "zero3_ac": ours(out / "w2z3ac", stage=3, micro=2, accum=2, activation_checkpointing=True),
             "lora": lora_ours(out / "lora"),
             **lifecycle(tmp)}

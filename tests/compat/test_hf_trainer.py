@@ -60,7 +60,7 @@ def test_world1_logs_equal_transformers_trainer(tmp_path_factory, run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["zero0", "zero3", "zero2_accum4", "zero3_offload"])
+@pytest.mark.parametrize("run", ["zero0", "zero3", "zero2_accum4", "zero3_offload", "zero3_ac"])
 def test_world2_logs_equal_transformers_trainer(tmp_path_factory, run):
     """Rows of uneven length split over 2 ranks x 2 (or 4) micro-batches: exact only with token
     weighting over micro-batches and ranks (the gradient of one large batch)."""
@@ -76,7 +76,7 @@ def test_checkpoint_resume_save_model_evaluate(tmp_path_factory):
     """World 2, ZeRO-3: checkpoint-N in transformers' layout with the engine's sharded state inside;
     a fresh Trainer resumed from checkpoint-2 logs what the uninterrupted run logged (bit-exact), and
     so, within 1e-5, does one resumed at world 1 / ZeRO 0; save_model() loads with from_pretrained
-    (logits equal the engine's); evaluate() equals transformers' own (DDP) eval_loss."""
+    (logits equal the engine's); evaluate() equals transformers' own (DDP) eval_loss, predict() too."""
     out = runs(tmp_path_factory)
     w1, w2 = out["w1"], out["w2"]
     for rank, r in enumerate(w2):
@@ -86,6 +86,7 @@ def test_checkpoint_resume_save_model_evaluate(tmp_path_factory):
         _same(r["full"], w1["reference"]["logs"], f"rank {rank} full run")
         assert r["resumed"] == r["full"], rank  # bit-exact
         assert r["eval_loss"] == pytest.approx(r["ddp"]["eval_loss"], abs=1e-5), rank
+        assert r["predict_loss"] == pytest.approx(r["eval_loss"], abs=1e-6), rank
     assert w2[0]["logit_gap"] < 1e-5
     _same(w1["resumed_w1"], w1["reference"]["logs"], "checkpoint-2 of world 2 / ZeRO-3 resumed at world 1 / ZeRO 0")
 
@@ -232,6 +233,9 @@ def test_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"^TrainingArguments\(load_best_model_at_end=True\)"):
         TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, load_best_model_at_end=True,
                           eval_strategy="steps", save_strategy="steps", report_to=[])
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(activation_checkpointing_kwargs="):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, activation_checkpointing=True,
+                          activation_checkpointing_kwargs={"use_reentrant": True}, report_to=[])
     model = tiny_llama()
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, report_to=[])
     with pytest.raises(ValueError, match=r"^Trainer\(optimizers=...\)"):

@@ -66,5 +66,10 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.load_best_model_at_end:
             raise ValueError("TrainingArguments(load_best_model_at_end=True) with deepspeed=: not supported; "
                              "resume_from_checkpoint= the best checkpoint-N instead")
+        ac_kwargs = self.activation_checkpointing_kwargs
+        if isinstance(ac_kwargs, dict) and ac_kwargs.get("use_reentrant"):
+            raise ValueError("TrainingArguments(activation_checkpointing_kwargs={'use_reentrant': True}) with "
+                             "deepspeed=: not supported (reentrant checkpointing under ZeRO-3 trains wrong "
+                             "silently); leave it False, transformers' default")
         if self.auto_find_batch_size:
             raise ValueError("TrainingArguments(auto_find_batch_size=True) with deepspeed=: not supported")
