@@ -44,6 +44,20 @@ if dist.get_rank() == 1:
 dist.barrier()
 """
 
+HANG = """
+import os, time
+import torch.distributed as dist
+from deepshard.launch import Heartbeat
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+beat = Heartbeat.from_env(rank)  # progress, for the launcher's watchdog
+for step in range(1, 5):
+    beat.mark("forward", step)
+    if rank == 1 and step == 3:
+        time.sleep(600)  # hung
+    dist.barrier()
+"""
+
 FAKE_SSH = """#!/bin/sh
 # ssh HOST LINE, run here: options skipped, the host recorded
 while [ $# -gt 0 ]; do case "$1" in -o|-p) shift 2;; -*) shift;; *) break;; esac; done
@@ -123,6 +137,16 @@ def test_dead_rank_ends_the_job_naming_host_rank_and_signal(job):
     assert took < 15
 
 
+def test_hung_rank_that_reports_progress_is_named(job):
+    (job / "hang.py").write_text(HANG)
+    start = time.time()
+    code, _, err = launch([*DEEPSHARD, "--hang_s=3", "hang.py"], job)
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 on ") and " has made no progress since step 3 (forward) for " in last, err
+    assert last.endswith("; the workers were stopped") and time.time() - start < 60
+
+
 def test_two_nodes_no_ssh_on_two_shells(job):
     port = free_port()
     common = ["--no_ssh", "--num_nodes=2", "--num_gpus=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
@@ -186,6 +210,29 @@ def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):
                             env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert code == 2 and err.count("\n") == 1 and not out
     assert err.startswith("error: host 127.0.0.1 cannot be reached over ssh: ssh: connect to host: No route to host")
+
+
+DS_SCRIPT = """
+import json, math, os, sys
+sys.path.insert(0, {harness!r})
+from ds_script_harness import add_argument, cifar_main  # DeepSpeedExamples' CIFAR script on deepshard.compat
+args = add_argument(sys.argv[1:])  # argparse with --local_rank and DeepSpeed's config arguments
+assert args.local_rank == int(os.environ["LOCAL_RANK"]), (args.local_rank, os.environ["LOCAL_RANK"])
+losses = cifar_main(args)
+assert losses and all(math.isfinite(x) for x in losses)
+os.write(1, f"RESULT {{json.dumps(dict(argv=sys.argv[1:], env=dict(RANK=os.environ['RANK']), sum=len(losses)))}}\\n".encode())
+"""
+
+
+def test_a_deepspeed_script_on_deepshard_compat(tmp_path):
+    harness = str(Path(__file__).resolve().parents[1] / "compat")
+    (tmp_path / "cifar.py").write_text(DS_SCRIPT.format(harness=harness))
+    code, out, err = launch([*DEEPSHARD, "--num_gpus", "2", "cifar.py", "--epochs", "1", "--dtype", "fp32",
+                             "--stage", "3"], tmp_path)
+    assert code == 0, err[-3000:]
+    rows = results(out)
+    assert [r["env"]["RANK"] for r in rows] == ["0", "1"] and rows[0]["sum"] == rows[1]["sum"] > 0
+    assert rows[1]["argv"][0] == "--local_rank=1"
 
 
 @pytest.mark.skipif(shutil.which("deepshard") is None, reason="the deepshard console script is not installed")

@@ -164,7 +164,9 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
         return None
     except ChildFailedError as err:
         if watchdog is not None and watchdog.hang is not None:
-            return Failure(f"{watchdog.hang} on {node.host}; its workers were stopped", 1)
+            hang = watchdog.hang
+            return Failure(str(hang).replace(f"rank {hang.rank}", f"rank {hang.rank} on {node.host}", 1)
+                           + "; the workers were stopped", 1)
         return describe(err.failures, node.host)
     except SignalException as err:
         return Failure(f"the launcher on {node.host} got {err.sigval.name}: its workers were stopped",
