@@ -165,3 +165,18 @@ def test_describe_names_host_rank_and_signal():
     assert (failed.line, failed.code) == ("rank 3 on worker-1 died with SIGKILL", 137)
     exited = describe({1: ProcessFailure(local_rank=1, pid=2, exitcode=3, error_file="/nonexistent")}, "h")
     assert (exited.line, exited.code) == ("rank 1 on h exited with code 3", 3)
+
+
+def test_unresolvable_host_is_named(capsys, script, tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\nno-such-host.invalid slots=1\n")
+    assert "hostfile host no-such-host.invalid cannot be resolved" in refused(capsys, ["-H", "hosts", script])
+
+
+def test_elastic_flags_map_to_the_agents_node_range():
+    plain = cli.parse(["--min_elastic_nodes=1", "t.py"])
+    assert cli._node_counts(plain, 4) == (4, 4)  # without --elastic_training: every node, always
+    elastic = cli.parse(["--elastic_training", "--min_elastic_nodes=2", "--max_elastic_nodes=6", "t.py"])
+    assert cli._node_counts(elastic, 4) == (2, 6)
+    assert cli._node_counts(cli.parse(["--elastic_training", "t.py"]), 3) == (3, 3)
+    flags = cli._forwarded_flags(elastic)
+    assert "--elastic_training" in flags and "--min_elastic_nodes=2" in flags and "--max_elastic_nodes=6" in flags

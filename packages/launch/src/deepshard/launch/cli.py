@@ -254,11 +254,12 @@ def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     common = dict(world=remote.encode_world(world), master_addr=master, master_port=port,
                   run_id=uuid.uuid4().hex[:8], launch_flags=_forwarded_flags(args), script=args.user_script,
                   script_args=args.user_args)
-    if args.launcher == "slurm":
+    if args.launcher == "slurm":  # Slurm's node names resolve inside the allocation, not necessarily here
         cmd = remote.srun_command(world, remote.node_command("-1", **common), launcher_args=args.launcher_args,
                                   comment=args.comment, account=args.account)
         os.environ.update(job_env())
         os.execvp(cmd[0], cmd)  # srun runs the nodes and reports their end
+    remote.check_resolvable(hosts)
     if not args.no_ssh_check:
         remote.check_reachable(hosts, port=args.ssh_port)
     env, cwd = job_env(), os.getcwd()

@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,6 +70,15 @@ def srun_command(resources: Resources, command: Sequence[str], *, launcher_args:
     return ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(hosts)}", "--export=ALL", *([f"--comment={comment}"] if comment else []),
             *([f"--account={account}"] if account else []), *shlex.split(launcher_args), *command]
+
+
+def check_resolvable(hosts: Sequence[str]) -> None:
+    """Every host name resolves to an address (ValueError naming the first that does not)."""
+    for host in hosts:
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as err:
+            raise ValueError(f"hostfile host {host} cannot be resolved: {err.strerror or err}") from None
 
 
 def check_reachable(hosts: Sequence[str], *, port: int | None, timeout_s: float = 10.0) -> None:
