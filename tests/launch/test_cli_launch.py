@@ -205,7 +205,7 @@ def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text('#!/bin/sh\necho "ssh: connect to host: No route to host" >&2\nexit 255\n')
     (bin_dir / "ssh").chmod(0o755)
-    (job / "hosts").write_text("127.0.0.1 slots=1\nworker-9 slots=1\n")
+    (job / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     code, out, err = launch([*DEEPSHARD, "-H", "hosts", "script.py"], job,
                             env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert code == 2 and err.count("\n") == 1 and not out
