@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -233,17 +232,3 @@ def test_a_deepspeed_script_on_deepshard_compat(tmp_path):
     rows = results(out)
     assert [r["env"]["RANK"] for r in rows] == ["0", "1"] and rows[0]["sum"] == rows[1]["sum"] > 0
     assert rows[1]["argv"][0] == "--local_rank=1"
-
-
-@pytest.mark.skipif(shutil.which("deepshard") is None, reason="the deepshard console script is not installed")
-def test_the_app_under_the_launchers_workers(tmp_path):
-    """``deepshard apps/finetune/main.py +zero=stage3`` trains as the app's own 2 workers do."""
-    main = Path(__file__).resolve().parents[2] / "apps" / "finetune" / "main.py"
-    overrides = ["+zero=stage3", "train.max_steps=3"]
-    code, out, err = launch(["deepshard", str(main), *overrides, f"hydra.run.dir={tmp_path / 'ds'}"], tmp_path)
-    assert code == 0, err[-3000:]
-    code, own, err = launch([sys.executable, str(main), *overrides, f"hydra.run.dir={tmp_path / 'own'}"], tmp_path)
-    assert code == 0, err[-3000:]
-    done = [line.split(", logs in")[0] for line in (out + own).splitlines() if line.startswith("done:")]
-    assert len(done) == 2 and "loss" in done[0]
-    assert done[0].split("loss ")[1].split(" (")[0] == done[1].split("loss ")[1].split(" (")[0], done
