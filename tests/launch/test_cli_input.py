@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from deepshard.launch import cli, remote
-from deepshard.launch.agent import describe, worker_command
+from deepshard.launch.agent import describe, visible_devices, worker_command
 from deepshard.launch.env_file import job_env
 from deepshard.launch.hostfile import limit, read_hostfile, select
 
@@ -180,3 +180,8 @@ def test_elastic_flags_map_to_the_agents_node_range():
     assert cli._node_counts(cli.parse(["--elastic_training", "t.py"]), 3) == (3, 3)
     flags = cli._forwarded_flags(elastic)
     assert "--elastic_training" in flags and "--min_elastic_nodes=2" in flags and "--max_elastic_nodes=6" in flags
+
+
+def test_slots_are_the_gpus_this_process_sees():
+    assert visible_devices([0, 2], None) == "0,2"
+    assert visible_devices([0, 1], "4,5,6") == "4,5"  # the user's CUDA_VISIBLE_DEVICES narrows first

@@ -62,6 +62,13 @@ def worker_command(script: str, args: Sequence[str], *, module: bool, no_python:
     return sys.executable, ["-u", *(["-m"] if module else []), script, *local_rank, *args]
 
 
+def visible_devices(slots: Sequence[int], already: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a node's slots: slot i is the i-th GPU this process sees (the
+    user's own ``CUDA_VISIBLE_DEVICES`` narrows the host's GPUs first)."""
+    ids = [d.strip() for d in already.split(",") if d.strip()] if already else None
+    return ",".join(ids[s] if ids is not None and s < len(ids) else str(s) for s in slots)
+
+
 def describe(failures: dict[int, object], host: str) -> Failure:
     """The root cause among the agent's failed workers (keyed by global rank): a death by signal
     first, then an error, then a worker stopped by the agent; its host, rank and cause."""
@@ -142,7 +149,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(worker_threads(node.nproc, cuda=torch.cuda.is_available()))
     if node.devices is not None and torch.cuda.is_available():
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.devices))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(node.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     # each rendezvous round (each restart) gives the workers a fresh store on a fresh MASTER_PORT: the agent's
     # shared store keeps the last attempt's keys, and restarted gloo ranks dial the dead ranks' addresses
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
