@@ -5,13 +5,16 @@ buffers (RoPE tables) stay real and are kept.  ``deepspeed.initialize`` then sha
 materializes each rank's shards only (core's meta-device path), re-running each module's own
 initializer on the shards (``reset_parameters``, or an HF model's ``_init_weights``).  So no rank
 ever holds a whole parameter.  The values are drawn per shard: same distribution as a plain build,
-not the same numbers (load pretrained weights after initialize for exact values).
+not the same numbers.  Pretrained weights written inside ``GatheredParameters(..., modifier_rank=r)``
+before ``initialize`` (DeepSpeed's documented order) are kept: rank ``r``'s values are broadcast and
+sharded at ``initialize``, after the initializers ran.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from deepshard.core.mesh import local_device
 
 _SAVED_BUFFERS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
@@ -76,7 +81,8 @@ def built_under_init(model: nn.Module) -> bool:
 
 
 def materialize(model: nn.Module) -> None:
-    """Restore the buffers saved at construction and initialize each rank's parameter shards."""
+    """Restore the buffers saved at construction and initialize each rank's parameter shards; then
+    the values written in ``GatheredParameters`` before ``initialize`` replace the initializers'."""
     init_weights = getattr(model, "_init_weights", None)
     for module in model.modules():
         for name, saved in _SAVED_BUFFERS.get(module, {}).items():
@@ -89,6 +95,23 @@ def materialize(model: nn.Module) -> None:
             init_weights(module)
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    for module in model.modules():  # same order on every rank: the broadcasts pair up
+        for name, (src, value) in sorted(_WRITTEN.pop(module, {}).items()):
+            p = module._parameters[name]
+            full = (value if dist.get_rank() == src else torch.empty(p.shape, dtype=p.dtype)).to(local_device())
+            dist.broadcast(full, src=src)
+            local = distribute_tensor(full, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor) else full
+            local_tensor_of(p).copy_(local)
+
+
+# Values written in GatheredParameters before initialize, per module and parameter name: (modifier_rank,
+# the full value on that rank, None elsewhere); consumed by materialize.
+_WRITTEN: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, torch.Tensor | None]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def local_tensor_of(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p.data
 
 
 def _owners(params: list[torch.Tensor]) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -112,30 +135,39 @@ def _owners(params: list[torch.Tensor]) -> dict[int, list[tuple[nn.Module, str]]
 @contextmanager
 def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
                        fwd_module: Any = None, enabled: bool = True) -> Iterator[None]:  # noqa: N802 - DeepSpeed's name
-    """Inside the block each ZeRO-3 parameter's module holds the full value (reach it through its
-    module, ``model.embed.weight``: FSDP2 keeps the sharded parameter a DTensor, which cannot change
-    shape in place as DeepSpeed's does); on exit it is re-sharded, keeping the changes made on
-    ``modifier_rank`` (broadcast to every rank); with ``modifier_rank=None`` changes are discarded,
-    as in DeepSpeed.  Parameters that are not sharded (stages 0-2) are broadcast from
-    ``modifier_rank`` on exit.  The optimizer's fp32 masters follow the change."""
+    """Inside the block each ZeRO-3 parameter is the full tensor, as in DeepSpeed: ``p.data``,
+    ``p.shape``, ``model.embed.weight`` and ``state_dict()`` all read it (the parameter object is
+    swapped in place with a full copy and swapped back on exit).  On exit it is re-sharded, keeping the
+    changes made on ``modifier_rank`` (broadcast to every rank); with ``modifier_rank=None`` changes
+    are discarded, as in DeepSpeed.  Parameters that are not sharded (stages 0-2) are broadcast from
+    ``modifier_rank`` on exit.  The optimizer's fp32 masters follow the change.
+
+    Before ``initialize``, on a model built under ``zero.Init()``: the parameters hold NaN inside the
+    block (nothing is initialized yet); those written on ``modifier_rank`` (``load_state_dict``,
+    ``copy_``, ``p.data[...] = ...``) replace their initializers' values at ``initialize``."""
     if isinstance(params, nn.Module):  # a module: all of its parameters
         params = list(params.parameters())
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if not enabled:
         yield
         return
+    on_meta = [p for p in params if p.is_meta]
+    if on_meta:
+        with _gathered_before_initialize(on_meta, modifier_rank):
+            yield
+        return
     sharded = [p for p in params if isinstance(p, DTensor)]
-    owners = _owners(sharded)
-    fulls = {}
-    for p in sharded:
-        full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=False)
-        _copy_ds_attributes(p, full, ZeroParamStatus.AVAILABLE)
-        fulls[id(p)] = full
+    fulls = {id(p): _full_copy(p) for p in sharded}
+    swapped = [p for p in sharded if _try_swap(p, fulls[id(p)])]
+    owners = _owners([p for p in sharded if not any(p is q for q in swapped)])
+    for p in sharded:  # not swappable (something else holds it): the modules hold the full value
         for module, name in owners.get(id(p), []):
-            module._parameters[name] = full
+            module._parameters[name] = fulls[id(p)]
     try:
         yield
     finally:
+        for p in swapped:
+            torch.utils.swap_tensors(p, fulls[id(p)])  # p is the sharded parameter again, fulls[] the value
         for p in sharded:
             full = fulls[id(p)]
             for module, name in owners.get(id(p), []):
@@ -151,6 +183,66 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
                 if not isinstance(p, DTensor):
                     dist.broadcast(p.data, src=modifier_rank)
         _sync_fp32_masters(params, modifier_rank)
+
+
+class _Full(torch.Tensor):
+    """A gathered parameter's value, laid out as a DTensor (same slots) so the two can swap places;
+    torch functions on it give plain tensors (``p.data.cpu()`` is a full ``torch.Tensor``)."""
+
+    __slots__ = ("_local_tensor", "_spec")
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _full_copy(p: DTensor) -> torch.Tensor:
+    full = torch.Tensor._make_subclass(_Full, p.full_tensor().detach().clone(), p.requires_grad)
+    full._is_param = True  # isinstance(p, nn.Parameter) holds inside the block
+    _copy_ds_attributes(p, full, ZeroParamStatus.AVAILABLE)
+    return full
+
+
+def _try_swap(p: torch.Tensor, full: torch.Tensor) -> bool:
+    try:
+        torch.utils.swap_tensors(p, full)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+@contextmanager
+def _gathered_before_initialize(params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    """Meta parameters (``zero.Init()``, no ``initialize`` yet) become real NaN-filled tensors in place;
+    on exit those ``modifier_rank`` wrote are recorded for ``materialize`` and the parameters go back
+    to the meta device (no rank keeps a whole model besides the modifier's recorded values)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("zero.GatheredParameters() before deepspeed.initialize(): call "
+                         "deepspeed.init_distributed() first (the written values are broadcast)")
+    holders = {id(p): nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), requires_grad=p.requires_grad)
+               for p in params}
+    owners = _owners(params)
+    for p in params:
+        torch.utils.swap_tensors(p, holders[id(p)])  # p is now real; holders[] keeps the meta tensor
+    versions = {id(p): p._version for p in params}
+    try:
+        yield
+    finally:
+        rank = dist.get_rank() if world > 1 else 0
+        keep = modifier_rank is not None and rank == modifier_rank
+        values = {id(p): p.detach().clone() if keep else p.detach() for p in params}
+        for p in params:
+            written = p._version != versions[id(p)] or not bool(torch.isnan(values[id(p)]).all())
+            torch.utils.swap_tensors(p, holders[id(p)])
+            values[id(p)] = values[id(p)] if written else None
+        if modifier_rank is not None:
+            flags = torch.tensor([values[id(p)] is not None for p in params], dtype=torch.int32, device=local_device())
+            if world > 1:
+                dist.broadcast(flags, src=modifier_rank)
+            for p, flag in zip(params, flags.tolist(), strict=True):
+                if not flag:
+                    continue
+                kept = values[id(p)] if rank == modifier_rank else None
+                for module, name in owners.get(id(p), []):
+                    _WRITTEN.setdefault(module, {})[name] = (modifier_rank, kept)
 
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
