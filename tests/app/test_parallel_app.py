@@ -49,6 +49,14 @@ def test_pp_and_tp_take_what_the_data_parallel_run_takes(overrides):
     assert s.micro_batches_per_step == 2 * pp
 
 
+def test_a_global_batch_under_pp_counts_the_pipeline_microbatches():
+    """train.global_batch_size is every row of a step: micro x grad_accum x pipeline.microbatches x dp."""
+    s = _validate(["parallel.pp=2", "pipeline.microbatches=2", "train.global_batch_size=16",
+                   "train.micro_batch_size=2", "train.grad_accum=0", "launcher.nproc_per_node=2"])
+    assert s.train.grad_accum == 4
+    assert s.tokens_per_step(s.parallel.dp) == 16 * s.data.seq_len
+
+
 def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path, monkeypatch):
     line = prelaunch_error(["parallel.pp=3"], tmp_path / "run", monkeypatch)  # the launcher's checks, in-process
     assert "parallel.pp=3" in line and "world size 2" in line

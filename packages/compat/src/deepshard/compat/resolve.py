@@ -13,8 +13,9 @@ APP_BATCH_KEYS = ("train.global_batch_size", "train.micro_batch_size", "train.gr
 DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def resolve_batch(train: dict, dp: int, *, keys: tuple[str, str, str] = APP_BATCH_KEYS) -> None:
-    """Any two of ``global_batch_size``, ``micro_batch_size``, ``grad_accum`` fix the third (0 = derive).
+def resolve_batch(train: dict, dp: int, *, keys: tuple[str, str, str] = APP_BATCH_KEYS, microbatches: int = 1) -> None:
+    """Any two of ``global_batch_size``, ``micro_batch_size``, ``grad_accum`` fix the third (0 = derive);
+    ``global = micro x accumulation x microbatches x dp`` (``microbatches``: a pipeline's per accumulation).
 
     A contradiction is a ValueError that shows the numbers, under the caller's ``keys`` (the app's, or
     the ds_config's ``DS_BATCH_KEYS``); ``train`` is updated in place.
@@ -23,20 +24,21 @@ def resolve_batch(train: dict, dp: int, *, keys: tuple[str, str, str] = APP_BATC
     g, m, a = train.get("global_batch_size", 0), train["micro_batch_size"], train["grad_accum"]
     if not g:
         return  # no global batch: validate() insists on positive micro batch and accumulation
+    width = dp * microbatches  # rows of micro-batches per accumulation step, over the replicas
+    size = f"data-parallel size {dp}" + (f" x pipeline.microbatches={microbatches}" if microbatches > 1 else "")
     if m == 0 and a == 0:
         a = 1
     if m == 0 or a == 0:
         known, name = (a, ka) if m == 0 else (m, km)
-        derived, rest = divmod(g, known * dp)
+        derived, rest = divmod(g, known * width)
         if rest or derived < 1:
             raise ValueError(
-                f"{kg}={g} is not divisible by {name}={known} x data-parallel size {dp} "
-                f"= {known * dp}: choose a global batch that is a multiple of {known * dp}")
+                f"{kg}={g} is not divisible by {name}={known} x {size} "
+                f"= {known * width}: choose a global batch that is a multiple of {known * width}")
         m, a = (derived, a) if m == 0 else (m, derived)
-    elif m * a * dp != g:
+    elif m * a * width != g:
         raise ValueError(
-            f"{kg}={g} != {km}={m} x {ka}={a} x "
-            f"data-parallel size {dp} = {m * a * dp}: give two of the three, or make them agree")
+            f"{kg}={g} != {km}={m} x {ka}={a} x {size} = {m * a * width}: give two of the three, or make them agree")
     train["micro_batch_size"], train["grad_accum"] = m, a
 
 

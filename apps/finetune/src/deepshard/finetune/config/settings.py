@@ -86,6 +86,10 @@ class CheckpointConfig:
     resume: str = "auto"
     dir: typing.Optional[str] = None  # noqa: UP045 - OmegaConf needs Optional; default <run dir>/checkpoints
     on_error: str = "stop"  # a failed save (disk full, I/O error): stop the run | continue training
+    # true: the step waits only while the state is copied into host buffers (one copy, reused); a writer
+    # thread writes, verifies and seals it (``async`` itself is a Python keyword, so the key is async_save)
+    async_save: bool = False
+    async_policy: str = "wait"  # a save due while one is still being written: wait for it | skip this one
 
 
 def validate_checkpoint(c: dict[str, Any]) -> CheckpointConfig:
@@ -95,6 +99,10 @@ def validate_checkpoint(c: dict[str, Any]) -> CheckpointConfig:
         value = getattr(s, key)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"checkpoint.{key}={value}: must be an integer >= 0")
+    if not isinstance(s.async_save, bool):
+        raise ValueError(f"checkpoint.async_save={s.async_save!r}: must be true or false")
+    if s.async_policy not in ("wait", "skip"):
+        raise ValueError(f"checkpoint.async_policy={s.async_policy!r}: valid values are 'wait' and 'skip'")
     if s.on_error not in ("stop", "continue"):
         raise ValueError(f"checkpoint.on_error={s.on_error!r}: valid values are 'stop' and 'continue'")
     if s.resume not in AUTO + ("none",) and not Path(s.resume).is_dir():
@@ -285,11 +293,12 @@ def _validate_launcher(c: dict) -> LauncherConfig:
     return s
 
 
-def _validate_train(c: dict, parallel: ParallelDims, world: int) -> TrainConfig:
-    """The batch triple resolved for the data-parallel size (``train.global_batch_size``), then checked."""
+def _validate_train(c: dict, parallel: ParallelDims, world: int, microbatches: int) -> TrainConfig:
+    """The batch triple resolved for the data-parallel size (``train.global_batch_size``; under pp each
+    accumulation step runs ``pipeline.microbatches`` micro-batches), then checked."""
     c = dict(c)
     if c["global_batch_size"]:
-        resolve_batch(c, parallel.resolve(world).dp)
+        resolve_batch(c, parallel.resolve(world).dp, microbatches=microbatches if parallel.pp > 1 else 1)
     t = TrainConfig(**c)
     for key in ("max_steps", "micro_batch_size", "log_every", "sample_tokens", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))  # grad_accum: EngineConfig checks it
@@ -400,7 +409,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     launcher = _validate_launcher(cfg["launcher"])
     world = world_size or host_world_size(launcher.nproc_per_node)
     parallel = ParallelDims(**cfg["parallel"])
-    train = _validate_train(cfg["train"], parallel, world)
+    train = _validate_train(cfg["train"], parallel, world, cfg["pipeline"]["microbatches"])
     data = _validate_data(cfg["data"])
     model = _validate_model(cfg["model"], cfg["kernels"], data.seq_len)
     o = dict(cfg["optim"])
