@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepshard.core.checkpoint.async_save import AsyncCheckpointer, SaveOutcome
 from deepshard.core.checkpoint.failures import CheckpointSaveError
 from deepshard.core.checkpoint.manifest import (
     CheckpointError,
@@ -33,7 +34,13 @@ from deepshard.core.checkpoint.manifest import (
     verify_checkpoint,
 )
 from deepshard.core.checkpoint.retention import prune, set_aside
-from deepshard.core.checkpoint.state import find_resume, load_checkpoint, save_checkpoint, unsupported_reason
+from deepshard.core.checkpoint.state import (
+    find_resume,
+    load_checkpoint,
+    save_request,
+    unsupported_reason,
+    write_checkpoint,
+)
 from deepshard.core.mesh import local_device
 from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.config.settings import AUTO, CheckpointConfig
@@ -170,6 +177,10 @@ class RunCheckpoints:
             log.warning("checkpoint: disabled for this run, not supported yet: %s", self.unsupported)
         else:
             check_shared_dir(self.root)
+        # checkpoint.async_save: made on every rank here, since it creates the writer's own process group
+        self.writer = AsyncCheckpointer(device=local_device(), on_sealed=self._sealed) \
+            if settings.async_save and not self.unsupported else None
+        self.timings: list[tuple[int, dict[str, float]]] = []  # (step, scalars) of each save, for the logger
 
     def _resolve(self) -> tuple[Path | None, bool]:
         """The checkpoint to resume from, and whether it was verified already (by a search)."""
@@ -254,56 +265,109 @@ class RunCheckpoints:
     def after_step(self, step: int, *, last: bool, bad_steps: int = 0) -> bool:
         """Count tokens and check for preemption, every step; save on schedule, at the end, or on
         preemption, unless the run is in a streak of ``bad_steps`` (the state may be the diverged one:
-        the newest good checkpoint stays the newest).  True: stop now (preempted, saved or not)."""
+        the newest good checkpoint stays the newest).  True: stop now (preempted, saved or not).
+        With ``checkpoint.async_save`` an earlier save's outcome surfaces here, on every rank."""
         self.tokens_seen += self.tokens_per_step
         self.preempted = self.preemption.agreed()
+        if self.writer is not None:
+            self._outcome(self.writer.poll())
         every = self.settings.every_steps
         if not (self.preempted or last or (every and step % every == 0)):
             return False
         if bad_steps:
+            if self.writer is not None and (self.preempted or last):
+                self._outcome(self.writer.wait())  # the earlier save is sealed (or has failed) before exit
             if self.preempted:
                 self.withheld = True
                 log.warning("checkpoint: preempted after step %d: nothing saved, the state is not finite (%d bad "
                             "steps in a row); the newest good checkpoint is %s; exiting", step, bad_steps,
                             self.newest_good or "none")
             return self.preempted
-        self.save(step)
+        self.save(step, final=self.preempted or last)
         if self.preempted:
             log.warning("checkpoint: preempted after step %d, saved %s; exiting", step,
                         self.last_saved if not self.unsupported else "nothing (checkpoints disabled)")
         return self.preempted
 
-    def save(self, step: int) -> Path | None:
-        """Save ``step``; on failure stop (CheckpointError naming checkpoint.dir) or, with
-        ``checkpoint.on_error=continue``, log one line and train on."""
-        if self.unsupported:
-            return None
-        if step == self.saved_step:
-            return Path(self.last_saved or "")
+    def _request(self, step: int):
         tok = self.tokenizer
         meta = dict(self.meta)
         if tok is not None:
             meta["tokenizer"] = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                                  "pad_token_id": tok.pad_token_id}
         app_state = {"step": step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
-        try:
-            path = save_checkpoint(self.root, step, self.engine.optimizer, self.engine.mesh["dp"],
-                                   model=self.model, app_state=app_state, meta=meta,
-                                   write_extra=None if tok is None else self._write_tokenizer)
-        except CheckpointSaveError as err:
-            message = f"checkpoint.dir={self.root}: saving step {step} failed: {err.reason}"
-            if self.settings.on_error == "stop":
-                raise CheckpointError(message + " (checkpoint.on_error=continue would train on without it)") from None
-            if dist.get_rank() == 0:
-                log.warning("checkpoint: %s; training on (checkpoint.on_error=continue)", message)
-            self.save_failed = (step, err.reason)
+        return save_request(self.root, step, self.engine.optimizer, self.engine.mesh["dp"], model=self.model,
+                            app_state=app_state, meta=meta, write_extra=None if tok is None else self._write_tokenizer)
+
+    def save(self, step: int, *, final: bool = True) -> Path | None:
+        """Save ``step``; on failure stop (CheckpointError naming checkpoint.dir) or, with
+        ``checkpoint.on_error=continue``, log one line and train on.  With ``checkpoint.async_save`` the
+        state is staged and written in the background; a ``final`` save (the end, a preemption) is
+        waited for."""
+        if self.unsupported:
             return None
-        self.save_failed = None
+        if step == self.saved_step:
+            return Path(self.last_saved or "")
+        if self.writer is not None:
+            return self._save_async(step, final=final)
+        start = time.perf_counter()
+        try:
+            path = write_checkpoint(self._request(step))
+        except CheckpointSaveError as err:
+            return self._failed(step, err)
+        seconds = time.perf_counter() - start
+        self._sealed(path)
+        self._saved(SaveOutcome(step, path, None, seconds, seconds, 0))
+        return path
+
+    def _save_async(self, step: int, *, final: bool) -> Path | None:
+        assert self.writer is not None
+        go, waited = self.writer.make_room("wait" if final else self.settings.async_policy)
+        self._outcome(waited)
+        if not go:
+            if dist.get_rank() == 0:
+                log.warning("checkpoint: step %d not saved: the save of step %d is still being written "
+                            "(checkpoint.async_policy=skip)", step, self.writer.writing_step)
+            return None
+        blocked = self.writer.start(self._request(step))
+        if dist.get_rank() == 0:
+            log.info("checkpoint: step %d staged in %.3fs (training blocked); writing in the background", step,
+                     blocked)
+        if final:
+            self._outcome(self.writer.wait())
+        return Path(self.last_saved) if final and self.last_saved and self.saved_step == step else None
+
+    def _outcome(self, outcome: SaveOutcome | None) -> None:
+        """An asynchronous save's outcome, the same on every rank: as a synchronous save's would be."""
+        if outcome is None:
+            return
+        if outcome.error is not None:
+            self._failed(outcome.step, outcome.error)
+        else:
+            self._saved(outcome)
+
+    def _failed(self, step: int, err: CheckpointSaveError) -> None:
+        message = f"checkpoint.dir={self.root}: saving step {step} failed: {err.reason}"
+        if self.settings.on_error == "stop":
+            raise CheckpointError(message + " (checkpoint.on_error=continue would train on without it)") from None
+        if dist.get_rank() == 0:
+            log.warning("checkpoint: %s; training on (checkpoint.on_error=continue)", message)
+        self.save_failed = (step, err.reason)
+
+    def _sealed(self, path: Path) -> None:
+        """A save is sealed (in the writer thread when asynchronous): retention, counting it as good."""
         self.good.add(path.resolve())
         if dist.get_rank() == 0:
             prune(self.root, self.settings.keep_last, keep=[path], is_good=self._is_good)
-        self.saved_step, self.last_saved = step, str(path)
-        return path
+
+    def _saved(self, outcome: SaveOutcome) -> None:
+        self.save_failed = None
+        self.saved_step, self.last_saved = outcome.step, str(outcome.path)
+        self.timings.append((outcome.step, {"checkpoint/blocked_s": outcome.blocked_s,
+                                            "checkpoint/write_s": outcome.write_s}))
+        if self.writer is not None and dist.get_rank() == 0:
+            log.info("checkpoint: step %d sealed %s (%.1f MB): training blocked %.3fs, sealed %.2fs after the "
+                     "request", outcome.step, outcome.path, outcome.nbytes / 1e6, outcome.blocked_s, outcome.write_s)
 
     def _is_good(self, path: Path) -> bool:
         if path.resolve() in self.good or path.resolve() in self.bad:
@@ -321,6 +385,8 @@ class RunCheckpoints:
         self.tokenizer.save_pretrained(str(directory / "tokenizer"))
 
     def close(self) -> None:
+        if self.writer is not None:
+            self._outcome(self.writer.close())
         self.preemption.restore()
         self.preemption.exit_when_done()
 

@@ -149,7 +149,11 @@ class FinetuneTrainer:
         diverged state).  True: preempted, stop now."""
         if last or (self.every_steps and step % self.every_steps == 0):
             self.beat.mark("checkpoint", step)
-        return self.ckpt.after_step(step, last=last, bad_steps=self.guard.streak)
+        stop = self.ckpt.after_step(step, last=last, bad_steps=self.guard.streak)
+        for saved, scalars in self.ckpt.timings:  # checkpoint/blocked_s, checkpoint/write_s, at the saved step
+            self.logger.scalars(saved, scalars)
+        self.ckpt.timings.clear()
+        return stop
 
     def finish(self, elapsed: float) -> dict:
         """Close checkpoints and logs, sample if asked, print the summary line; returns the summary."""

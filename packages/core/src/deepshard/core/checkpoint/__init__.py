@@ -2,6 +2,8 @@
 
 - ``state``: what a checkpoint holds (DCP state of the ZeRO optimizer's tensors at any stage and
   world size) and the collective save / load / resume search;
+- ``async_save``: the same save with the step blocked only while its state is copied into reused
+  host buffers; a writer thread (own gloo group) writes, verifies and seals it;
 - ``manifest``: every file's size and crc32, the atomic publish, verification;
 - ``retention``: what a run may remove or set aside in ``checkpoint.dir`` (only what its saves made);
 - ``owners``: the marker that tells a live save's temp dir from a dead run's;

@@ -35,11 +35,12 @@ class CheckpointSaveError(CheckpointError):
         self.root, self.step, self.reason = root, step, reason
 
 
-def gather(value: Any) -> list[Any]:
+def gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``value`` (of ``group``: the default one, or an asynchronous writer's own)."""
     if not dist.is_initialized():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -85,7 +86,7 @@ def _is_enospc(err: BaseException | None) -> bool:
     return False
 
 
-def phase(fn: Callable[[], Any]) -> Any:
+def phase(fn: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
     """Run one phase of a save on every rank; if it failed anywhere, every rank raises the first cause.
 
     Agreeing after each phase means a rank-0-only step that fails cannot leave the others waiting.
@@ -95,7 +96,7 @@ def phase(fn: Callable[[], Any]) -> Any:
         result = fn()
     except (Exception, CheckpointException) as err:
         failure = ("ENOSPC " if _is_enospc(err) else "") + one_line(err)
-    failures = [f for f in gather(failure) if f]
+    failures = [f for f in gather(failure, group) if f]
     if failures:
         raise PhaseFailed(failures[0])
     return result

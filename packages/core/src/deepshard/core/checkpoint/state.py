@@ -20,6 +20,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,8 @@ from deepshard.core.checkpoint.safe_load import SafeLoadPlanner, SafeReader, rea
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "clean_name", "latest_good", "load_checkpoint", "prune",
-           "save_checkpoint", "step_dir_name", "training_state"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "SaveRequest", "clean_name", "latest_good", "load_checkpoint",
+           "prune", "save_checkpoint", "save_request", "step_dir_name", "training_state", "write_checkpoint"]
 
 log = logging.getLogger("deepshard.checkpoint")
 
@@ -154,17 +155,51 @@ def checkpoint_bytes(state: dict[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def _world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
 
-def _agree(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
+def _agree(value: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's ``value`` on every rank (of ``group``, which holds global rank 0)."""
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+@dataclass
+class SaveRequest:
+    """What one save writes, captured when it is asked for: the DCP state (the live tensors, or a staged
+    copy of them for an asynchronous save), the JSON scalars and this rank's RNG states."""
+
+    root: Path
+    step: int
+    state: dict[str, Any]
+    trainer: dict[str, Any]
+    rng: dict[str, Any]
+    world: dict[str, Any]
+    num_params: int
+    meta: dict[str, Any] | None = None
+    write_extra: Callable[[Path], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return checkpoint_bytes(self.state)
+
+
+def save_request(root: str | os.PathLike, step: int, optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, *,
+                 model: nn.Module | None = None, app_state: dict[str, Any] | None = None,
+                 meta: dict[str, Any] | None = None,
+                 write_extra: Callable[[Path], None] | None = None) -> SaveRequest:
+    """The save of ``step`` as of now (no I/O, no collective): see :func:`save_checkpoint`."""
+    _, world = _world()
+    return SaveRequest(
+        root=Path(root), step=step, state=training_state(optimizer, dp_mesh, model), rng=rng_state(),
+        trainer={"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(),
+                 "app": app_state or {}, "world_size": world, "zero_stage": optimizer.stage.zero_stage},
+        world={"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.zero_stage},
+        num_params=len(optimizer.stage.names), meta=meta, write_extra=write_extra)
 
 
 def save_checkpoint(
@@ -186,15 +221,21 @@ def save_checkpoint(
     Raises CheckpointSaveError on every rank when the save fails anywhere (not enough free space,
     an I/O error): the partial temp dir is removed and nothing older is touched.
     """
-    rank, world = _world()
-    root = Path(root)
+    request = save_request(root, step, optimizer, dp_mesh, model=model, app_state=app_state, meta=meta,
+                           write_extra=write_extra)
+    return write_checkpoint(request)
+
+
+def write_checkpoint(request: SaveRequest, group: dist.ProcessGroup | None = None) -> Path:
+    """Write ``request`` atomically from every rank of ``group`` (the default group, or the writer
+    thread's own gloo group of an asynchronous save): shards, JSON, checksums, manifest, publish.
+    CheckpointSaveError on every rank when it fails anywhere, its temp dir removed."""
+    rank, world = _world(group)
+    root, step, state = request.root, request.step, request.state
     final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp-{_agree(uuid.uuid4().hex[:8])}"
+    tmp = root / f"{final.name}.tmp-{_agree(uuid.uuid4().hex[:8], group)}"
     start = time.perf_counter()
-    state = training_state(optimizer, dp_mesh, model)
     needed = checkpoint_bytes(state) + MARGIN_BYTES
-    trainer = {"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(), "app": app_state or {},
-               "world_size": world, "zero_stage": optimizer.stage.zero_stage}
 
     made: list[Path] = []  # rank 0: the temp dirs this save created, the only ones a failure removes
 
@@ -212,11 +253,11 @@ def save_checkpoint(
 
     def extra() -> None:
         stall(step)
-        write_json(tmp, rng_file(rank), rng_state())
+        write_json(tmp, rng_file(rank), request.rng)
         if rank == 0:
-            write_json(tmp, TRAINER, trainer)
-            if write_extra is not None:
-                write_extra(tmp)
+            write_json(tmp, TRAINER, request.trainer)
+            if request.write_extra is not None:
+                request.write_extra(tmp)
 
     def seal(parts: list[dict[str, Any]]) -> None:
         if rank == 0:
@@ -225,25 +266,25 @@ def save_checkpoint(
                 files.update(p)
             write_manifest(tmp, {
                 "format": FORMAT, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "world": {"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.zero_stage},
-                "num_params": len(optimizer.stage.names), "meta": meta or {}, "checksum": "crc32", "files": files,
+                "world": request.world, "num_params": request.num_params, "meta": request.meta or {},
+                "checksum": "crc32", "files": files,
             })
             publish(tmp, final)
             (final / OWNER).unlink(missing_ok=True)
 
     try:
-        phase(begin)
-        phase(lambda: dcp.save(state, checkpoint_id=str(tmp)))
-        phase(extra)
+        phase(begin, group)
+        phase(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=group), group)
+        phase(extra, group)
         # every rank checksums a share of the files, so sealing costs 1/world of a read
-        names = _agree(list_files(tmp))
-        parts = gather(phase(lambda: describe_files(tmp, names[rank::world])))
-        phase(lambda: seal(parts))
+        names = _agree(list_files(tmp), group)
+        parts = gather(phase(lambda: describe_files(tmp, names[rank::world]), group), group)
+        phase(lambda: seal(parts), group)
     except PhaseFailed as err:
         reason = str(err)
         if rank == 0:
             reason = clean_up(root, made, reason, needed)
-        raise CheckpointSaveError(root, step, _agree(reason)) from None
+        raise CheckpointSaveError(root, step, _agree(reason, group)) from None
     total = sum(f["bytes"] for p in parts for f in p.values())
     log.info("checkpoint: saved %s (%.1f MB) in %.2fs", final, total / 1e6, time.perf_counter() - start)
     return final

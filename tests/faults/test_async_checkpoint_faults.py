@@ -1,0 +1,65 @@
+"""checkpoint.async_save in the real app (world 2, tiny model): saves at every step into a tmpfs that
+holds two; the third fails in the background writer and surfaces as one line at a later step, the run
+trains on (checkpoint.on_error=continue), the two sealed checkpoints stay, nothing partial is left, and
+each save's blocked and write seconds reach TensorBoard."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from app_harness import MAIN, TINY, scalars
+
+from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
+from deepshard.core.checkpoint.retention import temp_dirs
+
+pytestmark = pytest.mark.slow
+
+
+def test_async_saves_into_a_filling_disk_keep_the_sealed_ones(tmp_path, mount_tmpfs):
+    disk = mount_tmpfs("12m")  # two checkpoints of ~4 MB fit, the third does not
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(MAIN), *TINY, "train.max_steps=5", "checkpoint.every_steps=1",
+           "checkpoint.async_save=true", "checkpoint.on_error=continue", f"checkpoint.dir={disk}",
+           f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"checkpoint.dir={disk}: saving step 3 failed: needs " in out and " MB free" in out, out[-3000:]
+    assert "training on (checkpoint.on_error=continue)" in out and "step     5" in out
+    assert "the final save (step 5) failed" in out
+    assert [c.step for c in step_dirs(disk)] == [2, 1] and temp_dirs(disk) == []
+    assert sorted(p.name for p in disk.iterdir()) == ["step-00000001", "step-00000002"]
+    for c in step_dirs(disk):
+        verify_checkpoint(c.path)
+    assert latest_good(disk)[0] == disk / "step-00000002"
+    assert "training blocked" in out and "writing in the background" in out
+    tb = scalars(run / "tensorboard")
+    assert len(tb["checkpoint/blocked_s"]) == len(tb["checkpoint/write_s"]) == 2
+    assert all(b < w for b, w in zip(tb["checkpoint/blocked_s"], tb["checkpoint/write_s"]))
+
+
+def test_sigterm_with_an_async_save_in_flight_seals_it_then_saves_the_final_one(tmp_path):
+    """The writer of step 4 pauses with its shards written (training goes on); SIGTERM then: the run waits
+    for step 4 to be sealed, writes the final checkpoint of the step it stopped at, and exits 0."""
+    from test_checkpoint_faults import PAUSED, Live
+
+    run = tmp_path / "run"
+    app = Live(tmp_path, run, "checkpoint.every_steps=2", "checkpoint.async_save=true", "checkpoint.keep_last=0",
+               "train.max_steps=200", env={"DEEPSHARD_FAULT_SAVE_STALL": "4:3"})
+    app.wait_for(PAUSED, timeout=120)
+    app.kill(signal.SIGTERM)
+    code, out = app.finish(timeout=60)
+    assert code == 0, out[-3000:]
+    assert "preempted" in out and "step 4 sealed" in out
+    root = run / "checkpoints"
+    steps = [c.step for c in step_dirs(root)]
+    assert 4 in steps and 4 < steps[0] <= 8, steps
+    for c in step_dirs(root):
+        verify_checkpoint(c.path)
+    assert temp_dirs(root) == []
+    assert f"saved {root / f'step-{steps[0]:08d}'}; exiting" in out
