@@ -12,13 +12,13 @@ SAVE_STEP = 3
 TOTAL_STEPS = 6
 
 
-def tiny_model(seed: int = 0):
+def tiny_model(seed: int = 0, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="eager")
+                      tie_word_embeddings=tied, attn_implementation="eager")
     return LlamaForCausalLM(cfg)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import shutil
 import sys
@@ -51,6 +52,13 @@ from deepshard.core.checkpoint.state import clean_name
 from deepshard.finetune.models.hf import to_hf_name
 
 KINDS = {"model.": "master", "optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}
+# What DeepSpeed 0.19's engine writes into mp_rank_00_model_states.pt itself; every other key is the
+# script's client_state (DeepSpeed merges it into the same dict and hands it back on load).
+DS_OWN_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "csr_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions"})
 
 
 @dataclass(frozen=True)
@@ -218,9 +226,18 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
         buffers = {n: t for n, t in ms["module"].items() if n in set(ms.get("buffer_names") or [])}
         for name, t in buffers.items():
             state["model." + name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        # tied weights (lm_head.weight -> model.embed_tokens.weight): DeepSpeed trains one, our checkpoints
+        # also hold the alias (the model's state_dict has it), in the module's dtype
+        aliases = {a: src for a, src in dict(ms.get("shared_params") or {}).items() if src in params}
+        for alias, src in aliases.items():
+            dtype = ms["module"][alias].dtype if alias in ms["module"] else torch.float32
+            state["model." + alias] = torch.empty(params[src].shape, dtype=dtype, device="meta")
         global_steps = int(ms.get("global_steps", ds.adam_step))
 
     def build(fqn: str) -> torch.Tensor:
+        if fqn.startswith("model.") and fqn[len("model."):] in aliases:
+            alias = fqn[len("model."):]
+            return ds.full(params[aliases[alias]], "master").to(state[fqn].dtype)
         for prefix, kind in KINDS.items():
             if fqn.startswith(prefix) and fqn[len(prefix):] in params:
                 return ds.full(params[fqn[len(prefix):]], kind)
@@ -265,7 +282,7 @@ def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step:
     if sched and int(sched.get("last_batch_iteration", step - 1)) + 1 != step:
         print(f"warning: {tag_dir}: the LR scheduler is at iteration {sched['last_batch_iteration']} but Adam at "
               f"step {step} (skipped fp16 steps); one counter drives both here: Adam's", file=sys.stderr)
-    app = {"counters": counters, "client_state": {},
+    app = {"counters": counters, "client_state": client_state(ms, ds.model_file),
            "deepspeed": {"tag": tag_dir.name, "version": str(ms.get("ds_version", "?")), "zero_stage": ds.stage,
                          "dp_world_size": ds.world, "lr_scheduler": {k: v for k, v in sched.items()
                                                                      if isinstance(v, (int, float, str))},
@@ -280,6 +297,24 @@ def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step:
         "num_params": len(ds.params), "meta": {"source": f"deepspeed {app['deepspeed']['version']} {tag_dir}"},
         "checksum": "crc32", "files": describe_files(tmp, list_files(tmp)),
     })
+
+
+def client_state(ms: dict, model_file: Path) -> dict[str, Any]:
+    """The script's ``client_state`` (the keys DeepSpeed did not write), as JSON: a 0-d tensor becomes its
+    number; a value JSON cannot hold (a tensor, an object) is dropped with a warning naming its key."""
+    out = {}
+    for key, value in ms.items():
+        if key in DS_OWN_KEYS or not isinstance(key, str):
+            continue
+        value = value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            print(f"warning: {model_file}: client_state[{key!r}] ({type(value).__name__}) is not JSON: not "
+                  f"imported (our checkpoints hold client_state as JSON)", file=sys.stderr)
+            continue
+        out[key] = value
+    return out
 
 
 def _jsonable(value: Any) -> Any:

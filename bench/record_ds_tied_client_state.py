@@ -1,0 +1,78 @@
+"""A real DeepSpeed checkpoint of a tied-embedding model saved with a ``client_state`` (issue 34), for
+tests/compat/test_ds_exchange.py, with DeepSpeed's own continuation and the client_state it returns.
+
+    pip install -r bench/requirements.txt    # DeepSpeed 0.19.x
+    python bench/record_ds_tied_client_state.py [--out tests/compat/fixtures]
+
+``ds_tied_zero2/`` holds ``checkpoint/`` (ZeRO-2, world 2, fp32, the tiny HF Llama of
+tests/compat/ds_fixture_model.py with ``tie_word_embeddings=True``, saved after 3 steps with
+``client_state=CLIENT_STATE``) and ``continuation.json`` (DeepSpeed's losses for steps 4-6 after
+``load_checkpoint`` in a fresh engine, and the client_state that call returned, its JSON values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "compat"))
+
+from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps  # noqa: E402
+
+STAGE = 2
+CLIENT_STATE = {"step": SAVE_STEP, "epoch": 0, "best_loss": 3.5, "note": "tied"}
+
+
+def worker(out_dir: str) -> dict:
+    sys.stdout.flush()
+    os.dup2(2, 1)  # DeepSpeed's banners go to stderr
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = tiny_model(tied=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config(STAGE))
+    before = train_steps(engine, range(SAVE_STEP), rank, world)
+    ckpt = Path(out_dir) / "checkpoint"
+    engine.save_checkpoint(str(ckpt), tag=f"global_step{SAVE_STEP}", client_state=dict(CLIENT_STATE))
+    torch.distributed.barrier()
+    fresh_model = tiny_model(seed=1, tied=True)
+    fresh, *_ = deepspeed.initialize(model=fresh_model, model_parameters=param_groups(fresh_model),
+                                     config=ds_config(STAGE))
+    path, client_state = fresh.load_checkpoint(str(ckpt))
+    assert path is not None
+    after = train_steps(fresh, range(SAVE_STEP, TOTAL_STEPS), rank, world)
+    returned = {k: client_state[k] for k in CLIENT_STATE}
+    return {"before": before, "after": after, "client_state": returned, "version": deepspeed.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures"))
+    args = ap.parse_args()
+    from deepshard.launch.local import launch_local
+
+    out = Path(args.out) / f"ds_tied_zero{STAGE}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    r = launch_local(worker, 2, str(out))[0]
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its recovery script in
+        (out / "checkpoint" / script).unlink(missing_ok=True)
+    record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": STAGE, "config": ds_config(STAGE),
+              "tie_word_embeddings": True, "save_step": SAVE_STEP, "client_state": r["client_state"],
+              "losses_before": r["before"], "losses_after_resume": r["after"]}
+    (out / "continuation.json").write_text(json.dumps(record, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {size / 1e3:.0f} KB, DeepSpeed's losses after resume {r['after']}")
+
+
+if __name__ == "__main__":
+    main()
