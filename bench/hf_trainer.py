@@ -19,6 +19,7 @@ ratio of the medians, ours / DeepSpeed's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,7 +74,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--repeat", type=int, default=2, help="launches per side and config, alternating")
     opts = ap.parse_args()
-    import deepspeed
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger prints to stdout: keep it JSON only
+        import deepspeed
     import torch
     import transformers
 
