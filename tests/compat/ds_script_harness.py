@@ -6,7 +6,15 @@ helpers) kept line for line where a tiny offline run allows.  Lines changed, and
   - torchvision's CIFAR10 download -> ``cifar_like(n)``, the same shapes and 10 classes, offline;
   - the MoE flags and ``create_moe_param_groups`` dropped (``deepspeed.moe.layer.MoE`` is refused);
   - epochs 30 -> ``--epochs 1`` on 128 samples; the print every 2000 steps, the test-set
-    evaluation and ``torch.save`` removed; ``main`` returns this rank's per-step losses.
+    evaluation and ``torch.save`` removed; ``main`` returns this rank's per-step losses;
+  - ``deepspeed`` is a parameter of ``add_argument`` and ``cifar_main`` (default: ours), and
+    ``get_accelerator`` is read from it, so bench/record_ds_scripts.py runs this same body with real
+    DeepSpeed (``import deepspeed``);
+  - ``torch.manual_seed(0)`` before ``Net(args)``: both sides (and the torch reference) build the same Net;
+  - added, not in the original: ``--ckpt_dir``; with it, after training the script saves a checkpoint
+    (``save_checkpoint(args.ckpt_dir)``), builds a fresh engine the same way on a Net from another seed,
+    ``load_checkpoint(args.ckpt_dir)`` and trains ``--epochs`` more, returning
+    ``{"losses": ..., "resumed": ...}`` (HelloDeepSpeed's save/resume calls on this script).
 ``chat_style_main`` is DeepSpeed-Chat step-1's optimizer wiring (grouped weight decay, FusedAdam,
 a warm-up scheduler built by the script, ``initialize(optimizer=, lr_scheduler=)``) on the same Net.
 ``zero_params_probe`` reads ZeRO-3's parameter attributes and the ``safe_get_*`` accessors.
@@ -22,7 +30,6 @@ import torch.nn as nn
 import torch.nn.functional as F  # noqa: N812 - the script's own spelling
 
 import deepshard.compat.deepspeed as deepspeed
-from deepshard.compat.deepspeed.accelerator import get_accelerator
 from deepshard.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepshard.compat.deepspeed.utils import (
     safe_get_full_fp32_param,
@@ -39,7 +46,7 @@ def cifar_like(n: int = 128):
     return [(images[i], int(labels[i])) for i in range(n)]
 
 
-def add_argument(argv):
+def add_argument(argv, deepspeed=deepspeed):
     parser = argparse.ArgumentParser(description="CIFAR")
     parser.add_argument("-e", "--epochs", default=30, type=int, help="number of total epochs (default: 30)")
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
@@ -47,6 +54,7 @@ def add_argument(argv):
     parser.add_argument("--dtype", default="fp16", type=str, choices=["bf16", "fp16", "fp32"],
                         help="Datatype used for training")
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3], help="ZeRO optimization stage")
+    parser.add_argument("--ckpt_dir", default=None, help="added: save, resume from it and train --epochs more")
     # Include DeepSpeed configuration arguments.
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -95,7 +103,8 @@ class Net(nn.Module):
         return x
 
 
-def cifar_main(args):
+def cifar_main(args, deepspeed=deepspeed):
+    get_accelerator = deepspeed.accelerator.get_accelerator  # the script's `from deepspeed.accelerator import`
     # Initialize DeepSpeed distributed backend.
     deepspeed.init_distributed()
     _local_rank = int(os.environ.get("LOCAL_RANK"))
@@ -129,18 +138,33 @@ def cifar_main(args):
         target_dtype = torch.half
 
     criterion = nn.CrossEntropyLoss()
-    losses = []
-    for epoch in range(args.epochs):  # noqa: B007
-        for i, data in enumerate(trainloader):  # noqa: B007
-            inputs, labels = data[0].to(local_device), data[1].to(local_device)
-            if target_dtype is not None:
-                inputs = inputs.to(target_dtype)
-            outputs = model_engine(inputs)
-            loss = criterion(outputs, labels)
-            model_engine.backward(loss)
-            model_engine.step()
-            losses.append(loss.item())
-    return losses
+
+    def train(model_engine, trainloader):
+        losses = []
+        for epoch in range(args.epochs):  # noqa: B007
+            for i, data in enumerate(trainloader):  # noqa: B007
+                inputs, labels = data[0].to(local_device), data[1].to(local_device)
+                if target_dtype is not None:
+                    inputs = inputs.to(target_dtype)
+                outputs = model_engine(inputs)
+                loss = criterion(outputs, labels)
+                model_engine.backward(loss)
+                model_engine.step()
+                losses.append(loss.item())
+        return losses
+
+    losses = train(model_engine, trainloader)
+    if args.ckpt_dir is None:
+        return losses
+    model_engine.save_checkpoint(args.ckpt_dir)
+    torch.manual_seed(1)  # other weights: everything the resumed run trains from comes from the checkpoint
+    net = Net(args)
+    parameters = filter(lambda p: p.requires_grad, net.parameters())
+    model_engine, optimizer, trainloader, __ = deepspeed.initialize(
+        args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)
+    load_path, _ = model_engine.load_checkpoint(args.ckpt_dir)
+    assert load_path is not None, f"load_checkpoint({args.ckpt_dir!r}) found no checkpoint"
+    return {"losses": losses, "resumed": train(model_engine, trainloader)}
 
 
 def get_optimizer_grouped_parameters(model, weight_decay, no_decay_name_list=("bias", "LayerNorm.weight")):
@@ -254,11 +278,22 @@ def zero_params_probe(stage: int):
     return out
 
 
-def run_all():
+def cifar_argv(stage: int, ckpt_dir: str, dtype: str = "fp32") -> list[str]:
+    """The CIFAR script's argv here and in bench/record_ds_scripts.py (real DeepSpeed, fp32 on CPU)."""
+    return ["--epochs", "1", "--stage", str(stage), "--deepspeed", "--dtype", dtype, "--ckpt_dir", ckpt_dir]
+
+
+CIFAR_STAGES = (0, 2, 3)
+
+
+def run_all(ckpt_root: str):
     results = {}
-    for stage in (0, 2, 3):
-        results[f"cifar_stage{stage}"] = cifar_main(add_argument(["--epochs", "1", "--stage", str(stage),
-                                                                  "--deepspeed"]))
+    for stage in CIFAR_STAGES:  # {"losses", "resumed"}: compared with torch and with DeepSpeed's fixture
+        results[f"cifar_stage{stage}"] = cifar_main(add_argument(cifar_argv(stage, os.path.join(
+            ckpt_root, f"cifar_stage{stage}"))))
+    # the script's default --dtype fp16, which trains in fp32 on this CPU host: the same losses as fp32
+    results["cifar_stage0_fp16"] = {"losses": cifar_main(add_argument(["--epochs", "1", "--stage", "0",
+                                                                       "--deepspeed"]))}
     results["chat_stage1"] = chat_style_main(1, steps=3)
     for stage in (2, 3):
         results[f"probe_stage{stage}"] = zero_params_probe(stage)

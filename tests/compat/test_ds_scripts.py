@@ -1,8 +1,11 @@
-"""Issue 32: DeepSpeed scripts' bodies (tests/compat/ds_script_harness.py) at world 2 against plain torch.
+"""Issue 32: DeepSpeed scripts' bodies (tests/compat/ds_script_harness.py) at world 2 against plain torch
+and against real DeepSpeed 0.19.8 running the same bodies (fixtures/ds_scripts.json, recorded by
+bench/record_ds_scripts.py: CI needs no DeepSpeed).
 
 One 2-rank launch runs DeepSpeedExamples' CIFAR script (argparse + add_config_arguments, a Net with no
-ModuleList of blocks, ds_config Adam + WarmupLR + clipping, fp16 that trains in fp32 on CPU) at ZeRO
-0, 2 and 3; DeepSpeed-Chat's optimizer wiring (grouped FusedAdam + a script-built scheduler) at ZeRO 1;
+ModuleList of blocks, ds_config Adam + WarmupLR + clipping) at ZeRO 0, 2 and 3 in fp32 with one
+save_checkpoint / load_checkpoint round into a fresh engine (and once with the script's default fp16,
+which trains in fp32 on CPU); DeepSpeed-Chat's optimizer wiring (grouped FusedAdam + a script-built scheduler) at ZeRO 1;
 and a probe of ZeRO-3's parameter attributes and the safe_get_* accessors at ZeRO 2 and 3.  The
 references below are single-process torch loops written here (DeepSpeed's WarmupLR rate and
 DistributedSampler's order written out from their sources).
@@ -10,12 +13,16 @@ DistributedSampler's order written out from their sources).
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_script_harness import Blocks, Net, cifar_like, probe_data, run_all, warmup_linear
+from ds_script_harness import CIFAR_STAGES, Blocks, Net, cifar_like, probe_data, run_all, warmup_linear
 
 from deepshard.launch.local import launch_local
 
@@ -24,8 +31,15 @@ _RUN: list = []
 
 def results() -> list[dict]:
     if not _RUN:
-        _RUN.append(launch_local(run_all, 2))
+        ckpt_root = tempfile.mkdtemp(prefix="ds_scripts_")
+        try:
+            _RUN.append(launch_local(run_all, 2, ckpt_root))
+        finally:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
     return _RUN[0]
+
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "ds_scripts.json").read_text())
 
 
 def rank_batches(micro: int, world: int = 2):
@@ -38,14 +52,15 @@ def rank_batches(micro: int, world: int = 2):
                 torch.tensor([data[i][1] for i in idx[k * micro:(k + 1) * micro]])) for idx in per_rank]
 
 
-def cifar_reference() -> list[list[float]]:
+def cifar_reference(epochs: int = 1) -> list[list[float]]:
     """Plain torch: AdamW (DeepSpeed's Adam type, adam_w_mode), WarmupLR (log, min 0, max 1e-3 over 1000
     steps; update k uses last_batch_iteration k-1), global-norm clipping at 1.0, ranks' mean losses averaged."""
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.AdamW(net.parameters(), lr=0.0, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
     losses = [[], []]
-    for k, per_rank in enumerate(rank_batches(8)):
+    batches = [b for _ in range(epochs) for b in rank_batches(8)]  # DeepSpeed's loader sets no epoch: same order
+    for k, per_rank in enumerate(batches):
         for g in opt.param_groups:
             g["lr"] = 0.0 if k == 0 else 1e-3 * math.log(k) / math.log(1000)
         opt.zero_grad()
@@ -59,14 +74,39 @@ def cifar_reference() -> list[list[float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_cifar_script_equals_torch(stage):
+@pytest.mark.parametrize("run", ["cifar_stage0", "cifar_stage2", "cifar_stage3", "cifar_stage0_fp16"])
+def test_cifar_script_equals_torch(run):
     ref = cifar_reference()
     for rank, out in enumerate(results()):
-        got = out[f"cifar_stage{stage}"]
+        got = out[run]["losses"]
         assert len(got) == 8
         assert got == pytest.approx(ref[rank], abs=1e-5), f"rank {rank}"
     assert ref[0][-1] != pytest.approx(ref[0][0], abs=1e-3)  # the rates move the weights: the check can fail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", CIFAR_STAGES)
+def test_cifar_script_resumed_equals_torch_continuing(stage):
+    """save_checkpoint, a fresh engine on other weights, load_checkpoint, one more epoch: torch's second epoch
+    (weights, Adam moments, WarmupLR's step and the loader's order all restored)."""
+    ref = cifar_reference(epochs=2)
+    for rank, out in enumerate(results()):
+        assert out[f"cifar_stage{stage}"]["resumed"] == pytest.approx(ref[rank][8:], abs=1e-5), f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", CIFAR_STAGES)
+def test_cifar_script_equals_deepspeed(stage):
+    """The same body and argv under real DeepSpeed: each rank's 8 losses, then its 8 after
+    save_checkpoint / load_checkpoint into a fresh engine (Net from another seed), within 1e-4."""
+    assert FIXTURE["deepspeed"] == "0.19.8" and FIXTURE["world_size"] == 2
+    for rank, out in enumerate(results()):
+        ds = FIXTURE["cifar"][f"stage{stage}"][rank]
+        assert "error" not in ds, ds
+        got = out[f"cifar_stage{stage}"]
+        assert len(got["losses"]) == len(got["resumed"]) == len(ds["losses"]) == len(ds["resumed"]) == 8
+        assert got["losses"] == pytest.approx(ds["losses"], abs=1e-4), f"rank {rank}"
+        assert got["resumed"] == pytest.approx(ds["resumed"], abs=1e-4), f"rank {rank} after resume"
 
 
 def chat_reference(steps: int = 3) -> list[list[float]]:

@@ -187,11 +187,11 @@ def _initialize_pipeline(model: pipe.PipelineModule, cfg: CompatConfig, ds_dict:
     engine.lr_scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer,
                                            config_scheduler="scheduler" in ds_dict)
     loader = None
-    if training_data is not None:  # DeepSpeed's loader for a pipeline: this dp replica's share
+    if training_data is not None:  # DeepSpeed's loader for a pipeline: this dp replica's share, in order
         from torch.utils.data import DataLoader, DistributedSampler
 
-        dp = engine.mesh["dp"]
-        sampler = DistributedSampler(training_data, num_replicas=dp.size(), rank=dp.get_local_rank())
+        dp = engine.mesh["dp"]  # shuffle=False: PipelineEngine._build_data_iter's sampler (unlike initialize's)
+        sampler = DistributedSampler(training_data, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=False)
         loader = DataLoader(training_data, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
         engine.training_dataloader = loader
         engine.set_dataiterator(iter(utils.RepeatingLoader(loader)))
