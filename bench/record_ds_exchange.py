@@ -1,5 +1,4 @@
-"""A real DeepSpeed checkpoint of a tied-embedding model saved with a ``client_state`` (issue 34), for
-tests/compat/test_ds_exchange.py, with DeepSpeed's own continuation and the client_state it returns.
+"""Real DeepSpeed checkpoints of ordinary scripts (issue 34), for tests/compat/test_ds_exchange.py.
 
     pip install -r bench/requirements.txt    # DeepSpeed 0.19.x
     python bench/record_ds_tied_client_state.py [--out tests/compat/fixtures]
@@ -8,6 +7,8 @@ tests/compat/test_ds_exchange.py, with DeepSpeed's own continuation and the clie
 tests/compat/ds_fixture_model.py with ``tie_word_embeddings=True``, saved after 3 steps with
 ``client_state=CLIENT_STATE``) and ``continuation.json`` (DeepSpeed's losses for steps 4-6 after
 ``load_checkpoint`` in a fresh engine, and the client_state that call returned, its JSON values).
+``ds_bf16_onegroup_zero2/checkpoint``: ZeRO-2, world 2, bf16, ``model_parameters=model.parameters()``
+(one parameter group), saved after 3 steps: DeepSpeed's ``bf16_zero_pp_rank_*`` files.
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ def worker(out_dir: str) -> dict:
     return {"before": before, "after": after, "client_state": returned, "version": deepspeed.__version__}
 
 
+def bf16_worker(out_dir: str) -> dict:
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = tiny_model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**ds_config(STAGE), "bf16": {"enabled": True}})
+    before = train_steps(engine, range(SAVE_STEP), rank, world)
+    engine.save_checkpoint(str(Path(out_dir) / "checkpoint"), tag=f"global_step{SAVE_STEP}")
+    torch.distributed.barrier()
+    return {"before": before, "version": deepspeed.__version__}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures"))
@@ -72,6 +90,17 @@ def main() -> None:
     (out / "continuation.json").write_text(json.dumps(record, indent=1) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {size / 1e3:.0f} KB, DeepSpeed's losses after resume {r['after']}")
+
+    out = Path(args.out) / f"ds_bf16_onegroup_zero{STAGE}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    r = launch_local(bf16_worker, 2, str(out))[0]
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (out / "checkpoint" / script).unlink(missing_ok=True)
+    record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": STAGE, "bf16": True, "param_groups": 1,
+              "config": {**ds_config(STAGE), "bf16": {"enabled": True}}, "losses_before": r["before"]}
+    (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{out}: {sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e3:.0f} KB")
 
 
 if __name__ == "__main__":

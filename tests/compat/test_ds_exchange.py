@@ -4,7 +4,12 @@ DeepSpeed -> ours: a real DeepSpeed 0.19.8 checkpoint (tests/compat/fixtures/ds_
 bench/record_ds_tied_client_state.py: a tied-embedding tiny Llama, ZeRO-2, world 2, saved with a
 ``client_state``) imported with from_deepspeed and resumed by deepshard.compat.deepspeed at world 2:
 ``load_checkpoint`` hands back the script's client_state, the embedding stays tied, and the next 3
-losses equal DeepSpeed's own continuation (recorded in the fixture)."""
+losses equal DeepSpeed's own continuation (recorded in the fixture).
+
+Ours -> DeepSpeed, DeepSpeed-free: a real DeepSpeed bf16 ZeRO-2 checkpoint of a script that passed
+``model.parameters()`` (one group; fixtures/ds_bf16_onegroup_zero2, same recorder) imported and
+exported again gives back DeepSpeed's own optimizer files: the ``bf16_zero_pp_rank_*`` names, one
+parameter group with DeepSpeed's hyper-parameters, every flat partition bit-identical."""
 
 from __future__ import annotations
 
@@ -12,12 +17,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from ds_exchange_harness import resume_tied_worker
 
+from deepshard.compat.deepspeed.ds_files import load_ds_file
 from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.finetune.tools.to_deepspeed import export_checkpoint
 from deepshard.launch.local import launch_local
 
 TIED = Path(__file__).parent / "fixtures" / "ds_tied_zero2"
+BF16 = Path(__file__).parent / "fixtures" / "ds_bf16_onegroup_zero2" / "checkpoint" / "global_step3"
 
 
 @pytest.mark.slow
@@ -28,3 +37,21 @@ def test_deepspeed_tied_checkpoint_with_client_state_resumes(tmp_path):
         assert out["client_state"] == record["client_state"]
         assert out["tied"]
         assert out["losses"] == pytest.approx(record["losses_after_resume"], abs=1e-5)
+
+
+def test_export_one_group_bf16_gives_deepspeeds_files(tmp_path):
+    imported = import_checkpoint(BF16.parent, tmp_path / "imported")
+    out = export_checkpoint(imported, tmp_path / "exported", stage=2)
+    theirs = sorted(f.name for f in BF16.glob("*optim_states.pt"))
+    assert theirs == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(f.name for f in out.glob("*optim_states.pt")) == theirs
+    for name in theirs:
+        ds = load_ds_file(BF16 / name)["optimizer_state_dict"]
+        ours = load_ds_file(out / name)["optimizer_state_dict"]
+        assert ours["base_optimizer_state"]["param_groups"] == ds["base_optimizer_state"]["param_groups"]
+        assert len(ours["single_partition_of_fp32_groups"]) == 1
+        assert torch.equal(ours["single_partition_of_fp32_groups"][0], ds["single_partition_of_fp32_groups"][0])
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours["base_optimizer_state"]["state"][0][kind], ds["base_optimizer_state"]["state"][0][kind])
+        for key in ("group_paddings", "partition_count", "param_alignment_paddings"):
+            assert ours[key] == ds[key], key

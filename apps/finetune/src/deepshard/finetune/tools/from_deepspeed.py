@@ -284,7 +284,8 @@ def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step:
               f"step {step} (skipped fp16 steps); one counter drives both here: Adam's", file=sys.stderr)
     app = {"counters": counters, "client_state": client_state(ms, ds.model_file),
            "deepspeed": {"tag": tag_dir.name, "version": str(ms.get("ds_version", "?")), "zero_stage": ds.stage,
-                         "dp_world_size": ds.world, "lr_scheduler": {k: v for k, v in sched.items()
+                         "dp_world_size": ds.world, "bf16": ds.optim_files[0].name.startswith("bf16_"),
+                         "lr_scheduler": {k: v for k, v in sched.items()
                                                                      if isinstance(v, (int, float, str))},
                          "param_groups": _jsonable(ds.param_groups)}}
     # DeepSpeed saves no RNG state: world_size 0 matches no resuming world, so every rank keeps its own RNG

@@ -51,15 +51,32 @@ def _find(ckpt: Path) -> Path:
     return found
 
 
-def groups(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
-    """Two groups in saved (model) order: matrices (decayed), then vectors and scalars."""
+def groups(infos: list[TensorInfo], num_groups: int = 2) -> list[list[TensorInfo]]:
+    """Two groups in saved (model) order: matrices (decayed), then vectors and scalars; or one group
+    of every parameter (a script passing ``model.parameters()``)."""
+    if num_groups == 1:
+        return [list(infos)]
     return [[i for i in infos if len(i.shape) >= 2], [i for i in infos if len(i.shape) < 2]]
 
 
+def default_num_groups(trainer: dict) -> int:
+    """An imported DeepSpeed run's own group count; else deepshard's two (decayed matrices, the rest)."""
+    app = trainer["app"] if isinstance(trainer["app"], dict) else {}
+    saved = app.get("deepspeed", {}).get("param_groups")
+    return len(saved) if saved else 2
+
+
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, world: int | None = None,
-                      tag: str | None = None, sub_group_size: int = DS_SUB_GROUP_SIZE) -> Path:
+                      tag: str | None = None, sub_group_size: int = DS_SUB_GROUP_SIZE, num_groups: int | None = None,
+                      bf16: bool | None = None) -> Path:
+    """``num_groups``: the resuming script's parameter groups (1: ``model.parameters()``; 2: decayed
+    matrices then the rest; default: an imported run's own count, else 2).  ``bf16``: DeepSpeed's
+    bf16 file names (``bf16_zero_pp_rank_*``; default: as the imported run's files were named)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1, -2 or -3 checkpoints (valid: 1, 2, 3)")
+    if num_groups not in (None, 1, 2):
+        raise ValueError(f"--groups {num_groups}: valid values are 1 (model.parameters()) and 2 (decayed matrices, "
+                         f"then vectors with weight_decay 0)")
     if sub_group_size < 1:
         raise ValueError(f"--sub-group-size {sub_group_size}: must be >= 1 (DeepSpeed's stage3_sub_group_size)")
     path = _find(Path(ckpt))
@@ -71,13 +88,16 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     tag = tag or f"global_step{counters.get('global_steps', steps)}"
     moments = {j.key for j in tensor_infos(path, "optim.exp_avg.")}  # trainable params have moments
     masters = [i for i in tensor_infos(path, "model.") if f"optim.exp_avg.{i.key[6:]}" in moments]
-    grouped = groups(masters)
+    num_groups = num_groups or default_num_groups(trainer)
+    grouped = [g for g in groups(masters, num_groups) if g]
+    app = trainer["app"] if isinstance(trainer["app"], dict) else {}
+    file_prefix = "bf16_" if (bf16 if bf16 is not None else bool(app.get("deepspeed", {}).get("bf16"))) else ""
     out = Path(out_dir) / tag
     out.mkdir(parents=True, exist_ok=False)
     shapes = [OrderedDict((i.key[6:], torch.Size(i.shape)) for i in g) for g in grouped]
     if stage == 3:
         export_zero3(path, out, trainer, grouped, model_states(shapes, steps, counters, world),
-                     world=world, steps=steps, sub_group_size=sub_group_size)
+                     world=world, steps=steps, sub_group_size=sub_group_size, file_prefix=file_prefix)
         (Path(out_dir) / "latest").write_text(tag)
         return out
     module = OrderedDict((i.key[6:], t) for i, t in iter_full_tensors(path, "model."))
@@ -106,7 +126,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
         # torch's Adam keeps ``step`` as a tensor it increments in place (an int would stay put)
         state = {i: {"step": torch.tensor(float(steps)), "exp_avg": flats["exp_avg"][i], "exp_avg_sq": flats["exp_avg_sq"][i]}
                  for i in range(len(grouped))}
-        param_groups = [ds_group(trainer, i, decay=(i == 0)) for i in range(len(grouped))]
+        param_groups = [ds_group(trainer, i, decay=(i == 0 or len(grouped) == 1)) for i in range(len(grouped))]
         osd: dict[str, Any] = {
             # no loss_scaler / clip_grad / dynamic_loss_scale keys: DeepSpeed keeps its own config's values
             "base_optimizer_state": {"state": state, "param_groups": param_groups},
@@ -114,7 +134,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
             "param_alignment_paddings": [[0] * len(g) for g in grouped], "partition_count": [world] * len(grouped),
             "ds_version": DS_VERSION}
         torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION},
-                   out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+                   out / f"{file_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     (Path(out_dir) / "latest").write_text(tag)
     return out
 
@@ -136,7 +156,7 @@ def sub_groups(group: list[TensorInfo], world: int, sub_group_size: int) -> list
 
 
 def export_zero3(path: Path, out: Path, trainer: dict, grouped: list[list[TensorInfo]], states: dict[str, Any], *,
-                 world: int, steps: int, sub_group_size: int) -> None:
+                 world: int, steps: int, sub_group_size: int, file_prefix: str = "") -> None:
     """ZeRO-3: every parameter split into ceil(numel / W) pieces, rank r holding piece r (the last
     padded with zeros); a rank's flat partition of a sub-group is its pieces in order.  The Adam state
     is indexed by sub-group, each parameter group listing its sub-groups."""
@@ -144,7 +164,8 @@ def export_zero3(path: Path, out: Path, trainer: dict, grouped: list[list[Tensor
     flat_subs = [sg for g in subs for sg in g]
     groups_out, first = [], 0
     for gi, g in enumerate(subs):
-        groups_out.append({**ds_group(trainer, gi, decay=(gi == 0)), "params": list(range(first, first + len(g)))})
+        groups_out.append({**ds_group(trainer, gi, decay=(gi == 0 or len(subs) == 1)),
+                           "params": list(range(first, first + len(g)))})
         first += len(g)
     scale = float(trainer.get("scaler", {}).get("scale", 1.0))
     for rank in range(world):
@@ -169,7 +190,7 @@ def export_zero3(path: Path, out: Path, trainer: dict, grouped: list[list[Tensor
                "partition_count": world, "optimizer_state_dict": {"state": state, "param_groups": groups_out},
                "fp32_flat_groups": flats["master"]}
         save_for_deepspeed({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION},
-                           out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+                           out / f"{file_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         del flats, state, osd
         module = OrderedDict((i.key[6:], torch.empty(0)) for g in grouped for i in g)  # weights live in the optim files
         torch.save({"module": module, **states, "frozen_param_shapes": OrderedDict(),
@@ -192,7 +213,8 @@ def ds_group(trainer: dict, index: int, *, decay: bool) -> dict[str, Any]:
     """DeepSpeed's Adam param_group.  DeepSpeed restores every hyper-parameter from it, and the lr
     is the one its next update uses (its scheduler only moves after that update)."""
     app = trainer["app"] if isinstance(trainer["app"], dict) else {}
-    saved = (app.get("deepspeed", {}).get("param_groups") or [None, None])[index]  # an imported DeepSpeed run
+    imported = app.get("deepspeed", {}).get("param_groups") or []  # an imported DeepSpeed run
+    saved = imported[index] if index < len(imported) else None
     if saved is None:
         saved = app.get("optimizer")  # written by deepshard.compat.deepspeed's save_checkpoint
     if not saved:
@@ -213,10 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="ZeRO-3: the resuming run's zero_optimization.stage3_sub_group_size (DeepSpeed's default)")
     ap.add_argument("--world", type=int, default=None, help="its data-parallel size (default: as saved)")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--groups", type=int, default=None, choices=[1, 2],
+                    help="the resuming script's parameter groups: 1 (model.parameters()) or 2 (decayed matrices, "
+                         "then the rest); default: an imported run's own, else 2")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="DeepSpeed's bf16 file names (bf16_zero_pp_rank_*); default: as an imported run's")
     args = ap.parse_args(argv)
     try:
         print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag,
-                                sub_group_size=args.sub_group_size))
+                                sub_group_size=args.sub_group_size, num_groups=args.groups, bf16=args.bf16))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
