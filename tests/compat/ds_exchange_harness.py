@@ -20,3 +20,41 @@ def resume_tied_worker(imported: str, stage: int) -> dict:
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     return {"client_state": client_state, "step": step, "tied": tied,
             "losses": train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)}
+
+
+def decay_groups(model) -> list[dict]:
+    """Per-group weight decay as scripts write it, chosen so that no rule by shape gives it: the embedding
+    (a matrix) undecayed, norms and biases decayed more than the other matrices."""
+    embed = [p for n, p in model.named_parameters() if n.startswith("embed.")]
+    vectors = [p for n, p in model.named_parameters() if p.dim() < 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")]
+    return [{"params": rest, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.5},
+            {"params": embed, "weight_decay": 0.0}]
+
+
+def group_decay_worker(stages: list[int], steps: int) -> dict:
+    """``initialize(optimizer=torch.optim.AdamW(groups))`` at each ZeRO stage; the full weights after ``steps``."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from ds_zero3_patterns_harness import TinyLM, batch
+
+    import deepshard.compat.deepspeed as deepspeed
+
+    deepspeed.init_distributed()
+    rank = deepspeed.comm.get_rank()
+    out = {}
+    for stage in stages:
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(decay_groups(model), lr=5e-2, betas=(0.9, 0.95))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                          config={"train_micro_batch_size_per_gpu": 4,
+                                                  "zero_optimization": {"stage": stage}})
+        for step in range(steps):
+            inputs, labels = batch(step, rank)
+            engine.backward(F.cross_entropy(engine(inputs).flatten(0, 1), labels.flatten()))
+            engine.step()
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            out[stage] = {n: p.detach().clone().cpu() for n, p in engine.module.named_parameters()}
+    return out

@@ -26,7 +26,7 @@ from .accelerator import get_accelerator
 from .comm import init_distributed
 from .config import CompatConfig, compat_config, read_ds_config
 from .engine import DeepSpeedEngine
-from .schedule import client_scheduler, optimizer_defaults
+from .schedule import apply_group_decays, client_scheduler, group_decays, optimizer_defaults
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
            "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]
@@ -116,7 +116,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     ``optimizer=``: torch's Adam/AdamW or ``deepspeed.ops.adam``'s FusedAdam/DeepSpeedCPUAdam built by the
     script (or a callable building one from ``model_parameters``); their hyper-parameters become the engine's AdamW over fp32 masters (and their parameters
-    the trained ones).  The optimizer returned is the engine's.  ``lr_scheduler=``: a torch scheduler
+    the trained ones; each group's ``weight_decay`` applies to its parameters, as in DeepSpeed).  The optimizer returned is the engine's.  ``lr_scheduler=``: a torch scheduler
     over that optimizer, or a callable taking the optimizer and returning one; the engine steps it
     after each applied update and each update uses its current rate, as DeepSpeed does.  Without it,
     the ds_config's scheduler runs inside ``engine.step()`` and the scheduler returned reads it.
@@ -164,8 +164,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     blocks = find_blocks(model, ac=cfg.engine.ac)
     if stage == 3:
         zero.check_external_parameters(model, blocks)
+    decays = group_decays(model, optimizer) if optimizer is not None else None  # before ZeRO-3 swaps params
     engine = core_initialize(model, cfg.engine, blocks=blocks, store_factory=store_factory,
                              offload_params=offload_params, materialize=zero.materialize if on_meta else None)
+    if decays:
+        apply_group_decays(engine, decays)
     if stage == 3:
         zero.tag_zero3_params(model)
     scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer, config_scheduler="scheduler" in ds_dict)

@@ -14,6 +14,9 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
+
+from deepshard.core.checkpoint.state import clean_name
 
 from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 
@@ -48,6 +51,21 @@ def optimizer_defaults(optimizer: Any) -> dict[str, Any]:
     # a scheduler built over it already set lr (to 0 at a warm-up's start): its base rate is initial_lr
     return {"lr": float(g.get("initial_lr", g["lr"])), "betas": [float(b) for b in g["betas"]],
             "eps": float(g["eps"]), "weight_decay": float(g.get("weight_decay", 0.0))}
+
+
+def group_decays(model: nn.Module, optimizer: Any) -> dict[str, float]:
+    """Each trainable parameter's weight decay as the script's optimizer groups give it (by name, taken
+    before ``initialize`` replaces the parameters), as DeepSpeed's optimizer applies it: every group's
+    own ``weight_decay`` (a group of biases and norms with 0.0, DeepSpeed-Chat's split)."""
+    by_id = {id(p): float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups for p in g["params"]}
+    return {clean_name(n): by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
+
+
+def apply_group_decays(engine: Any, decays: dict[str, float]) -> None:
+    """The engine's AdamW (one decay per parameter in its state store) takes the script's per-group decays."""
+    stage, store = engine.stage, engine.optimizer.store
+    assert len(stage.names) == len(store.weight_decays)
+    store.weight_decays[:] = [decays.get(clean_name(n), wd) for n, wd in zip(stage.names, store.weight_decays)]
 
 
 class _LRCarrier(torch.optim.Optimizer):
