@@ -12,7 +12,9 @@ which otherwise run ``import deepshard.compat.deepspeed as deepspeed``:
     docstring lists the lines changed from the original) with the argv
     ``--epochs 1 --stage {0,2,3} --deepspeed --dtype fp32 --ckpt_dir DIR``: one epoch of 8 steps, then
     ``save_checkpoint(DIR)``, a fresh engine on a Net from another seed, ``load_checkpoint(DIR)`` and one
-    more epoch (the resumed losses).  Lines changed for the DeepSpeed run, beyond the harness's own:
+    more epoch (the resumed losses).  DeepSpeed's ZeRO-3 checkpoint is kept as fixtures/ds_cifar_zero3/
+    (the tests import it with from_deepspeed and resume it with ours: its next losses are DeepSpeed's).
+    Lines changed for the DeepSpeed run, beyond the harness's own:
       - ``--dtype fp32`` (the script's default is fp16): DeepSpeed's CPU accelerator reports fp16 support
         on this host (mkldnn) and would train in fp16, ours trains an fp16 config in fp32 on CPU; fp32 on
         both sides is the comparison the issue asks for (within 1e-4).  The tests run ours with this same
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -54,6 +57,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "compat"))
+
+KEEP_CHECKPOINTS = (3,)  # ZeRO stages whose DeepSpeed-written CIFAR checkpoint the fixtures keep (~1 MB each)
+
 
 def _deepspeed():
     sys.stdout.flush()
@@ -136,6 +142,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cifar = _launch(cifar_worker, tmp)
+        for stage in KEEP_CHECKPOINTS:  # DeepSpeed's own checkpoint after epoch 1, resumed by ours in the tests
+            kept = Path(args.out).parent / f"ds_cifar_zero{stage}"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(Path(tmp) / f"cifar_stage{stage}", kept,
+                            ignore=shutil.ignore_patterns("zero_to_fp32.py", "zero_to_torch.py"))
     pipe = _launch(pipe_worker)
     version = next((r["deepspeed"] for r in cifar + pipe if "deepspeed" in r), None)
     record = {"deepspeed": version, "torch": torch.__version__, "world_size": 2, "device": "cpu (gloo, fp32)",

@@ -14,7 +14,8 @@ helpers) kept line for line where a tiny offline run allows.  Lines changed, and
   - added, not in the original: ``--ckpt_dir``; with it, after training the script saves a checkpoint
     (``save_checkpoint(args.ckpt_dir)``), builds a fresh engine the same way on a Net from another seed,
     ``load_checkpoint(args.ckpt_dir)`` and trains ``--epochs`` more, returning
-    ``{"losses": ..., "resumed": ...}`` (HelloDeepSpeed's save/resume calls on this script).
+    ``{"losses": ..., "resumed": ...}`` (HelloDeepSpeed's save/resume calls on this script); added
+    ``--load_dir``: the fresh engine loads from there instead (a DeepSpeed-written checkpoint imported).
 ``chat_style_main`` is DeepSpeed-Chat step-1's optimizer wiring (grouped weight decay, FusedAdam,
 a warm-up scheduler built by the script, ``initialize(optimizer=, lr_scheduler=)``) on the same Net.
 ``zero_params_probe`` reads ZeRO-3's parameter attributes and the ``safe_get_*`` accessors.
@@ -55,6 +56,7 @@ def add_argument(argv, deepspeed=deepspeed):
                         help="Datatype used for training")
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3], help="ZeRO optimization stage")
     parser.add_argument("--ckpt_dir", default=None, help="added: save, resume from it and train --epochs more")
+    parser.add_argument("--load_dir", default=None, help="added: resume from this checkpoint instead of --ckpt_dir")
     # Include DeepSpeed configuration arguments.
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -162,8 +164,9 @@ def cifar_main(args, deepspeed=deepspeed):
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)
-    load_path, _ = model_engine.load_checkpoint(args.ckpt_dir)
-    assert load_path is not None, f"load_checkpoint({args.ckpt_dir!r}) found no checkpoint"
+    load_dir = args.load_dir or args.ckpt_dir
+    load_path, _ = model_engine.load_checkpoint(load_dir)
+    assert load_path is not None, f"load_checkpoint({load_dir!r}) found no checkpoint"
     return {"losses": losses, "resumed": train(model_engine, trainloader)}
 
 
@@ -286,11 +289,16 @@ def cifar_argv(stage: int, ckpt_dir: str, dtype: str = "fp32") -> list[str]:
 CIFAR_STAGES = (0, 2, 3)
 
 
-def run_all(ckpt_root: str):
+def run_all(ckpt_root: str, imported: dict[int, str] | None = None):
+    """``imported``: ZeRO stage -> DeepSpeed's own CIFAR checkpoint after epoch 1 (fixtures/ds_cifar_zeroN,
+    imported by from_deepspeed), resumed by this body at that stage."""
     results = {}
     for stage in CIFAR_STAGES:  # {"losses", "resumed"}: compared with torch and with DeepSpeed's fixture
         results[f"cifar_stage{stage}"] = cifar_main(add_argument(cifar_argv(stage, os.path.join(
             ckpt_root, f"cifar_stage{stage}"))))
+    for stage, path in (imported or {}).items():
+        results[f"cifar_stage{stage}_from_ds"] = cifar_main(add_argument(cifar_argv(stage, os.path.join(
+            ckpt_root, f"own_stage{stage}")) + ["--load_dir", path]))
     # the script's default --dtype fp16, which trains in fp32 on this CPU host: the same losses as fp32
     results["cifar_stage0_fp16"] = {"losses": cifar_main(add_argument(["--epochs", "1", "--stage", "0",
                                                                        "--deepspeed"]))}

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from ds_script_harness import CIFAR_STAGES, Blocks, Net, cifar_like, probe_data, run_all, warmup_linear
 
+from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
 
 _RUN: list = []
@@ -32,14 +33,16 @@ _RUN: list = []
 def results() -> list[dict]:
     if not _RUN:
         ckpt_root = tempfile.mkdtemp(prefix="ds_scripts_")
-        try:
-            _RUN.append(launch_local(run_all, 2, ckpt_root))
+        try:  # DeepSpeed's own ZeRO-3 CIFAR checkpoint, imported for ours to resume
+            imported = {3: str(import_checkpoint(FIXTURES / "ds_cifar_zero3", Path(ckpt_root) / "imported3"))}
+            _RUN.append(launch_local(run_all, 2, ckpt_root, imported))
         finally:
             shutil.rmtree(ckpt_root, ignore_errors=True)
     return _RUN[0]
 
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "ds_scripts.json").read_text())
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = json.loads((FIXTURES / "ds_scripts.json").read_text())
 
 
 def rank_batches(micro: int, world: int = 2):
@@ -107,6 +110,16 @@ def test_cifar_script_equals_deepspeed(stage):
         assert len(got["losses"]) == len(got["resumed"]) == len(ds["losses"]) == len(ds["resumed"]) == 8
         assert got["losses"] == pytest.approx(ds["losses"], abs=1e-4), f"rank {rank}"
         assert got["resumed"] == pytest.approx(ds["resumed"], abs=1e-4), f"rank {rank} after resume"
+
+
+@pytest.mark.slow
+def test_deepspeeds_own_cifar_checkpoint_resumed_by_ours():
+    """DeepSpeed's ZeRO-3 checkpoint of the CIFAR script after epoch 1 (fixtures/ds_cifar_zero3), imported
+    by from_deepspeed and loaded by the script's fresh engine (ours, ZeRO 3, world 2): the next epoch's
+    losses are the ones DeepSpeed trained after loading its own checkpoint, within 1e-4."""
+    for rank, out in enumerate(results()):
+        got = out["cifar_stage3_from_ds"]["resumed"]
+        assert got == pytest.approx(FIXTURE["cifar"]["stage3"][rank]["resumed"], abs=1e-4), f"rank {rank}"
 
 
 def chat_reference(steps: int = 3) -> list[list[float]]:
