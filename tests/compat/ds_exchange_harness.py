@@ -58,3 +58,29 @@ def group_decay_worker(stages: list[int], steps: int) -> dict:
         with deepspeed.zero.GatheredParameters(params):
             out[stage] = {n: p.detach().clone().cpu() for n, p in engine.module.named_parameters()}
     return out
+
+
+def per_rank_tag_worker(save_dir: str) -> dict:
+    """DeepSpeed-Chat's ``save_checkpoint(dir, tag=loss.item())``: each rank's own loss as the tag."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from ds_zero3_patterns_harness import TinyLM, batch
+
+    import deepshard.compat.deepspeed as deepspeed
+
+    deepspeed.init_distributed()
+    rank = deepspeed.comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})
+    inputs, labels = batch(0, rank)
+    loss = F.cross_entropy(engine(inputs).flatten(0, 1), labels.flatten())
+    engine.backward(loss)
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.save_checkpoint(save_dir, tag=f"{loss.item():.6f}")
+    return {"tag": f"{loss.item():.6f}", "warnings": [str(w.message) for w in caught if "checkpoint tag" in str(w.message)]}

@@ -78,3 +78,17 @@ def test_per_group_weight_decay_through_optimizer_is_honoured():
             for name, p in model.named_parameters():
                 torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6,
                                            msg=lambda m, s=stage, n=name: f"ZeRO-{s} {n}: {m}")
+
+
+@pytest.mark.slow
+def test_a_tag_that_differs_per_rank_warns_and_saves_under_rank_0s(tmp_path):
+    from ds_exchange_harness import per_rank_tag_worker
+
+    outs = launch_local(per_rank_tag_worker, 2, str(tmp_path))
+    tags = [o["tag"] for o in outs]
+    assert tags[0] != tags[1]  # the ranks' losses differ: the case exists
+    assert outs[0]["warnings"] == []
+    assert len(outs[1]["warnings"]) == 1 and f"saved under rank 0's tag {tags[0]!r}" in outs[1]["warnings"][0]
+    assert (tmp_path / "latest").read_text() == tags[0]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [tags[0]]
+    assert list((tmp_path / tags[0]).glob("step-*/manifest.json"))

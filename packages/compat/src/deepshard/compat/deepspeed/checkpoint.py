@@ -7,6 +7,7 @@ a manifest), so it loads at any world size and ZeRO stage; ``client_state`` trav
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,22 @@ def _json(client_state: dict) -> dict:
         raise ValueError(f"save_checkpoint(client_state=...): must be JSON (numbers, strings, lists, dicts): {err}. "
                          f"Checkpoints here execute nothing on load, so they hold no pickled objects") from None
     return client_state
+
+
+def rank0_tag(tag: str, source: str) -> str:
+    """Every rank saves under rank 0's tag.  A tag that differs across ranks (``tag=loss.item()``) is
+    warned about on the ranks whose tag differs, as DeepSpeed's default ``checkpoint.tag_validation``
+    ("Warn") does; DeepSpeed would then write each rank's files under its own tag, here they stay one
+    checkpoint."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tag
+    box = [tag]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != tag:
+        warnings.warn(f"{source}: the checkpoint tag {tag!r} of rank {dist.get_rank()} differs from rank 0's "
+                      f"{box[0]!r} (a tag must be the same on every rank: not a per-rank value such as the "
+                      f"local loss); saved under rank 0's tag {box[0]!r}", stacklevel=3)
+    return box[0]
 
 
 def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dict, counters: dict[str, int],

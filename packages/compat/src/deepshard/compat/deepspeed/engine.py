@@ -19,7 +19,7 @@ from torch import nn
 from deepshard.core import Engine
 from deepshard.core.mesh import local_device
 
-from .checkpoint import load_ds_style, save_16bit, save_ds_style
+from .checkpoint import load_ds_style, rank0_tag, save_16bit, save_ds_style
 from .config import CompatConfig
 from .ds_files import check_tag
 from .schedule import load_scheduler_state, scheduler_state, step_scheduler
@@ -225,7 +225,8 @@ class DeepSpeedEngine(nn.Module):
 
         ``client_state`` must be JSON (DeepSpeed pickles it; our checkpoints execute nothing on load).
         """
-        tag = check_tag(str(tag or f"global_step{self.global_steps}"), f"save_checkpoint({str(save_dir)!r})")
+        source = f"save_checkpoint({str(save_dir)!r})"
+        tag = check_tag(rank0_tag(str(tag or f"global_step{self.global_steps}"), source), source)
         save_ds_style(self.engine, Path(save_dir), str(tag), client_state=dict(client_state or {}),
                       counters=self.counters(), save_latest=save_latest, extra=scheduler_state(self.lr_scheduler))
         return True
