@@ -84,3 +84,47 @@ def per_rank_tag_worker(save_dir: str) -> dict:
         warnings.simplefilter("always")
         engine.save_checkpoint(save_dir, tag=f"{loss.item():.6f}")
     return {"tag": f"{loss.item():.6f}", "warnings": [str(w.message) for w in caught if "checkpoint tag" in str(w.message)]}
+
+
+CLIENT_STATE = {"step": SAVE_STEP, "epoch": 0, "best_loss": 3.5}
+
+
+def ours_to_deepspeed_worker(root: str, stage: int) -> dict:
+    """Ours (a tied-embedding model, ``optimizer=AdamW(model.parameters())``: one group) trains 3 steps,
+    saves with a client_state, trains 3 more; DeepSpeed (one group, its own ds_config optimizer) resumes
+    the export (``--groups 1``) and trains the same 3 steps."""
+    import os
+    import sys
+
+    import torch
+
+    import deepshard.compat.deepspeed as ours
+    from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+
+    ours.init_distributed()
+    rank, world = ours.comm.get_rank(), ours.comm.get_world_size()
+    model = tiny_model(tied=True)
+    ds_cfg = ds_config(stage, world)
+    opt = ds_cfg["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
+                                  weight_decay=opt["weight_decay"])
+    engine, *_ = ours.initialize(model=model, optimizer=optimizer,
+                                 config={k: v for k, v in ds_cfg.items() if k != "optimizer"})
+    train_steps(engine, range(SAVE_STEP), rank, world)
+    engine.save_checkpoint(f"{root}/ours", client_state=dict(CLIENT_STATE))
+    ours_after = train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)
+    if rank == 0:
+        export_checkpoint(f"{root}/ours/global_step{SAVE_STEP}", f"{root}/ds", stage=stage, world=world, num_groups=1)
+    torch.distributed.barrier()
+
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    m = tiny_model(seed=1, tied=True)
+    ds, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=ds_cfg)
+    path, client_state = ds.load_checkpoint(f"{root}/ds")
+    assert path is not None and ds.global_steps == SAVE_STEP
+    return {"ours": ours_after, "ds": train_steps(ds, range(SAVE_STEP, TOTAL_STEPS), rank, world),
+            "client_state": {k: client_state.get(k) for k in CLIENT_STATE}}

@@ -92,3 +92,15 @@ def test_a_tag_that_differs_per_rank_warns_and_saves_under_rank_0s(tmp_path):
     assert (tmp_path / "latest").read_text() == tags[0]
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [tags[0]]
     assert list((tmp_path / tags[0]).glob("step-*/manifest.json"))
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_our_tied_one_group_checkpoint_with_client_state(tmp_path):
+    """Ours -> DeepSpeed (skipped without DeepSpeed): DeepSpeed 0.19.8 resumes our export of a tied-embedding
+    one-group ZeRO-2 run, hands back its client_state and continues with our losses."""
+    pytest.importorskip("deepspeed")
+    from ds_exchange_harness import CLIENT_STATE, ours_to_deepspeed_worker
+
+    for out in launch_local(ours_to_deepspeed_worker, 2, str(tmp_path), 2):
+        assert out["client_state"] == CLIENT_STATE
+        assert out["ds"] == pytest.approx(out["ours"], abs=1e-5)

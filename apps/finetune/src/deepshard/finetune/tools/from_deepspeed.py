@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from deepshard.compat.deepspeed.ds_files import load_ds_file, rank_files, resolve_tag_dir
+from deepshard.compat.deepspeed.ds_files import DS_OWN_KEYS, load_ds_file, rank_files, resolve_tag_dir
 from deepshard.core.checkpoint.consolidate import tensor_infos
 from deepshard.core.checkpoint.json_state import TRAINER, read_trainer, write_json
 from deepshard.core.checkpoint.manifest import (
@@ -52,13 +52,6 @@ from deepshard.core.checkpoint.state import clean_name
 from deepshard.finetune.models.hf import to_hf_name
 
 KINDS = {"model.": "master", "optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}
-# What DeepSpeed 0.19's engine writes into mp_rank_00_model_states.pt itself; every other key is the
-# script's client_state (DeepSpeed merges it into the same dict and hands it back on load).
-DS_OWN_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "csr_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
-    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions"})
 
 
 @dataclass(frozen=True)

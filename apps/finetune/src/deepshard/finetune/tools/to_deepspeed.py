@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from deepshard.compat.deepspeed.ds_files import DsLossScaler, save_for_deepspeed
+from deepshard.compat.deepspeed.ds_files import DS_OWN_KEYS, DsLossScaler, save_for_deepspeed
 from deepshard.core.checkpoint.consolidate import (
     TensorInfo,
     iter_full_tensors,
@@ -95,13 +95,15 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     out = Path(out_dir) / tag
     out.mkdir(parents=True, exist_ok=False)
     shapes = [OrderedDict((i.key[6:], torch.Size(i.shape)) for i in g) for g in grouped]
+    client = client_state(trainer)
     if stage == 3:
-        export_zero3(path, out, trainer, grouped, model_states(shapes, steps, counters, world),
+        export_zero3(path, out, trainer, grouped, {**client, **model_states(shapes, steps, counters, world)},
                      world=world, steps=steps, sub_group_size=sub_group_size, file_prefix=file_prefix)
         (Path(out_dir) / "latest").write_text(tag)
         return out
     module = OrderedDict((i.key[6:], t) for i, t in iter_full_tensors(path, "model."))
-    torch.save({"module": module, **model_states(shapes, steps, counters, world)}, out / "mp_rank_00_model_states.pt")
+    torch.save({"module": module, **client, **model_states(shapes, steps, counters, world)},
+               out / "mp_rank_00_model_states.pt")
     del module
     align = 2 * world  # DeepSpeed pads each flat group to a multiple of 2 x dp size
     sizes = [math.ceil(sum(math.prod(i.shape) for i in g) / align) * align for g in grouped]
@@ -195,6 +197,19 @@ def export_zero3(path: Path, out: Path, trainer: dict, grouped: list[list[Tensor
         module = OrderedDict((i.key[6:], torch.empty(0)) for g in grouped for i in g)  # weights live in the optim files
         torch.save({"module": module, **states, "frozen_param_shapes": OrderedDict(),
                     "frozen_param_fragments": OrderedDict()}, out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
+def client_state(trainer: dict) -> dict[str, Any]:
+    """The script's ``client_state`` (saved by deepshard.compat.deepspeed, or imported from DeepSpeed) as
+    DeepSpeed keeps it: top-level keys of the model-states file, which its ``load_checkpoint`` hands back.
+    A key DeepSpeed uses itself would be overwritten by DeepSpeed's value: refused by name."""
+    app = trainer["app"] if isinstance(trainer["app"], dict) else {}
+    client = dict(app.get("client_state") or {})
+    clash = sorted(k for k in client if k in DS_OWN_KEYS)
+    if clash:
+        raise ValueError(f"client_state keys {clash} are DeepSpeed's own model-states entries: DeepSpeed would "
+                         f"read them as its own; rename them in the script's client_state")
+    return client
 
 
 def model_states(shapes: list[OrderedDict], steps: int, counters: dict, world: int) -> dict[str, Any]:

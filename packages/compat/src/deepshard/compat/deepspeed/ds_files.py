@@ -63,6 +63,15 @@ ALLOWED = [
 ]
 
 
+# What DeepSpeed 0.19's engine writes into mp_rank_00_model_states.pt itself; every other key is the
+# script's client_state (DeepSpeed merges it into the same dict and hands it back on load).
+DS_OWN_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "csr_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions"})
+
+
 _DS_NAMES = {cls: name.rsplit(".", 1) for cls, name in ALLOWED}
 
 
