@@ -9,6 +9,9 @@ tests/compat/ds_fixture_model.py with ``tie_word_embeddings=True``, saved after 
 ``load_checkpoint`` in a fresh engine, and the client_state that call returned, its JSON values).
 ``ds_bf16_onegroup_zero2/checkpoint``: ZeRO-2, world 2, bf16, ``model_parameters=model.parameters()``
 (one parameter group), saved after 3 steps: DeepSpeed's ``bf16_zero_pp_rank_*`` files.
+``ds_aligned_zero2/checkpoint``: bf16 ZeRO-2 of tests/compat/ds_zero3_patterns_harness.py's TinyLM (odd
+parameter sizes), two parameter groups, ``zero_optimization.parameter_alignment`` (each parameter but a
+group's last padded to 16 bytes), saved after 3 steps.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def worker(out_dir: str) -> dict:
     return {"before": before, "after": after, "client_state": returned, "version": deepspeed.__version__}
 
 
-def bf16_worker(out_dir: str) -> dict:
+def bf16_worker(out_dir: str, aligned: bool = False) -> dict:
     sys.stdout.flush()
     os.dup2(2, 1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -63,13 +66,34 @@ def bf16_worker(out_dir: str) -> dict:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = tiny_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config={**ds_config(STAGE), "bf16": {"enabled": True}})
-    before = train_steps(engine, range(SAVE_STEP), rank, world)
+    if aligned:
+        import torch.nn.functional as F  # noqa: N812
+        from ds_zero3_patterns_harness import TinyLM, batch
+
+        torch.manual_seed(0)
+        model = TinyLM()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=bf16_config(True))
+        before = []
+        for step in range(SAVE_STEP):
+            inputs, labels = batch(step, rank)
+            loss = F.cross_entropy(engine(inputs).flatten(0, 1).float(), labels.flatten())
+            engine.backward(loss)
+            engine.step()
+            before.append(loss.item())
+    else:
+        model = tiny_model()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=bf16_config(False))
+        before = train_steps(engine, range(SAVE_STEP), rank, world)
     engine.save_checkpoint(str(Path(out_dir) / "checkpoint"), tag=f"global_step{SAVE_STEP}")
     torch.distributed.barrier()
     return {"before": before, "version": deepspeed.__version__}
+
+
+def bf16_config(aligned: bool) -> dict:
+    config = {**ds_config(STAGE), "bf16": {"enabled": True}}
+    if aligned:
+        config["zero_optimization"] = {**config["zero_optimization"], "parameter_alignment": True}
+    return config
 
 
 def main() -> None:
@@ -91,16 +115,17 @@ def main() -> None:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {size / 1e3:.0f} KB, DeepSpeed's losses after resume {r['after']}")
 
-    out = Path(args.out) / f"ds_bf16_onegroup_zero{STAGE}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    r = launch_local(bf16_worker, 2, str(out))[0]
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-        (out / "checkpoint" / script).unlink(missing_ok=True)
-    record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": STAGE, "bf16": True, "param_groups": 1,
-              "config": {**ds_config(STAGE), "bf16": {"enabled": True}}, "losses_before": r["before"]}
-    (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{out}: {sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e3:.0f} KB")
+    for name, aligned in ((f"ds_bf16_onegroup_zero{STAGE}", False), (f"ds_aligned_zero{STAGE}", True)):
+        out = Path(args.out) / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        r = launch_local(bf16_worker, 2, str(out), aligned)[0]
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (out / "checkpoint" / script).unlink(missing_ok=True)
+        record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": STAGE, "bf16": True,
+                  "param_groups": 2 if aligned else 1, "config": bf16_config(aligned), "losses_before": r["before"]}
+        (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{out}: {sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e3:.0f} KB")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,18 @@ def test_deepspeed_resumes_our_tied_one_group_checkpoint_with_client_state(tmp_p
     for out in launch_local(ours_to_deepspeed_worker, 2, str(tmp_path), 2):
         assert out["client_state"] == CLIENT_STATE
         assert out["ds"] == pytest.approx(out["ours"], abs=1e-5)
+
+
+def test_import_reads_zeros_parameter_alignment_layout(tmp_path):
+    """DeepSpeed -> ours with ``zero_optimization.parameter_alignment`` (fixtures/ds_aligned_zero2: bf16, odd
+    parameter sizes, so parameters are padded inside the flat groups and the last rank's partition is shorter):
+    every imported fp32 master rounds to the bf16 weight DeepSpeed saved in its module state."""
+    import torch.distributed.checkpoint as dcp
+
+    aligned = Path(__file__).parent / "fixtures" / "ds_aligned_zero2" / "checkpoint"
+    module = load_ds_file(aligned / "global_step3" / "mp_rank_00_model_states.pt")["module"]
+    imported = import_checkpoint(aligned, tmp_path / "imported")
+    masters = {f"model.{n}": torch.zeros(t.shape) for n, t in module.items()}
+    dcp.load(masters, checkpoint_id=str(imported), no_dist=True)
+    for name, t in module.items():
+        assert torch.equal(masters[f"model.{name}"].to(torch.bfloat16), t), name

@@ -124,11 +124,13 @@ class DsCheckpoint:
         shapes = self.model_states["param_shapes"]
         out = []
         if self.stage < 3:
+            # zero_optimization.parameter_alignment: each parameter but a group's last padded to 16 bytes
+            paddings = self.osd_meta.get("param_alignment_paddings") or [[0] * len(g) for g in shapes]
             for g, group in enumerate(shapes):
                 offset = 0
-                for name, shape in group.items():
+                for (name, shape), pad in zip(group.items(), paddings[g], strict=True):
                     out.append(Param(name, tuple(shape), g, offset))
-                    offset += math.prod(shape)
+                    offset += math.prod(shape) + int(pad)
                 if offset > self.group_sizes[g] * self.world:
                     raise ValueError(f"{self.tag_dir}: group {g} has {offset} elements but its partitions hold "
                                      f"{self.group_sizes[g]} x {self.world}: files of different runs?")
@@ -152,7 +154,8 @@ class DsCheckpoint:
             for rank in range(first, last + 1):
                 with _reading(self.optim_files[rank]):
                     flat = self._flats(load_ds_file(self.optim_files[rank])["optimizer_state_dict"], kind)[param.group]
-                if flat.numel() != size:
+                short_last = rank == self.world - 1 and flat.numel() >= param.offset + param.numel - rank * size
+                if flat.numel() != size and not short_last:  # the last rank's may stop at its data (aligned layout)
                     raise ValueError(f"{self.optim_files[rank]}: its {kind} partition of group {param.group} holds "
                                      f"{flat.numel()} elements, rank 0's {size}: truncated, or files of different runs?")
                 lo, hi = max(param.offset, rank * size), min(param.offset + param.numel, (rank + 1) * size)
