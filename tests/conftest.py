@@ -1,29 +1,42 @@
 """Shared test settings (one thread per process keeps multi-rank tests honest on 2 cores) and fixtures."""
 
 import os
-import subprocess
 
 import pytest
+from tmpfs import tmpfs_mounter
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
 def mount_tmpfs(tmp_path):
-    """``mount_tmpfs("2m")``: a fresh tmpfs of that size under tmp_path, unmounted afterwards (the
-    test is skipped where mounting is not permitted: tests of full disks need root)."""
-    mounts = []
+    """``mount_tmpfs("2m")``: a fresh tmpfs of that size under tmp_path, unmounted afterwards."""
+    count = iter(range(1000))
 
-    def mount(size: str):
-        mnt = tmp_path / f"tmpfs-{len(mounts)}"
+    def new_dir():
+        mnt = tmp_path / f"tmpfs-{next(count)}"
         mnt.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-        mounts.append(mnt)
         return mnt
 
-    yield mount
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from tmpfs_mounter(new_dir)
+
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_outlives_its_test():
+    """A test that joins a 1-rank group in this process (``deepspeed.initialize``, ``init_distributed``)
+    leaves neither the group nor its environment behind: the next test's fake world would find the group,
+    and an app it launches would inherit MASTER_PORT and collide with the group's store (EADDRINUSE)."""
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

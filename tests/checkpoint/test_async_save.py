@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from async_harness import async_worker
+from tmpfs import tmpfs_mounter
 
 from deepshard.launch.local import launch_local
 
@@ -19,22 +20,7 @@ def results(tmp_path_factory, mount_tmpfs):
 
 @pytest.fixture(scope="module")
 def mount_tmpfs(tmp_path_factory):  # module-scoped twin of tests/conftest.py's (one launch serves the module)
-    import subprocess
-
-    mounts = []
-
-    def mount(size: str):
-        mnt = tmp_path_factory.mktemp("tmpfs")
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-        mounts.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from tmpfs_mounter(lambda: tmp_path_factory.mktemp("tmpfs"))
 
 
 def test_async_every_step_verifies_and_resumes_bit_exact(results):

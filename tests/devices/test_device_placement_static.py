@@ -27,6 +27,13 @@ CONSTRUCTORS = {
 OFFLOAD = "packages/offload/src/deepshard/offload"
 FINETUNE = "apps/finetune/src/deepshard/finetune"
 ALLOWED = {
+    "packages/compat/src/deepshard/compat/deepspeed/zero.py:_gathered_before_initialize":
+        "GatheredParameters before initialize: full host tensors a script loads weights into (the model is not "
+        "on a device yet); they reach the broadcast only after .to(local_device())",
+    "packages/compat/src/deepshard/compat/deepspeed/schedule.py:_LRCarrier.__init__":
+        "a placeholder parameter for a scheduler's optimizer: it carries the lr and is never updated or reduced",
+    "packages/compat/src/deepshard/compat/transformers/bridge.py:hf_schedule":
+        "a probe optimizer to read transformers' LambdaLR factors: never stepped or reduced",
     f"{OFFLOAD}/pinned.py:*": "pinned host buffers: host memory is the point",
     f"{OFFLOAD}/nvme_store.py:NvmeStateStore.state_dict": "checkpoint copies of swapped-out state, in host memory",
     f"{OFFLOAD}/infinity_store.py:InfinityStore.state_dict":

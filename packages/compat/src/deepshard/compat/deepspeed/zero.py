@@ -98,7 +98,8 @@ def materialize(model: nn.Module) -> None:
     for module in model.modules():  # same order on every rank: the broadcasts pair up
         for name, (src, value) in sorted(_WRITTEN.pop(module, {}).items()):
             p = module._parameters[name]
-            full = (value if dist.get_rank() == src else torch.empty(p.shape, dtype=p.dtype)).to(local_device())
+            device = local_device()  # a broadcast's tensor lives on the compute device (nccl takes no host tensor)
+            full = value.to(device) if dist.get_rank() == src else torch.empty(p.shape, dtype=p.dtype, device=device)
             dist.broadcast(full, src=src)
             local = distribute_tensor(full, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor) else full
             local_tensor_of(p).copy_(local)
