@@ -29,10 +29,13 @@ def no_process_group_outlives_its_test():
     """A test that joins a 1-rank group in this process (``deepspeed.initialize``, ``init_distributed``)
     leaves neither the group nor its environment behind: the next test's fake world would find the group,
     and an app it launches would inherit MASTER_PORT and collide with the group's store (EADDRINUSE)."""
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    yield
     import torch.distributed as dist
 
+    if dist.is_available() and dist.is_initialized():  # a wider-scoped fixture's group: not this test's
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in saved.items():
