@@ -53,7 +53,8 @@ beat = Heartbeat.from_env(rank)  # progress, for the launcher's watchdog
 for step in range(1, 5):
     beat.mark("forward", step)
     if rank == 1 and step == 3:
-        time.sleep(600)  # hung
+        time.sleep(600)  # hung in forward (its beat thread still beats, as a hung rank's does)
+    beat.mark("backward", step)  # the healthy rank gets this far, then waits in the barrier
     dist.barrier()
 """
 
