@@ -34,23 +34,27 @@ def apply_zero(
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype = torch.float32,
     offload_params: bool | ParamOffload = False,
+    shard_mesh: DeviceMesh | None = None,
 ) -> ZeroStage:
     """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle,
     built from its parts (stages 1-2: a reducer and a gatherer; stage 2's reducer hands final
     gradient shards over during backward through a GradHandoff the optimizer binds to its store).
 
     Stages 0-2 expect the model already in its compute dtype; stage 3 expects fp32 params and
-    casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).
+    casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).  ``shard_mesh``: the 2-D
+    ``(dp_replicate, dp_shard)`` mesh of HSDP (zero.hsdp), stage 3 only; default ``dp_mesh``.
     """
-    group = dp_mesh.get_group()
     reduce_dtype = DTYPES[config.reduce_dtype]
+    if shard_mesh is not None and config.stage != 3:
+        raise ValueError(f"HSDP (parallel.dp_replicate > 1) needs zero.stage=3 (got zero.stage={config.stage})")
     if config.stage == 3:
-        apply_fsdp(model, blocks, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        apply_fsdp(model, blocks, dp_mesh if shard_mesh is None else shard_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
                    prefetch=config.prefetch)
         return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None)
     if offload_params:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
+    group = dp_mesh.get_group()
     names, params = trainable(model)
     reducer_kwargs = dict(reduce_bucket_size=config.reduce_bucket_size, overlap=config.overlap_comm,
                           reduce_dtype=reduce_dtype)

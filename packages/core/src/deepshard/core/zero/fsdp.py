@@ -63,7 +63,7 @@ def apply_fsdp(
                     offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload)
-    if dist.get_backend(dp_mesh.get_group()) == "gloo":
+    if dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) == "gloo":  # HSDP: the shard axis is the last
         for unit in [*blocks, model]:
             assert isinstance(unit, FSDPModule)
             unit.set_custom_all_gather(GlooAllGather())
