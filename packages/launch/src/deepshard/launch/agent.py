@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from deepshard.launch.heartbeat import ENV_DIR, Watchdog, remove_dead_beats
 from deepshard.launch.local import _describe, worker_threads
+from deepshard.launch.parent_death import guarded
 
 LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each worker's local rank here (elastic.utils.macros)
 
@@ -165,6 +166,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
         max_restarts=node.max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     watchdog = Watchdog(beat_dir, node.hang_s) if node.hang_s > 0 else None
+    entry, args = guarded(entry, args, os.getpid())  # the workers die with this agent, even by SIGKILL
     try:
         with _environment(env), watchdog or contextlib.nullcontext():
             elastic_launch(config, entry)(*args)

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.mesh import free_port
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
+from deepshard.launch.parent_death import SERVER_PARENT_ENV, die_with_parent
 
 _PEER_GRACE_S = 1.0
 
@@ -169,14 +170,16 @@ def _quiet_resource_tracker() -> None:
         sys.warnoptions.remove(option)
 
 
-def _in_launch_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` with the launcher's environment as of this launch, under torchelastic's per-rank
-    variables.  forkserver's workers fork from a server that kept the environment of the process's
+    variables; the worker dies with ``parent`` (the forkserver, which ends with the launcher).  forkserver's workers fork from a server that kept the environment of the process's
     first launch (spawn would start each from the launcher's current one); multiprocessing already
     gives them the launcher's current ``sys.path`` and directory.  As a spawned worker would, it runs
     its exit handlers when ``fn`` ends."""
     import torch
 
+    if parent is not None:
+        die_with_parent(parent)  # a SIGKILLed launcher leaves no worker behind
     per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
     os.environ.clear()
     os.environ.update(env)
@@ -212,9 +215,19 @@ def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) 
     pre-launch checks overlaps the two.  Only the first call in a process starts one; later calls
     change nothing."""
     _quiet_resource_tracker()  # the server starts the tracker: before it, with the leak warning off
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor", __name__,
-                                            fn.__module__, *preload])
-    multiprocessing.forkserver.ensure_running()
+    multiprocessing.set_forkserver_preload(["deepshard.launch.forkserver_guard", "torch", "torch._dynamo",
+                                            "torch.distributed.tensor", __name__, fn.__module__, *preload])
+    os.environ[SERVER_PARENT_ENV] = str(os.getpid())  # the server dies with this process (forkserver_guard)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop(SERVER_PARENT_ENV, None)
+
+
+def _server_pid() -> int | None:
+    """The forkserver's pid: the workers' parent (it exits when the launcher does)."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int | None = None,
@@ -265,7 +278,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workers see no GPU
     try:
         with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
-            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), fn), fn)
+            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), _server_pid(), fn), fn)
             results = elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
         beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
