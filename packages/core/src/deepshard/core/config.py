@@ -34,6 +34,16 @@ class ZeroConfig:
     # the dtype gradients are reduced in at every stage (DeepSpeed's communication_data_type); they are
     # accumulated across micro-steps in fp32 whatever this says
     reduce_dtype: str = "fp32"
+    # ZeRO++ (stage 3, deepshard.core.zero.quantized): qwZ, the parameter all-gathers carry int8 blocks
+    # (one fp32 scale per 4096 elements) dequantized on arrival, the sharded fp32 masters untouched; qgZ,
+    # gradients reduce-scattered as int8/int4 blocks by all-to-all, within each node first, then across,
+    # summed in fp32 on arrival.  quantized_gradients_node_size: ranks per node for qgZ's two hops (0:
+    # torchrun's LOCAL_WORLD_SIZE).  hpz_partition_size (hpZ's secondary partition) is not built: > 1 is refused
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantized_gradients_bits: int = 8
+    quantized_gradients_node_size: int = 0
+    hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         if self.reduce_dtype not in REDUCE_DTYPES:
@@ -45,6 +55,22 @@ class ZeroConfig:
                 raise ConfigError(key, getattr(self, key), "must be a positive number of elements")
         if self.prefetch < 0:
             raise ConfigError("prefetch", self.prefetch, "must be >= 0")
+        self._check_zeropp()
+
+    def _check_zeropp(self) -> None:
+        for key in ("quantized_weights", "quantized_gradients"):
+            if getattr(self, key) and self.stage != 3:
+                raise ConfigError(key, True, f"ZeRO++'s quantized collectives are stage 3's (FSDP2's all-gather and "
+                                             f"reduce-scatter); got stage={self.stage}")
+        if self.quantized_gradients_bits not in (8, 4):
+            raise ConfigError("quantized_gradients_bits", self.quantized_gradients_bits, "valid values are 8 and 4")
+        if self.quantized_gradients_node_size < 0:
+            raise ConfigError("quantized_gradients_node_size", self.quantized_gradients_node_size,
+                              "must be >= 0 (0: LOCAL_WORLD_SIZE)")
+        if self.hpz_partition_size != 1:
+            raise ConfigError("hpz_partition_size", self.hpz_partition_size,
+                              "hpZ's secondary weight partition is not implemented: only 1 (off) is valid; "
+                              "parallel.dp_replicate (HSDP) keeps every weight all-gather inside a node instead")
 
 
 @dataclass(frozen=True)

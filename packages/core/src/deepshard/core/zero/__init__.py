@@ -48,9 +48,17 @@ def apply_zero(
     if shard_mesh is not None and config.stage != 3:
         raise ValueError(f"HSDP (parallel.dp_replicate > 1) needs zero.stage=3 (got zero.stage={config.stage})")
     if config.stage == 3:
-        apply_fsdp(model, blocks, dp_mesh if shard_mesh is None else shard_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        mesh = dp_mesh if shard_mesh is None else shard_mesh
+        gather = scatter = None
+        if config.quantized_weights or config.quantized_gradients:  # ZeRO++ (imports deepshard.kernels)
+            from deepshard.core.zero.quantized import zeropp_collectives
+
+            gather, scatter = zeropp_collectives(
+                mesh, quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients,
+                gradient_bits=config.quantized_gradients_bits, node_size=config.quantized_gradients_node_size)
+        apply_fsdp(model, blocks, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
-                   prefetch=config.prefetch)
+                   prefetch=config.prefetch, all_gather=gather, reduce_scatter=scatter)
         return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None)
     if offload_params:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's hook types
 
 from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
 from deepshard.core.zero.collectives import GlooAllGather, GlooReduceScatter
@@ -43,12 +44,15 @@ def apply_fsdp(
     reshard_after_forward: bool,
     offload_params: bool | ParamOffload = False,
     prefetch: int = 1,
+    all_gather: AllGather | None = None,
+    reduce_scatter: ReduceScatter | None = None,
 ) -> None:
     """Shard each block, then the root (embeddings, final norm, head), torchtitan's order.
 
     ``prefetch`` blocks ahead are all-gathered explicitly in forward and backward, so the next
     block's parameters arrive while this one computes.  On gloo, FSDP2 collects through the forms
-    gloo runs fastest (``zero.collectives``); other backends keep FSDP2's own.
+    gloo runs fastest (``zero.collectives``); other backends keep FSDP2's own.  ``all_gather`` /
+    ``reduce_scatter`` replace those on any backend (ZeRO++'s quantized forms, ``zero.quantized``).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinning needs an accelerator: on a CPU-only host the params simply stay in (plain) host memory.
@@ -63,11 +67,13 @@ def apply_fsdp(
                     offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload)
-    if dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) == "gloo":  # HSDP: the shard axis is the last
-        for unit in [*blocks, model]:
-            assert isinstance(unit, FSDPModule)
-            unit.set_custom_all_gather(GlooAllGather())
-            unit.set_custom_reduce_scatter(GlooReduceScatter())
+    gloo = dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) == "gloo"  # HSDP: the shard axis is the last
+    for unit in [*blocks, model]:
+        assert isinstance(unit, FSDPModule)
+        if all_gather is not None or gloo:
+            unit.set_custom_all_gather(all_gather or GlooAllGather())
+        if reduce_scatter is not None or gloo:
+            unit.set_custom_reduce_scatter(reduce_scatter or GlooReduceScatter())
     if prefetch > 0 and len(blocks) > 1:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
