@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,10 @@ class ParallelDims:
     pp: int = 1
     dp: int = -1
     tp: int = 1
+    # HSDP (ZeRO-3 only): ZeRO-3 shards within groups of dp_shard ranks and all-reduces across dp_replicate
+    # such groups; dp_shard x dp_replicate = dp (dp_shard=-1: dp / dp_replicate)
+    dp_shard: int = -1
+    dp_replicate: int = 1
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in ``dp`` and check that the product is the world size (ValueError naming the keys)."""
@@ -44,7 +49,25 @@ class ParallelDims:
                 f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.tp={self.tp} = {self.pp * dp * self.tp} "
                 f"!= world size {world_size}: the product must equal the number of ranks"
             )
-        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp)
+        shard, replicate = self._split_dp(dp)
+        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, dp_shard=shard, dp_replicate=replicate)
+
+    def _split_dp(self, dp: int) -> tuple[int, int]:
+        """``(dp_shard, dp_replicate)`` for a data-parallel size ``dp``; their product must be ``dp``."""
+        shard, replicate = self.dp_shard, self.dp_replicate
+        if replicate < 1:
+            raise ValueError(f"parallel.dp_replicate={replicate}: must be a positive integer")
+        if shard == 0 or shard < -1:
+            raise ValueError(f"parallel.dp_shard={shard}: must be a positive integer, or -1 to derive it")
+        if shard == -1:
+            if dp % replicate:
+                raise ValueError(f"parallel.dp_replicate={replicate} does not divide the data-parallel size {dp}: "
+                                 f"choose it among the divisors of {dp}")
+            shard = dp // replicate
+        if shard * replicate != dp:
+            raise ValueError(f"parallel.dp_shard={shard} x parallel.dp_replicate={replicate} = {shard * replicate} != "
+                             f"the data-parallel size {dp} (parallel.dp): the product must equal it")
+        return shard, replicate
 
 
 def device_type() -> str:
@@ -79,7 +102,16 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh:
     """One mesh with all three named axes (size-1 axes included), so sub-meshes are ``mesh["dp"]`` etc."""
     world = dist.get_world_size()
     dims = dims.resolve(world)
-    return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+    if dims.dp_replicate == 1:
+        return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+    # HSDP: dp split into (dp_replicate, dp_shard), flattened back into ``dp`` for everything else
+    # (data loading, loss counts, checkpoints); ZeRO-3 shards over the two (zero.hsdp.hsdp_mesh)
+    mesh = init_device_mesh(device_type(), (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    # torch 2.13 still slices a flattened dim from the root (``mesh["dp"]``) and warns it may not forever
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
 
 
 def cuda_index(env: Mapping[str, str], device_count: int) -> int:

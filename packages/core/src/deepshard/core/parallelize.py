@@ -24,6 +24,7 @@ from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
 from deepshard.core.tensor_parallel import apply_tp
 from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
+from deepshard.core.zero.hsdp import hsdp_mesh
 
 IGNORE_INDEX = -100  # a label that does not count in the loss (prompt tokens, padding): torch's default
 
@@ -85,5 +86,5 @@ def parallelize_model(
     torch_dtype = DTYPES[dtype]
     fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
     stage = apply_zero(model, dp_mesh, zero, blocks=list(blocks), param_dtype=torch_dtype,
-                       offload_params=offload_params)
+                       offload_params=offload_params, shard_mesh=hsdp_mesh(mesh))
     return ShardedPart(stage, fp32_masters, num_params)

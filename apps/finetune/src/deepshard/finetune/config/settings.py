@@ -448,4 +448,19 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         check_tp(settings.model, parallel.tp)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
+    _validate_zeropp(settings, parallel.resolve(world))
     return dataclasses.replace(settings, parallel=parallel.resolve(world))
+
+
+def _validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
+    """HSDP (``parallel.dp_replicate``) and ZeRO++'s quantized collectives (deepshard.core.zero.hsdp/quantized)."""
+    from deepshard.core.zero.hsdp import check_hsdp
+
+    check_hsdp(dp_replicate=parallel.dp_replicate, zero_stage=settings.engine.zero.stage, pp=parallel.pp,
+               tp=parallel.tp)
+    zero = settings.engine.zero
+    on = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
+    if on and parallel.dp_shard == 1:  # (fp32 training is not refused: int8 blocks cut its bytes 4x, bf16's 2x)
+        raise ValueError(f"zero.{on[0]}=true with a ZeRO-3 shard group of one rank (data-parallel size "
+                         f"{parallel.dp}, parallel.dp_shard=1): no weight is all-gathered and no gradient "
+                         f"reduce-scattered, so there is nothing to quantize; set it false")

@@ -1,0 +1,56 @@
+"""ZeRO++ and HSDP settings: the app's keys compose and validate, bad input fails before any worker
+starts with one line naming the keys, and DeepSpeed's ZeRO++ keys translate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from deepshard.compat.ds_config import translate
+from deepshard.finetune.config import register, validate
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+register()
+
+
+def _settings(overrides: list[str], world: int = 4):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return validate(OmegaConf.to_container(cfg, resolve=True), world_size=world)
+
+
+def test_hsdp_and_zeropp_keys_validate():
+    s = _settings(["+zero=stage3", "parallel.dp_shard=2", "parallel.dp_replicate=2", "zero.quantized_weights=true",
+                   "zero.quantized_gradients=true", "zero.quantized_gradients_bits=4"])
+    assert (s.parallel.dp, s.parallel.dp_shard, s.parallel.dp_replicate) == (4, 2, 2)
+    z = s.engine.zero
+    assert (z.quantized_weights, z.quantized_gradients, z.quantized_gradients_bits) == (True, True, 4)
+    assert _settings(["+zero=stage3"]).parallel.dp_shard == 4  # flat: the whole dp axis shards
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["+zero=stage3", "parallel.dp_shard=3", "parallel.dp_replicate=2"], 4,
+     r"^parallel.dp_shard=3 x parallel.dp_replicate=2 = 6 != the data-parallel size 4"),
+    (["+zero=stage3", "parallel.dp_replicate=3"], 4, r"^parallel.dp_replicate=3 does not divide the data-parallel size 4"),
+    (["+zero=stage2", "parallel.dp_replicate=2"], 4, r"^parallel.dp_replicate=2 needs zero.stage=3"),
+    (["+zero=stage2", "zero.quantized_gradients=true"], 2, r"^zero.quantized_gradients=True: .* stage 3's"),
+    (["+zero=stage3", "zero.quantized_weights=true"], 1, r"^zero.quantized_weights=true with a ZeRO-3 shard group of one"),
+    (["+zero=stage3", "parallel.dp_replicate=2", "zero.quantized_gradients=true"], 2, r"shard group of one rank"),
+    (["+zero=stage3", "zero.hpz_partition_size=2"], 4, r"^zero.hpz_partition_size=2: hpZ's secondary weight partition is not"),
+    (["+zero=stage3", "zero.quantized_gradients_bits=2"], 4, r"^zero.quantized_gradients_bits=2: valid values are 8 and 4"),
+])
+def test_bad_input_refused_before_start(overrides, world, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _settings(overrides, world)
+    assert "\n" not in str(err.value)
+
+
+def test_ds_config_zeropp_keys_map():
+    t = translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                         "zero_hpz_partition_size": 1, "zeropp_loco_param": {"err_beta": 0.8}}})
+    assert {"+zero=stage3", "zero.quantized_weights=true", "zero.quantized_gradients=true",
+            "zero.quantized_gradients_bits=4", "zero.hpz_partition_size=1"} <= set(t.overrides)
+    assert t.unsupported == ["zero_optimization.zeropp_loco_param"]  # LoCo's error feedback is not built
