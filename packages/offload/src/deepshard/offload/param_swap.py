@@ -22,8 +22,9 @@ forward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +52,21 @@ def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None
     setattr(obj, name, wrapped)
 
 
+def _units_in_order(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The FSDP units in forward order: the root, then units of their own that come before the
+    blocks (a tiled embedding), the blocks, and those after them (a tiled head)."""
+    inner = {id(b) for b in blocks} | {id(model)}
+    before, after, seen_block = [], [], False
+    for name, module in model.named_modules():
+        if id(module) in inner:
+            seen_block = seen_block or module is not model
+            continue
+        if any(m is module for m in blocks) or not hasattr(module, "_get_fsdp_state"):
+            continue
+        (after if seen_block else before).append((name, module))
+    return [("root", model), *before, *[(f"block{i}", b) for i, b in enumerate(blocks)], *after]
+
+
 class ParamSwap(UnitSwap):
     """The FSDP hooks over a :class:`UnitSwap`: refills and read-aheads at unshard, frees after
     the all-gather, gradients to the grad file (with their norms) after the reduce-scatter."""
@@ -66,7 +82,7 @@ class ParamSwap(UnitSwap):
         """Hook the FSDP units of ``model`` (after ``fully_shard``): the root first, then ``blocks``
         in forward order.  Params may still be on the meta device; the files open in :meth:`open`."""
         fixed_mmap_threshold()
-        for name, module in [("root", model)] + [(f"block{i}", b) for i, b in enumerate(blocks)]:
+        for name, module in _units_in_order(model, blocks):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
                 continue
@@ -77,6 +93,8 @@ class ParamSwap(UnitSwap):
             _wrap(group, "unshard", before=functools.partial(self._before_unshard, unit))
             _wrap(group, "wait_for_unshard", after=functools.partial(self._after_unshard, unit))
             _wrap(group, "post_backward", after=functools.partial(self._after_post_backward, unit))
+            if getattr(module, "vocab_tiling", None) is not None:  # read shard by shard, never all-gathered
+                module.shard_acquire = functools.partial(self._acquire, unit)
         for p in model.parameters():
             if not p.requires_grad:
                 raise ValueError("offload.params='nvme' does not support frozen parameters yet (+peft=lora): "
@@ -108,6 +126,19 @@ class ParamSwap(UnitSwap):
         from .param_init import unit_by_unit
 
         return unit_by_unit(self, init_fn)
+
+    @contextlib.contextmanager
+    def _acquire(self, unit: Unit) -> Iterator[None]:
+        """Around a tiled op's use of a unit that is never all-gathered (the vocabulary tiling's
+        embedding and head): its shards refilled (and its owed update applied) first, released after."""
+        if self.engine is None:
+            yield
+            return
+        self._ensure(unit)
+        try:
+            yield
+        finally:
+            self._release(unit)
 
     # -- FSDP hooks -----------------------------------------------------------------------------
 

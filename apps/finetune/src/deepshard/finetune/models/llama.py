@@ -24,6 +24,7 @@ from torch import nn
 from deepshard.core.dtensor_utils import copy_global
 from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.finetune.models.attention import DocMask, attend, build_doc_mask, use_flex
+from deepshard.finetune.models.vocab_tiling import embed, head_loss
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
 
@@ -41,12 +42,16 @@ class LlamaConfig:
     tie_embeddings: bool = False
     kernels: str = "torch"  # resolved backend: torch | triton
     loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: plain logits
+    vocab_tile_size: int = -1  # ZeRO-3: embedding/head in tiles of this many vocab rows (-1 auto, 0 off)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.loss_chunk_size < 0:
             raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size}: must be >= 0 (0: plain logits)")
+        if self.vocab_tile_size < -1:
+            raise ValueError(f"model.vocab_tile_size={self.vocab_tile_size}: must be -1 (auto), 0 (off) or "
+                             "rows per tile")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
 
@@ -154,7 +159,7 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
-        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        h = embed(self.embed_tokens, input_ids) if self.embed_tokens is not None else input_ids
         # one mask per forward, shared by every layer: a flex BlockMask on CUDA, the dense one elsewhere
         extra = () if doc_ids is None else (
             build_doc_mask(doc_ids, fused=use_flex(doc_ids.device, self.cfg.kernels)),)
@@ -163,6 +168,10 @@ class Llama(nn.Module):
         if self.lm_head is None:
             return h
         h = self.norm(h)
+        if labels is not None:  # ZeRO-3's tiled head (models/vocab_tiling.py): never gathered whole
+            tiled = head_loss(self.lm_head, h, labels, reduction=reduction, chunk_size=self.cfg.loss_chunk_size)
+            if tiled is not None:
+                return tiled
         weight = self.lm_head.weight
         # logits wanted, a vocab-sharded TP head, or the fused loss switched off
         if labels is None or hasattr(weight, "placements") or self.cfg.loss_chunk_size == 0:

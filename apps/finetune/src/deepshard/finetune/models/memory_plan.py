@@ -48,27 +48,32 @@ def count_params(model_cfg, lora=None) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def largest_unit(model_cfg) -> int:
-    """Parameters of the largest ZeRO-3 unit: one block, or the root (embeddings, final norm, head)."""
+def largest_unit(model_cfg, *, tiled: bool = False) -> int:
+    """Parameters of the largest ZeRO-3 unit all-gathered whole: one block, or the root (embeddings,
+    final norm, head; ``tiled``: the final norm only, the vocabulary ops run in tiles)."""
     from deepshard.finetune.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(model_cfg)
     block = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
-    return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block)
+    vocab = sum(p.numel() for m in (model.embed_tokens, model.lm_head) for p in m.parameters()) if tiled else 0
+    return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block - vocab)
 
 
-def unit_shards(model_cfg, world: int) -> list[int]:
-    """Elements of each ZeRO-3 unit's shard on one rank (the root, then each block) as
-    ``offload.params=nvme`` lays them out: FSDP2 pads every param's dim 0 to a multiple of ``world``,
-    and the swap places the padded shards (``slot_offsets``)."""
+def unit_shards(model_cfg, world: int, *, tiled: bool = False) -> list[int]:
+    """Elements of each ZeRO-3 unit's shard on one rank (the root, then each block; ``tiled``: the
+    embedding and the head are units of their own) as ``offload.params=nvme`` lays them out: FSDP2
+    pads every param's dim 0 to a multiple of ``world``, and the swap places the padded shards
+    (``slot_offsets``)."""
     from deepshard.finetune.models.llama import Llama
     from deepshard.offload.unit_swap import slot_offsets
 
     with torch.device("meta"):
         model = Llama(model_cfg)
-    in_blocks = {id(p) for block in model.layers for p in block.parameters()}
-    units = [[p for p in model.parameters() if id(p) not in in_blocks]] + [list(b.parameters()) for b in model.layers]
+    own = [list(m.parameters()) for m in (model.embed_tokens, model.lm_head)] if tiled else []
+    in_blocks = {id(p) for block in model.layers for p in block.parameters()} | {id(p) for u in own for p in u}
+    units = [[p for p in model.parameters() if id(p) not in in_blocks]] + own + [list(b.parameters())
+                                                                                for b in model.layers]
     out = []
     for params in units:
         rows = [p.shape[0] if p.dim() else 1 for p in params]
@@ -93,13 +98,14 @@ class InfinityBuffers(NamedTuple):
         return self.pool + self.deferred
 
 
-def infinity_buffers(model_cfg, *, world: int, param_buffer_count: int, buffer_count: int) -> InfinityBuffers:
+def infinity_buffers(model_cfg, *, world: int, param_buffer_count: int, buffer_count: int,
+                     tiled: bool = False) -> InfinityBuffers:
     """What ``ParamSwap`` (pool) and ``InfinityStore``/``DeferredStep`` (param, exp_avg, exp_avg_sq
     and grad regions per buffer) allocate: every buffer is sized by the largest unit's shard, each
     region rounded up to the O_DIRECT alignment."""
     from deepshard.offload.aio import align_up
 
-    shards = unit_shards(model_cfg, world)
+    shards = unit_shards(model_cfg, world, tiled=tiled)
     region = align_up(max(shards, default=1) * 4)
     return InfinityBuffers(param_buffer_count * region, min(buffer_count, len(shards)) * 4 * region)
 

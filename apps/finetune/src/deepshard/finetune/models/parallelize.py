@@ -34,11 +34,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from deepshard.core.config import EngineConfig, ZeroConfig
 from deepshard.core.mesh import local_device
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart, parallelize_model
+from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParallel, RowwiseWithChildren
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
+from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
 from deepshard.pipeline import PipelineTrainer, build_pipeline, build_trainer
 
 __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
@@ -90,8 +92,14 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     keeps fp32 shards and casts per all-gather.  The engine and every pipeline stage take this.
     """
     check_tp(model.cfg, mesh["tp"].size())
-    return parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
+    rows = model_tile_rows(model, mesh, zero.stage)  # ZeRO-3's embedding and head in vocabulary tiles
+    tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
+                               reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
+    part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
                              tp_plan=llama_tp_plan(model), offload_params=offload_params)
+    if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
+        part.num_params += tiled - sharded_numel(model)
+    return part
 
 
 def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = None) -> Callable[[nn.Module], None]:
