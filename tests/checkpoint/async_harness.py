@@ -36,7 +36,8 @@ def _request(engine, root: Path, step: int):
 
 
 def _full(engine) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+    # cloned: at world 1 full_tensor() may be the live tensor itself, which the next step updates in place
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in training_state(engine.optimizer, engine.mesh["dp"], engine.model).items()}
 
 
@@ -44,10 +45,25 @@ def _shard_crcs(path: Path) -> dict[str, str]:
     return {n: f["crc32"] for n, f in read_manifest(path)["files"].items() if n.endswith(".distcp")}
 
 
-def async_worker(scratch: str, small: str) -> dict:
+TIMEOUT_S = 123.0  # the training group's collective timeout (the app's launcher.timeout_s)
+
+
+def reshard_worker(path: str, stage: int) -> dict:
+    """Load the asynchronous checkpoint ``path`` at this world size and ``stage``: its state, update count
+    and the loss of the next step."""
     from deepshard.core import init_distributed
 
     init_distributed()
+    engine = make_engine(stage)
+    app = load(engine, Path(path))
+    return {"state": _full(engine), "app": app, "num_updates": engine.optimizer.num_updates,
+            "next_loss": run_steps(engine, range(4, 5))[0]}
+
+
+def async_worker(scratch: str, small: str) -> dict:
+    from deepshard.core import init_distributed
+
+    init_distributed(timeout_s=TIMEOUT_S)
     rank = dist.get_rank()
     scratch_p, small_p = Path(scratch), Path(small)
     out: dict = {}
@@ -59,6 +75,7 @@ def async_worker(scratch: str, small: str) -> dict:
         save(sync, scratch_p / "sync", step)
     eng = make_engine(3)
     writer = SlowWriter(device=local_device())
+    out["writer_timeout_s"] = writer.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     blocked, outcomes = [], []
     for step in range(1, 5):
         run_steps(eng, range(step - 1, step))
@@ -81,6 +98,9 @@ def async_worker(scratch: str, small: str) -> dict:
     fa, fb = _full(a), _full(b)
     out["same_state"] = sorted(fa) == sorted(fb) and all(torch.equal(fa[k], fb[k]) for k in fa)
     out["same_as_trained"] = all(torch.equal(fa[k], v) for k, v in _full(eng).items())
+    trained = _full(eng)  # collective: on every rank
+    if rank == 0:  # what step 4 left, for the reshard test (world 1, another stage) to compare with
+        torch.save(trained, scratch_p / "trained-step4.pt")
     out["next_loss"] = (run_steps(a, range(4, 5))[0], run_steps(b, range(4, 5))[0], run_steps(eng, range(4, 5))[0])
 
     # (3) policy: saves requested faster than the (slow) writer writes
@@ -116,6 +136,7 @@ def async_worker(scratch: str, small: str) -> dict:
     out["after_enospc"] = {"steps": [c.step for c in step_dirs(small_p)], "temp": [p.name for p, _, _ in temp_dirs(small_p)],
                            "entries": sorted(p.name for p in small_p.iterdir())}
     verify_checkpoint(small_p / "step-00000001")
+    dist.barrier()  # both ranks have looked before rank 0 removes the filler
     if rank == 0:
         os.remove(small_p / "filler")
     return out

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from deepshard.core.checkpoint.failures import CheckpointSaveError
-from deepshard.core.checkpoint.state import SaveRequest, mesh_on, write_checkpoint
+from deepshard.core.checkpoint.request import SaveRequest, mesh_on
+from deepshard.core.checkpoint.state import write_checkpoint
 
 log = logging.getLogger("deepshard.checkpoint")
 
@@ -110,16 +112,33 @@ class SaveOutcome:
     nbytes: int
 
 
+def training_timeout(device: torch.device) -> timedelta | None:
+    """The collective timeout the training group was made with (``init_distributed(timeout_s=)``, the app's
+    ``launcher.timeout_s``), so that a writer waiting on a dead rank gives up when training would, not
+    after gloo's default 30 minutes.  None (gloo's default) when it cannot be read."""
+    if not dist.is_initialized():
+        return None
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 class AsyncCheckpointer:
     """Staging plus one writer thread; create it on every rank at the same point (it makes a group).
+
+    The writer's gloo group times out like the training group (``timeout_s``, default: the training
+    group's own timeout).
 
     ``on_sealed(path)`` runs in the writer thread on every rank after a successful save (rank 0 prunes
     there: retention counts the new checkpoint only once it is sealed).
     """
 
-    def __init__(self, *, device: torch.device, on_sealed: Any = None) -> None:
+    def __init__(self, *, device: torch.device, on_sealed: Any = None, timeout_s: float | None = None) -> None:
         self.device = device  # where the training group's all-reduce runs (nccl: the GPU)
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else training_timeout(device)
+        self.group = dist.new_group(backend="gloo", timeout=self.timeout) if dist.is_initialized() else None
         self.staging = HostStaging()
         self.on_sealed = on_sealed
         self._thread: threading.Thread | None = None

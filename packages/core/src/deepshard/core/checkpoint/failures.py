@@ -18,12 +18,14 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from deepshard.core.checkpoint.manifest import CheckpointError
 
 log = logging.getLogger("deepshard.checkpoint")
 
-STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS": pause a save with its shards written
+STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS[:shard]": pause a save (see stall)
 MARGIN_BYTES = 1 << 20  # manifest, JSON state, DCP metadata
 
 
@@ -42,6 +44,20 @@ def gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without a process group."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
+def agree(value: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's ``value`` on every rank (of ``group``, which holds global rank 0)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def root_cause(err: BaseException) -> BaseException:
@@ -106,12 +122,44 @@ class PhaseFailed(Exception):
     pass
 
 
+def _stall_seconds(step: int, where: str) -> float | None:
+    """``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS[:WHERE]``: the pause asked for the save of ``step`` at
+    ``where`` (``sealing``, the default: shards written, manifest not; ``shard``: inside a shard file)."""
+    spec = os.environ.get(STALL_ENV, "")
+    parts = spec.split(":")
+    if not spec or int(parts[0]) != step or (parts[2] if len(parts) > 2 else "sealing") != where:
+        return None
+    log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test (%s)", STALL_ENV, spec, where)
+    return float(parts[1])
+
+
 def stall(step: int) -> None:
     """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS``): pause with the shards written."""
+    seconds = _stall_seconds(step, "sealing")
+    if seconds is not None:
+        time.sleep(seconds)
+
+
+class MidShardStall(DefaultSavePlanner):
+    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS:shard``): DCP's own planner, which pauses
+    once this rank's first tensor is in its shard file and the next is due (the file open, half written)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.tensors = step, 0
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.type != WriteItemType.BYTE_IO:
+            self.tensors += 1
+            if self.tensors == 2 and (seconds := _stall_seconds(self.step, "shard")) is not None:
+                time.sleep(seconds)
+        return super().resolve_data(write_item)
+
+
+def save_planner(step: int) -> DefaultSavePlanner | None:
+    """DCP's default planner (None), or the fault-injection one when a mid-shard pause is asked for."""
     spec = os.environ.get(STALL_ENV, "")
-    if spec and int(spec.split(":")[0]) == step:
-        log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test", STALL_ENV, spec)
-        time.sleep(float(spec.split(":")[1]))
+    return MidShardStall(step) if spec.endswith(":shard") and spec.split(":")[0] == str(step) else None
 
 
 def _mb(n: int) -> str:

@@ -1,16 +1,12 @@
-"""Sharded, atomic checkpoints of a ZeRO run through torch.distributed.checkpoint (DCP).
+"""Sharded, atomic checkpoints of a ZeRO run through torch.distributed.checkpoint (DCP): the
+collective save, load and resume search.
 
-Every tensor is saved as a DTensor over the dp mesh with its true placement: the fp32 master
-weights (under ``model.<fqn>``) and AdamW moments (``optim.exp_avg.<fqn>``, ...) are Shard(0) at
-stages 1-3 and Replicate at stage 0.  DCP records each chunk's global offset, so a checkpoint
-loads at any world size and any stage.  Keys are stage-agnostic (wrapper prefixes such as
-``_checkpoint_wrapped_module.`` are dropped).  Saving the fp32 master, not the compute-dtype
-param, lets a bf16 run resume in fp32 and the reverse.  Offloaded state (host or NVMe stores)
-is saved and loaded where it lives: its DTensors sit on a host mirror of the mesh.
-
-Scalars (update count, loss scaler, the caller's ``app_state``) and RNG states are JSON files
-beside the shards (json_state); loading runs nothing from the checkpoint (safe_load).
-A save checks free space first, and on any failure removes its temp dir on every path out.
+What a checkpoint holds (DTensors with their true placements, so it loads at any world size and
+stage) and what one save captures are ``request``'s; here a :class:`SaveRequest` is written: shards,
+JSON scalars and RNG states (json_state), a crc32 of every file, the manifest, the atomic publish.
+Saving the fp32 master, not the compute-dtype param, lets a bf16 run resume in fp32 and the reverse.
+Loading runs nothing from the checkpoint (safe_load).  A save checks free space first, and on any
+failure removes its temp dir on every path out.
 """
 
 from __future__ import annotations
@@ -20,29 +16,29 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deepshard.core.checkpoint.failures import (
     MARGIN_BYTES,
     CheckpointSaveError,
     PhaseFailed,
+    agree,
     clean_up,
     free_space_check,
     gather,
     one_line,
     phase,
+    rank_and_world,
     root_cause,
+    save_planner,
     stall,
 )
 from deepshard.core.checkpoint.json_state import (
@@ -50,7 +46,6 @@ from deepshard.core.checkpoint.json_state import (
     read_json,
     read_trainer,
     rng_file,
-    rng_state,
     set_rng_state,
     write_json,
 )
@@ -68,139 +63,26 @@ from deepshard.core.checkpoint.manifest import (
     write_manifest,
 )
 from deepshard.core.checkpoint.owners import OWNER, write_owner
+from deepshard.core.checkpoint.request import (
+    KINDS,
+    SaveRequest,
+    checkpoint_bytes,
+    clean_name,
+    mesh_on,
+    save_request,
+    training_state,
+    unsupported_reason,
+)
 from deepshard.core.checkpoint.retention import prune, remove_dead_temp_dirs
 from deepshard.core.checkpoint.safe_load import SafeLoadPlanner, SafeReader, read_metadata_safely
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "SaveRequest", "clean_name", "latest_good", "load_checkpoint",
-           "prune", "save_checkpoint", "save_request", "step_dir_name", "training_state", "write_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "SaveRequest", "checkpoint_bytes", "clean_name", "find_resume",
+           "latest_good", "load_checkpoint", "mesh_on", "prune", "save_checkpoint", "save_request", "step_dir_name",
+           "training_state", "unsupported_reason", "verify_collective", "write_checkpoint"]
 
 log = logging.getLogger("deepshard.checkpoint")
-
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-KINDS = (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq."))
-
-
-def clean_name(name: str) -> str:
-    """A parameter's FQN without wrapper modules, so keys do not depend on AC, compile or stage."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
-    """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
-    stages 1-2 would need a strided dp-over-tp placement that is not built here."""
-    stage = optimizer.stage
-    if 0 < stage.zero_stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
-        return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
-    return None
-
-
-_HOST_MESHES: dict[tuple, DeviceMesh] = {}
-
-
-def mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
-    """``mesh``'s layout on ``device_type`` (no process group: DCP only needs each rank's coordinate).
-
-    DTensor.from_local moves a tensor to its mesh's device, so offloaded (host) state gets a host
-    mirror of the compute mesh and is saved and loaded in host memory, never copied to the GPU.
-    """
-    if mesh.device_type == device_type:
-        return mesh
-    key = (device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
-    if key not in _HOST_MESHES:
-        _HOST_MESHES[key] = DeviceMesh(device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names,
-                                       _init_backend=False)
-    return _HOST_MESHES[key]
-
-
-def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: DeviceMesh) -> DTensor:
-    """``local`` (this rank's state for ``param``) as a DTensor with the layout the stage gives it,
-    on the device where ``local`` lives."""
-    if isinstance(param, DTensor):
-        if 0 < stage < 3:
-            raise NotImplementedError("checkpointing tensor-parallel params at zero stages 1-2: see unsupported_reason")
-        return DTensor.from_local(local, mesh_on(param.device_mesh, local.device.type), param.placements,
-                                  run_check=False, shape=param.shape, stride=param.stride())
-    placement = Replicate() if stage == 0 or param.dim() == 0 else Shard(0)
-    return DTensor.from_local(local, mesh_on(dp_mesh, local.device.type), [placement], run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
-def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Module | None = None) -> dict[str, Any]:
-    """The DCP state dict: DTensor views of the store's tensors (a load writes into them in place).
-
-    Params outside the optimizer (frozen weights, persistent buffers) of ``model`` are added as
-    they are, so a partly frozen model still round-trips.
-    """
-    stage = optimizer.stage
-    store_state = optimizer.store.state_dict()
-    out: dict[str, Any] = {}
-    for i, (name, p) in enumerate(zip(stage.names, stage.params)):
-        key = clean_name(name)
-        for kind, prefix in KINDS:
-            out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
-    if model is not None:
-        trained = {clean_name(n) for n in stage.names}
-        for name, t in model.state_dict().items():
-            if clean_name(name) not in trained:
-                out["model." + clean_name(name)] = t
-    return out
-
-
-def checkpoint_bytes(state: dict[str, Any]) -> int:
-    """Bytes DCP writes for ``state`` (each global tensor once, whatever its sharding)."""
-    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def _world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-
-
-def _agree(value: Any, group: dist.ProcessGroup | None = None) -> Any:
-    """Rank 0's ``value`` on every rank (of ``group``, which holds global rank 0)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-@dataclass
-class SaveRequest:
-    """What one save writes, captured when it is asked for: the DCP state (the live tensors, or a staged
-    copy of them for an asynchronous save), the JSON scalars and this rank's RNG states."""
-
-    root: Path
-    step: int
-    state: dict[str, Any]
-    trainer: dict[str, Any]
-    rng: dict[str, Any]
-    world: dict[str, Any]
-    num_params: int
-    meta: dict[str, Any] | None = None
-    write_extra: Callable[[Path], None] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return checkpoint_bytes(self.state)
-
-
-def save_request(root: str | os.PathLike, step: int, optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, *,
-                 model: nn.Module | None = None, app_state: dict[str, Any] | None = None,
-                 meta: dict[str, Any] | None = None,
-                 write_extra: Callable[[Path], None] | None = None) -> SaveRequest:
-    """The save of ``step`` as of now (no I/O, no collective): see :func:`save_checkpoint`."""
-    _, world = _world()
-    return SaveRequest(
-        root=Path(root), step=step, state=training_state(optimizer, dp_mesh, model), rng=rng_state(),
-        trainer={"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(),
-                 "app": app_state or {}, "world_size": world, "zero_stage": optimizer.stage.zero_stage},
-        world={"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.zero_stage},
-        num_params=len(optimizer.stage.names), meta=meta, write_extra=write_extra)
-
 
 def save_checkpoint(
     root: str | os.PathLike,
@@ -230,10 +112,10 @@ def write_checkpoint(request: SaveRequest, group: dist.ProcessGroup | None = Non
     """Write ``request`` atomically from every rank of ``group`` (the default group, or the writer
     thread's own gloo group of an asynchronous save): shards, JSON, checksums, manifest, publish.
     CheckpointSaveError on every rank when it fails anywhere, its temp dir removed."""
-    rank, world = _world(group)
+    rank, world = rank_and_world(group)
     root, step, state = request.root, request.step, request.state
     final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp-{_agree(uuid.uuid4().hex[:8], group)}"
+    tmp = root / f"{final.name}.tmp-{agree(uuid.uuid4().hex[:8], group)}"
     start = time.perf_counter()
     needed = checkpoint_bytes(state) + MARGIN_BYTES
 
@@ -274,17 +156,18 @@ def write_checkpoint(request: SaveRequest, group: dist.ProcessGroup | None = Non
 
     try:
         phase(begin, group)
-        phase(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=group), group)
+        phase(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=group, planner=save_planner(step)),
+              group)
         phase(extra, group)
         # every rank checksums a share of the files, so sealing costs 1/world of a read
-        names = _agree(list_files(tmp), group)
+        names = agree(list_files(tmp), group)
         parts = gather(phase(lambda: describe_files(tmp, names[rank::world]), group), group)
         phase(lambda: seal(parts), group)
     except PhaseFailed as err:
         reason = str(err)
         if rank == 0:
             reason = clean_up(root, made, reason, needed)
-        raise CheckpointSaveError(root, step, _agree(reason, group)) from None
+        raise CheckpointSaveError(root, step, agree(reason, group)) from None
     total = sum(f["bytes"] for p in parts for f in p.values())
     log.info("checkpoint: saved %s (%.1f MB) in %.2fs", final, total / 1e6, time.perf_counter() - start)
     return final
@@ -301,7 +184,7 @@ def _collective_problems(check: Callable[[], list[str]]) -> list[str]:
 
 def verify_collective(path: str | os.PathLike) -> dict[str, Any]:
     """Every rank checks a share of the files; the same CheckpointError is raised on all ranks."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     box: list[dict[str, Any]] = []
 
     def check() -> list[str]:
@@ -339,7 +222,7 @@ def load_checkpoint(
     the checkpoint is executed, and only files its manifest lists are read: a crafted one is refused
     by name (CheckpointError on every rank).
     """
-    rank, world = _world()
+    rank, world = rank_and_world()
     start = time.perf_counter()
     manifest = verify_collective(path) if verify else read_manifest(path)
     box: list[Any] = []
@@ -435,7 +318,7 @@ def find_resume(root: str | os.PathLike) -> Path | None:
     Unfinished saves (temp dirs) are never candidates: those of dead runs are removed, a live
     concurrent save is left alone; each is logged.
     """
-    rank, _ = _world()
+    rank, _ = rank_and_world()
     found: Path | None = None
     if rank == 0:
         for line in remove_dead_temp_dirs(root):
@@ -445,4 +328,4 @@ def find_resume(root: str | os.PathLike) -> Path | None:
             log.warning("checkpoint: skipping %s", reason)
         if found is not None and skipped:
             log.warning("checkpoint: resuming from the newest good one, %s", found)
-    return _agree(found)
+    return agree(found)
