@@ -1,5 +1,6 @@
-"""HSDP (parallel.dp_shard 2 x parallel.dp_replicate 2, world 4) against flat ZeRO-3 and a plain
-single-process torch reference written in the harness, on masked prompt/response data; and its
+"""HSDP (parallel.dp_shard 2 x parallel.dp_replicate 2, world 4) and hpZ (zero.hpz_partition_size 2:
+backward all-gathers from a secondary partition of 2 ranks) against flat ZeRO-3 and a plain
+single-process torch reference written in the harness, on masked prompt/response data; and HSDP's
 checkpoints stay layout-free (saved under HSDP, resumed flat, and the reverse).
 
 One world-4 launch (~30 s on 2 cores) runs every case; each test checks its slice.
@@ -24,11 +25,18 @@ def _worker(tmp: str):
     init_distributed()
     ids, labels = data(STEPS)
     out = {}
-    for name, replicate in (("flat", 1), ("hsdp", 2)):
-        engine = build_engine(replicate)
+    for name, replicate, zero in (("flat", 1, {}), ("hsdp", 2, {}), ("hpz", 1, {"hpz_partition_size": 2})):
+        engine = build_engine(replicate, **zero)
         p = next(engine.model.parameters())
         out[name] = (train(engine, ids, labels, range(STEPS)), full_params(engine),
                      (tuple(p.device_mesh.shape), str(p.placements)))
+        if name == "hpz":  # after a forward, a resharded block holds 1/2 of its weights, not 1/4
+            from deepshard.core.mesh import local_device
+
+            block = engine.model.layers[0]
+            engine(ids[0, :1].to(local_device()), labels[0, :1].to(local_device()))
+            weight = block.self_attn.q_proj.weight
+            out["hpz_post_forward"] = (weight.to_local().numel(), weight.numel())
     for first, second in ((2, 1), (1, 2)):  # HSDP -> flat, flat -> HSDP
         engine = build_engine(first)
         losses = train(engine, ids, labels, range(SAVE_AT))
@@ -69,16 +77,23 @@ def test_hsdp_shards_on_a_2d_mesh(runs):
     assert runs[0]["flat"][2] == ((4,), "(Shard(dim=0),)")
 
 
-@pytest.mark.parametrize("layout", ["flat", "hsdp"])
+def test_hpz_keeps_a_node_sized_secondary_partition_after_forward(runs):
+    for rank in range(4):
+        local, total = runs[rank]["hpz_post_forward"]
+        assert local * 2 == total  # 1/2 of the weight (the "node" of 2 ranks), not the primary 1/4
+
+
+@pytest.mark.parametrize("layout", ["flat", "hsdp", "hpz"])
 def test_matches_single_process_reference(runs, ref, layout):
     for rank in range(4):
         _check(*runs[rank][layout][:2], ref, f"{layout} rank {rank}")
 
 
-def test_hsdp_equals_flat_zero3(runs):
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_equals_flat_zero3(runs, layout):
     flat_losses, flat_params, _ = runs[0]["flat"]
     for rank in range(4):
-        losses, params, _ = runs[rank]["hsdp"]
+        losses, params, _ = runs[rank][layout]
         assert losses == pytest.approx(flat_losses, rel=1e-5)
         assert max(rel(params[n], flat_params[n]) for n in flat_params) < 1e-5
 

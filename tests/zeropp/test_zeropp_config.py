@@ -29,6 +29,7 @@ def test_hsdp_and_zeropp_keys_validate():
     z = s.engine.zero
     assert (z.quantized_weights, z.quantized_gradients, z.quantized_gradients_bits) == (True, True, 4)
     assert _settings(["+zero=stage3"]).parallel.dp_shard == 4  # flat: the whole dp axis shards
+    assert _settings(["+zero=stage3", "zero.hpz_partition_size=2"]).engine.zero.hpz_partition_size == 2
 
 
 @pytest.mark.parametrize("overrides,world,message", [
@@ -39,7 +40,11 @@ def test_hsdp_and_zeropp_keys_validate():
     (["+zero=stage2", "zero.quantized_gradients=true"], 2, r"^zero.quantized_gradients=True: .* stage 3's"),
     (["+zero=stage3", "zero.quantized_weights=true"], 1, r"^zero.quantized_weights=true with a ZeRO-3 shard group of one"),
     (["+zero=stage3", "parallel.dp_replicate=2", "zero.quantized_gradients=true"], 2, r"shard group of one rank"),
-    (["+zero=stage3", "zero.hpz_partition_size=2"], 4, r"^zero.hpz_partition_size=2: hpZ's secondary weight partition is not"),
+    (["+zero=stage3", "zero.hpz_partition_size=3"], 4, r"^zero.hpz_partition_size=3 does not divide the ZeRO group's 4"),
+    (["+zero=stage3", "zero.hpz_partition_size=2", "parallel.dp_replicate=2"], 4, r"^zero.hpz_partition_size=2 with HSDP"),
+    (["+zero=stage2", "zero.hpz_partition_size=2"], 4, r"^zero.hpz_partition_size=2: hpZ's secondary partition .* stage=3"),
+    (["+zero=stage3", "zero.hpz_partition_size=2", "zero.reshard_after_forward=false"], 4,
+     r"^zero.hpz_partition_size=2: .*reshard_after_forward=false"),
     (["+zero=stage3", "zero.quantized_gradients_bits=2"], 4, r"^zero.quantized_gradients_bits=2: valid values are 8 and 4"),
 ])
 def test_bad_input_refused_before_start(overrides, world, message):

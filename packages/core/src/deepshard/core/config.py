@@ -38,7 +38,9 @@ class ZeroConfig:
     # (one fp32 scale per 4096 elements) dequantized on arrival, the sharded fp32 masters untouched; qgZ,
     # gradients reduce-scattered as int8/int4 blocks by all-to-all, within each node first, then across,
     # summed in fp32 on arrival.  quantized_gradients_node_size: ranks per node for qgZ's two hops (0:
-    # torchrun's LOCAL_WORLD_SIZE).  hpz_partition_size (hpZ's secondary partition) is not built: > 1 is refused
+    # torchrun's LOCAL_WORLD_SIZE).  hpz_partition_size > 1 (hpZ): after forward each block keeps a secondary
+    # shard of its compute-dtype weights over groups of that many consecutive ranks (a node), so backward's
+    # all-gathers stay inside the node; it must divide the ZeRO group (FSDP2's int reshard_after_forward)
     quantized_weights: bool = False
     quantized_gradients: bool = False
     quantized_gradients_bits: int = 8
@@ -67,10 +69,13 @@ class ZeroConfig:
         if self.quantized_gradients_node_size < 0:
             raise ConfigError("quantized_gradients_node_size", self.quantized_gradients_node_size,
                               "must be >= 0 (0: LOCAL_WORLD_SIZE)")
-        if self.hpz_partition_size != 1:
+        if self.hpz_partition_size < 1:
+            raise ConfigError("hpz_partition_size", self.hpz_partition_size, "must be >= 1 (1: off)")
+        if self.hpz_partition_size > 1 and (self.stage != 3 or not self.reshard_after_forward):
             raise ConfigError("hpz_partition_size", self.hpz_partition_size,
-                              "hpZ's secondary weight partition is not implemented: only 1 (off) is valid; "
-                              "parallel.dp_replicate (HSDP) keeps every weight all-gather inside a node instead")
+                              f"hpZ's secondary partition replaces stage 3's reshard after forward: needs stage=3 and "
+                              f"reshard_after_forward=true (got stage={self.stage}, "
+                              f"reshard_after_forward={str(self.reshard_after_forward).lower()})")
 
 
 @dataclass(frozen=True)

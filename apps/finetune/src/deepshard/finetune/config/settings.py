@@ -454,10 +454,12 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
 
 def _validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
     """HSDP (``parallel.dp_replicate``) and ZeRO++'s quantized collectives (deepshard.core.zero.hsdp/quantized)."""
-    from deepshard.core.zero.hsdp import check_hsdp
+    from deepshard.core.zero.hsdp import check_hpz, check_hsdp
 
     check_hsdp(dp_replicate=parallel.dp_replicate, zero_stage=settings.engine.zero.stage, pp=parallel.pp,
                tp=parallel.tp)
+    check_hpz(settings.engine.zero.hpz_partition_size, shard_size=parallel.dp_shard,
+              hsdp=parallel.dp_replicate > 1, offload_params=settings.offload.params != "none")
     zero = settings.engine.zero
     on = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
     if on and parallel.dp_shard == 1:  # (fp32 training is not refused: int8 blocks cut its bytes 4x, bf16's 2x)

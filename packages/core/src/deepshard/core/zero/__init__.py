@@ -14,6 +14,7 @@ from deepshard.core.precision import DTYPES
 from deepshard.core.zero.fsdp import FullyShardedStage, ParamOffload, apply_fsdp
 from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
+from deepshard.core.zero.hsdp import hpz_reshard
 from deepshard.core.zero.reducer import AllReduceReducer, FullGradScatterReducer, ReduceScatterReducer
 from deepshard.core.zero.stages import (
     ReplicatedStage,
@@ -57,7 +58,8 @@ def apply_zero(
                 mesh, quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients,
                 gradient_bits=config.quantized_gradients_bits, node_size=config.quantized_gradients_node_size)
         apply_fsdp(model, blocks, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=config.reshard_after_forward, offload_params=offload_params,
+                   reshard_after_forward=hpz_reshard(config, mesh, offload_params=bool(offload_params)),
+                   offload_params=offload_params,
                    prefetch=config.prefetch, all_gather=gather, reduce_scatter=scatter)
         return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None)
     if offload_params:

@@ -41,7 +41,7 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     offload_params: bool | ParamOffload = False,
     prefetch: int = 1,
     all_gather: AllGather | None = None,
@@ -51,7 +51,8 @@ def apply_fsdp(
 
     ``prefetch`` blocks ahead are all-gathered explicitly in forward and backward, so the next
     block's parameters arrive while this one computes.  On gloo, FSDP2 collects through the forms
-    gloo runs fastest (``zero.collectives``); other backends keep FSDP2's own.  ``all_gather`` /
+    gloo runs fastest (``zero.collectives``); other backends keep FSDP2's own.  ``reshard_after_forward``
+    an int is ZeRO++'s hpZ partition size (see the loop below).  ``all_gather`` /
     ``reduce_scatter`` replace those on any backend (ZeRO++'s quantized forms, ``zero.quantized``).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -63,7 +64,9 @@ def apply_fsdp(
         # The last block is the first backward needs: resharding it after forward would only gather it
         # again at once (torchtitan's default; FSDP2 keeps the root gathered for the same reason).
         last = i == len(blocks) - 1 and not offload_params
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
+        # an int N (hpZ): after forward each block keeps a secondary shard over groups of N consecutive ranks
+        # (a node), so backward all-gathers it inside the node (FSDP2's post-forward mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False if last else reshard_after_forward,
                     offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                 offload_policy=offload)
