@@ -22,11 +22,12 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from deepshard.compat.resolve import host_dtype, resolve_batch
+from deepshard.compat.resolve import host_dtype
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config import EngineConfig
 from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
+from deepshard.finetune.config.ds_config import resolve_batch_as_given
 from deepshard.finetune.config.world import host_world_size, resolve_nproc
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
@@ -298,7 +299,7 @@ def _validate_train(c: dict, parallel: ParallelDims, world: int, microbatches: i
     accumulation step runs ``pipeline.microbatches`` micro-batches), then checked."""
     c = dict(c)
     if c["global_batch_size"]:
-        resolve_batch(c, parallel.resolve(world).dp, microbatches=microbatches if parallel.pp > 1 else 1)
+        resolve_batch_as_given(c, parallel.resolve(world).dp, microbatches=microbatches if parallel.pp > 1 else 1)
     t = TrainConfig(**c)
     for key in ("max_steps", "micro_batch_size", "log_every", "sample_tokens", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))  # grad_accum: EngineConfig checks it
