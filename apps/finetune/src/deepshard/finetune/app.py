@@ -20,6 +20,7 @@ from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
+from deepshard.finetune.preflight import preflight_memory
 from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs
@@ -81,6 +82,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
 def _run(settings: Settings, run_dir: str) -> dict:
     local_workers = not under_torchrun() and settings.world_size > 1
+    # the working set of this host's ranks against the memory they will have: refused or warned here
+    preflight_memory(settings, settings.world_size if local_workers else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if local_workers:  # their imports, in the background, while the checks below read the inputs
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
     check_inputs(settings)  # user data read through once, model=hf's files

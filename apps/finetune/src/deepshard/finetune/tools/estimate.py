@@ -75,8 +75,23 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
                 f"{frozen / 1e6:.2f}M frozen base (params only)" if settings.peft else ""),
              f"{'device':>10} {'host':>10} {'nvme':>10}   options"]
     lines += [f"{_fmt(r.device):>10} {_fmt(r.host):>10} {_fmt(r.nvme):>10}   {r.options}" for r in rows]
-    lines.append("(activations and temporary buffers are not included)")
+    lines.append("(model states only; the working set of this run's own layout follows)")
+    lines += working_set_lines(settings)
     return "\n".join(lines), rows, per_rank, dims.dp
+
+
+def working_set_lines(settings) -> list[str]:
+    """One rank's whole working set for the composed layout: host and device columns by part."""
+    from deepshard.finetune.preflight import run_shape, working_set_of
+
+    shape = run_shape(settings)
+    ws = working_set_of(settings, shape=shape)
+    out = [f"Working set per rank for this run ({'device: the accelerator' if shape.on_device else 'host = device: RAM'}):",
+           f"{'host':>10} {'device':>10}   part"]
+    out += [f"{_fmt(ws.host.get(k, 0)):>10} {_fmt(ws.device.get(k, 0)):>10}   {k}" for k in {**ws.host, **ws.device}]
+    out.append(f"{_fmt(ws.host_total):>10} {_fmt(ws.device_total):>10}   total"
+               + ("" if shape.on_device else f" ({_fmt(ws.ram(False))} of RAM per rank)"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,134 @@
+"""Before any worker starts: will the run fit in the memory its workers will have?
+
+The working set of one rank (``models/working_set.py``: model states, swap buffers, gathered units,
+activations, the process baseline) times the ranks on this host is compared with the memory they
+will have: the memory cgroup's limit less what the group already uses (v2 ``memory.max``, v1
+``memory.limit_in_bytes``), else the host's ``MemAvailable``.  A run that cannot fit is refused with
+one line naming the estimate, the limit and the knobs that would make it fit; one within 10% of
+the limit gets one warning line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from deepshard.finetune.models.working_set import (
+    RunShape,
+    WorkingSet,
+    knobs_to_fit,
+    process_baseline,
+    working_set,
+)
+
+if TYPE_CHECKING:
+    from deepshard.finetune.config import Settings
+
+CLOSE = 0.9  # above this share of the limit: one warning line
+
+
+def run_shape(s: Settings) -> RunShape:
+    """The settings the working set depends on."""
+    import torch
+
+    from deepshard.finetune.models.vocab_tiling import tile_rows
+
+    e, o, par = s.engine, s.offload, s.parallel
+    sp = getattr(par, "sp", 1)
+    return RunShape(stage=e.zero.stage, dp=par.dp * sp, dtype=e.precision.dtype, offload=o.device, params=o.params,
+                    buffer_count=o.buffer_count, buffer_size=o.buffer_size, sub_group_size=o.sub_group_size,
+                    param_buffer_count=o.param_buffer_count, param_prefetch=o.param_prefetch,
+                    micro_batch_size=s.train.micro_batch_size, seq_len=s.data.seq_len // sp, ac=e.ac,
+                    prefetch=e.zero.prefetch, reduce_bucket_size=e.zero.reduce_bucket_size,
+                    tile_rows=tile_rows(s.model, zero_stage=e.zero.stage, tp=par.tp, pp=par.pp, sp=sp),
+                    on_device=torch.cuda.is_available())
+
+
+def working_set_of(s: Settings, *, baseline: int | None = None, shape: RunShape | None = None) -> WorkingSet:
+    """One rank's working set for these settings (``baseline`` None: this process's resident size)."""
+    from deepshard.finetune.models.memory_plan import count_frozen, count_params
+
+    par = s.parallel
+    num = count_params(s.model, s.peft) // (par.tp * par.pp)
+    return working_set(s.model, num, shape or run_shape(s), baseline=baseline, frozen=count_frozen(s.model, s.peft))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_room() -> tuple[int, str] | None:
+    """(bytes left under this process's memory cgroup limit, where it was read), None without a limit."""
+    for line in (_read(Path("/proc/self/cgroup")) or "").splitlines():
+        _, controllers, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if controllers == "":  # v2
+            base = Path("/sys/fs/cgroup") / rel
+            limit, usage = _read(base / "memory.max"), _read(base / "memory.current")
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel
+            limit, usage = _read(base / "memory.limit_in_bytes"), _read(base / "memory.usage_in_bytes")
+        else:
+            continue
+        if limit and limit != "max" and usage is not None and int(limit) < 2**60:
+            return int(limit) - int(usage), f"memory cgroup {base} (limit {int(limit) / 2**30:.2f} GiB)"
+    return None
+
+
+def mem_available() -> int | None:
+    for line in (_read(Path("/proc/meminfo")) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def room() -> tuple[int, str] | None:
+    """The memory the workers will have: the cgroup's room, or the host's available memory."""
+    found = cgroup_room()
+    if found is not None:
+        return found
+    avail = mem_available()
+    return None if avail is None else (avail, "MemAvailable")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_memory(s: Settings, nproc: int) -> str | None:
+    """ValueError (one line) when ``nproc`` ranks of ``s`` cannot fit in the memory they will have;
+    the warning line when they come close; None otherwise.  Each rank counts one process baseline
+    (this process's resident size now: it has torch and the app imported, as a worker will)."""
+    shape = run_shape(s)
+    ws = working_set_of(s, baseline=process_baseline(), shape=shape)
+    per_rank = ws.ram(shape.on_device)
+    need = nproc * per_rank
+    have = room()
+    if have is None:
+        return None
+    limit, where = have
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in {**ws.host, **ws.device}.items() if v)
+    if need > limit:
+        raise ValueError(f"memory: this run needs about {_gib(need)} ({nproc} rank(s) x {_gib(per_rank)}: {parts}) "
+                         f"but {where} leaves {_gib(limit)}; to fit, try: {'; '.join(knobs_to_fit(shape))}")
+    if need > CLOSE * limit:
+        return (f"warning: memory: this run needs about {_gib(need)} of the {_gib(limit)} {where} leaves "
+                f"({need / limit:.0%}); peaks above the estimate may be OOM-killed")
+    return None
+
+
+def preflight_memory(s: Settings, nproc: int) -> None:
+    """The app's check before starting workers: refuse (ValueError) or warn on stderr."""
+    line = check_memory(s, nproc)
+    if line:
+        print(line, file=sys.stderr)
+
+
+def with_offload(s: Settings, **changes: int) -> Settings:
+    """``s`` with some offload values replaced (the buffer choice tries candidates)."""
+    return dataclasses.replace(s, offload=dataclasses.replace(s.offload, **changes))

@@ -1,0 +1,60 @@
+"""The whole estimate (#30): the working set's host + device columns (one rank, a CPU-only host: both
+are RAM) against the peak resident growth measured while the app's engine builds and trains 3 steps
+in a fresh process, within 15%, for ZeRO-3 with params on NVMe, ZeRO-2 with cpu offload and ZeRO-0;
+and a run that cannot fit in its memory cgroup refused before any worker starts, in one line naming
+the estimate, the limit and the knobs.  The process baseline (imports) is not part of the growth:
+the worker imports first, then measures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from infinity import cgroup_available, memory_cgroup  # noqa: E402
+
+SHAPE = ["model.dim=256", "model.n_layers=8", "model.vocab_size=4096", "data.seq_len=64",
+         "train.micro_batch_size=2", "launcher.nproc_per_node=1"]
+LAYOUTS = {"zero3_params_nvme": ["+zero=stage3", "+offload=nvme", "offload.params=nvme"],
+           "zero2_cpu_offload": ["+zero=stage2", "+offload=cpu"],
+           "zero0": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_estimate_within_15_percent_of_measured_peak(layout, tmp_path):
+    args = SHAPE + LAYOUTS[layout] + ([f"offload.nvme_path={tmp_path}"] if "nvme" in layout else [])
+    port = str(29600 + list(LAYOUTS).index(layout))
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("working_set_worker.py")), *args],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "MASTER_PORT": port})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ratio = got["estimate"] / got["growth"]
+    assert 0.85 <= ratio <= 1.15, (ratio, got)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
+def test_run_that_cannot_fit_is_refused_before_workers_start(tmp_path):
+    """The issue's 358M Llama at ZeRO-0 (18 bytes per parameter on each rank), 2 ranks, in 2.5 GiB."""
+    args = ["model.dim=1536", "model.n_layers=14", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_hidden=4096",
+            "train.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    with memory_cgroup(int(2.5 * 2**30)) as group:
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, str(ROOT / "apps/finetune/main.py"), *args], capture_output=True,
+                             text=True, timeout=300, cwd=tmp_path,
+                             preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        took = time.monotonic() - start
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: memory: this run needs about"), out.stderr
+    assert "2.50 GiB" in lines[0] and "+zero=stage3" in lines[0] and "ac=full" in lines[0], lines[0]
+    assert "rank" not in out.stdout and not (tmp_path / "run" / "heartbeat").exists()  # no worker started
+    assert took < 60, took
