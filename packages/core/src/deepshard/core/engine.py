@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.config import EngineConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.memory import ModelStateBytes, model_state_memory
-from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device
+from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device, zero_mesh
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.parallelize import ShardedPart, parallelize_model
 from deepshard.core.precision import LossScaler
@@ -60,12 +60,14 @@ class Engine:
     def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
         """This step's valid-label count (labels != -100 over all its micro-batches on this rank),
         summed over the data-parallel ranks in one all-reduce: the ``num_items`` of :meth:`backward`.
+        With sequence parallelism each sp rank counts its own slice of the sequences, and the sum runs
+        over ``dp x sp`` (the ZeRO group, :func:`~deepshard.core.mesh.zero_mesh`).
 
         Call it once per step, before the first backward.  The count stays on the compute device
         (no host sync).
         """
         count = torch.as_tensor(local_count, dtype=torch.float32, device=local_device()).reshape(())
-        dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        dist.all_reduce(count, group=zero_mesh(self.mesh).get_group())
         return count
 
     def backward(self, loss: torch.Tensor, *, num_items: torch.Tensor | float | None = None) -> None:
@@ -84,9 +86,9 @@ class Engine:
         self.stage.set_grad_sync(self._is_boundary())
         if num_items is None:
             factor = self.scaler.scale / self.config.grad_accum
-        else:  # the reducers average over dp ranks: multiply back, so the result is sum / global count
+        else:  # the reducers average over the ZeRO group: multiply back, so the result is sum / global count
             count = torch.as_tensor(num_items, dtype=torch.float32, device=loss.device).clamp(min=1.0)
-            factor = (self.scaler.scale * self.mesh["dp"].size()) / count
+            factor = (self.scaler.scale * zero_mesh(self.mesh).size()) / count
         (loss * factor).backward()
         self.optimizer.finish_backward()
         self.micro_step += 1
@@ -105,7 +107,7 @@ class Engine:
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes."""
-        return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=self.mesh["dp"].size(),
+        return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=zero_mesh(self.mesh).size(),
                                   dtype=self.config.precision.dtype, modules=[self.model])
 
 
@@ -153,5 +155,5 @@ def initialize(
     optimizer = build_optimizer(part.zero, config, store_factory=store_factory, fp32_masters=part.fp32_masters)
     num_params = part.num_params
     if num_params is None:
-        num_params = sum(local_tensor(p).numel() for p in part.zero.params) * (mesh["dp"].size() if stage_num == 3 else 1)
+        num_params = sum(local_tensor(p).numel() for p in part.zero.params) * (zero_mesh(mesh).size() if stage_num == 3 else 1)
     return Engine(model, part.zero, optimizer, config, mesh, num_params)

@@ -1,4 +1,9 @@
-"""The process group and the one DeviceMesh (axes ``pp``, ``dp``, ``tp``) everything else hangs on."""
+"""The process group and the one DeviceMesh (axes ``pp``, ``dp``, ``sp``, ``tp``) everything else hangs on.
+
+``sp`` is Ulysses sequence parallelism (``deepshard.core.sequence_parallel``): its ranks hold the same
+parameters and different slices of the same sequences, so ZeRO shards over ``dp x sp`` flattened
+(:func:`zero_mesh`, as DeepSpeed's Ulysses does) while the data is split over ``dp`` only.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "sp", "tp")  # sp next to tp: the two axes that talk inside every layer
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class ParallelDims:
     pp: int = 1
     dp: int = -1
     tp: int = 1
+    sp: int = 1  # Ulysses sequence parallelism: ranks sharing one sequence
     # HSDP (ZeRO-3 only): ZeRO-3 shards within groups of dp_shard ranks and all-reduces across dp_replicate
     # such groups; dp_shard x dp_replicate = dp (dp_shard=-1: dp / dp_replicate)
     dp_shard: int = -1
@@ -31,26 +37,29 @@ class ParallelDims:
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in ``dp`` and check that the product is the world size (ValueError naming the keys)."""
-        for key, value in (("parallel.pp", self.pp), ("parallel.tp", self.tp)):
+        for key, value in (("parallel.pp", self.pp), ("parallel.tp", self.tp), ("parallel.sp", self.sp)):
             if value < 1:
                 raise ValueError(f"{key}={value}: must be a positive integer")
         if self.dp == 0 or self.dp < -1:
             raise ValueError(f"parallel.dp={self.dp}: must be a positive integer, or -1 to derive it")
         dp = self.dp
+        others = self.pp * self.sp * self.tp
+        named = f"parallel.pp={self.pp} x parallel.tp={self.tp}" + (f" x parallel.sp={self.sp}" if self.sp > 1 else "")
         if dp == -1:
-            if world_size % (self.pp * self.tp):
+            if world_size % others:
                 raise ValueError(
-                    f"parallel.pp={self.pp} x parallel.tp={self.tp} = {self.pp * self.tp} does not divide "
-                    f"the world size {world_size}: choose pp*tp among the divisors of {world_size}"
+                    f"{named} = {others} does not divide the world size {world_size}: choose "
+                    f"pp*tp{'*sp' if self.sp > 1 else ''} among the divisors of {world_size}"
                 )
-            dp = world_size // (self.pp * self.tp)
-        if self.pp * dp * self.tp != world_size:
+            dp = world_size // others
+        if dp * others != world_size:
             raise ValueError(
-                f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.tp={self.tp} = {self.pp * dp * self.tp} "
-                f"!= world size {world_size}: the product must equal the number of ranks"
+                f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.tp={self.tp}"
+                + (f" x parallel.sp={self.sp}" if self.sp > 1 else "")
+                + f" = {dp * others} != world size {world_size}: the product must equal the number of ranks"
             )
         shard, replicate = self._split_dp(dp)
-        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, dp_shard=shard, dp_replicate=replicate)
+        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, sp=self.sp, dp_shard=shard, dp_replicate=replicate)
 
     def _split_dp(self, dp: int) -> tuple[int, int]:
         """``(dp_shard, dp_replicate)`` for a data-parallel size ``dp``; their product must be ``dp``."""
@@ -99,19 +108,33 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
 
 
 def build_mesh(dims: ParallelDims) -> DeviceMesh:
-    """One mesh with all three named axes (size-1 axes included), so sub-meshes are ``mesh["dp"]`` etc."""
+    """One mesh with all four named axes (size-1 axes included), so sub-meshes are ``mesh["dp"]`` etc."""
     world = dist.get_world_size()
     dims = dims.resolve(world)
     if dims.dp_replicate == 1:
-        return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+        return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.sp, dims.tp), mesh_dim_names=AXES)
     # HSDP: dp split into (dp_replicate, dp_shard), flattened back into ``dp`` for everything else
     # (data loading, loss counts, checkpoints); ZeRO-3 shards over the two (zero.hsdp.hsdp_mesh)
-    mesh = init_device_mesh(device_type(), (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    mesh = init_device_mesh(device_type(), (dims.pp, dims.dp_replicate, dims.dp_shard, dims.sp, dims.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "sp", "tp"))
     # torch 2.13 still slices a flattened dim from the root (``mesh["dp"]``) and warns it may not forever
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    """The size of ``axis``, 1 where the mesh lacks it (meshes built by hand name only what they use)."""
+    return mesh[axis].size() if axis in (mesh.mesh_dim_names or ()) else 1
+
+
+def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh ZeRO shards over and gradients are averaged over: ``dp``, or ``dp x sp`` flattened
+    when sequence parallelism is on (the sp ranks hold the same parameters, so they share the shards;
+    DeepSpeed's Ulysses does the same).  The loss's valid-token count is summed over it too."""
+    if axis_size(mesh, "sp") == 1:
+        return mesh["dp"]
+    return mesh["dp", "sp"]._flatten("dp_sp")
 
 
 def cuda_index(env: Mapping[str, str], device_count: int) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
+from deepshard.core.mesh import zero_mesh
 from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
 from deepshard.core.tensor_parallel import apply_tp
@@ -66,7 +67,8 @@ def parallelize_model(
     offload_params: bool | ParamOffload = False,
 ) -> ShardedPart:
     """TP over ``mesh["tp"]`` (when the mesh has that axis and ``tp_plan`` is given), activation
-    checkpointing of ``blocks``, precision, then ZeRO over ``mesh["dp"]``; in place.
+    checkpointing of ``blocks``, precision, then ZeRO over ``mesh["dp"]`` (``dp x sp`` with sequence
+    parallelism: :func:`deepshard.core.mesh.zero_mesh`); in place.
 
     ``model`` is fp32, with real weights or on the meta device (ZeRO-3's sharded init).
     """
@@ -82,7 +84,7 @@ def parallelize_model(
     elif ac != "none":
         raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
     num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
-    dp_mesh = mesh["dp"]
+    dp_mesh = zero_mesh(mesh)  # dp, or dp x sp flattened: sequence-parallel ranks share the shards
     torch_dtype = DTYPES[dtype]
     fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
     stage = apply_zero(model, dp_mesh, zero, blocks=list(blocks), param_dtype=torch_dtype,

@@ -272,6 +272,22 @@ def _validate_pipeline(settings: Settings) -> None:
                       virtual_stages=virtual, num_layers=settings.model.n_layers, partition=p.partition)
 
 
+def _validate_sp(settings: Settings) -> None:
+    """Ulysses sequence parallelism (``parallel.sp`` > 1): the sequence and the heads split evenly, and
+    what it does not compose with, said before any worker starts."""
+    from deepshard.finetune.models.ulysses import check_sp
+
+    par = settings.parallel
+    par.resolve(settings.world_size)  # sp must divide the world first: the rest would mislead
+    if par.pp > 1:
+        raise ValueError(f"parallel.sp={par.sp} with parallel.pp={par.pp}: not supported (the pipeline's "
+                         "stages and micro-batches are not sliced per sequence-parallel rank); use pp=1 with sp")
+    if settings.offload.params == "nvme":
+        raise ValueError(f"offload.params='nvme' with parallel.sp={par.sp}: not supported (untested); use "
+                         "offload.params=cpu or none with sp")
+    check_sp(settings.model, sp=par.sp, tp=par.tp, seq_len=settings.data.seq_len)
+
+
 def _positive(key: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value}: must be a positive integer")
@@ -447,6 +463,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         from deepshard.finetune.models.parallelize import check_tp
 
         check_tp(settings.model, parallel.tp)
+    if parallel.sp > 1:
+        _validate_sp(settings)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     _validate_zeropp(settings, parallel.resolve(world))

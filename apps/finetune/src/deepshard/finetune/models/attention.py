@@ -10,6 +10,10 @@ evaluate the mask.  Everywhere else (CPU, ``kernels=torch``) the dense mask and 
 reference path; both compute the same attention (tests/app/test_attention_docmask.py).
 
 flex_attention has no backward on CPU in torch 2.13 (eager or compiled), hence the CUDA-only choice.
+
+Under Ulysses sequence parallelism (``parallel.sp``) :func:`ulysses_heads` and :func:`ulysses_tokens`
+surround the attention: each rank attends over whole sequences for its share of the heads, so the
+masks above (built from the whole sequence's ``doc_ids``) and RoPE (global positions) apply as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from deepshard.core.sequence_parallel import expand_kv_heads, heads_to_seq, seq_to_heads
 
 DocMask = torch.Tensor | BlockMask  # dense bool [b, 1, s, s] (SDPA) or a flex BlockMask
 
@@ -77,3 +84,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask | No
     if mask is None:  # the fast path: the kernel's own causal mask (flash attention on CUDA)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def ulysses_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [b, hq, s/N, d], k, v [b, hkv, s/N, d] of this rank's tokens -> the whole sequence for hq/N
+    heads (and their kv heads: repeated first when N does not divide hkv, so grouping stays aligned)."""
+    n = group.size()
+    k, v = expand_kv_heads(k, v, num_q_heads=q.shape[1], sp=n)
+    return seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
+
+
+def ulysses_tokens(out: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Attention's output [b, hq/N, s, d] back to this rank's tokens [b, hq, s/N, d]."""
+    return heads_to_seq(out, group)

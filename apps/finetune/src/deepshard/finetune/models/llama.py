@@ -23,7 +23,14 @@ from torch import nn
 
 from deepshard.core.dtensor_utils import copy_global
 from deepshard.core.parallelize import IGNORE_INDEX
-from deepshard.finetune.models.attention import DocMask, attend, build_doc_mask, use_flex
+from deepshard.finetune.models.attention import (
+    DocMask,
+    attend,
+    build_doc_mask,
+    ulysses_heads,
+    ulysses_tokens,
+    use_flex,
+)
 from deepshard.finetune.models.vocab_tiling import embed, head_loss
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
@@ -73,6 +80,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.kernels = cfg.kernels
+        self.sp_group = None  # Ulysses sequence parallelism's group, set from outside (models/ulysses.py)
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -85,8 +93,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos[:s].to(q.dtype), sin[:s].to(q.dtype), backend=self.kernels)
+        if self.sp_group is not None:  # whole sequences for heads/sp heads; RoPE then sees global positions
+            q, k, v = ulysses_heads(q, k, v, self.sp_group)
+        s_all = q.shape[2]
+        q, k = apply_rotary(q, k, cos[:s_all].to(q.dtype), sin[:s_all].to(q.dtype), backend=self.kernels)
         out = attend(q, k, v, mask)  # causal; inside documents with a mask (flex on CUDA, dense SDPA else)
+        if self.sp_group is not None:
+            out = ulysses_tokens(out, self.sp_group)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from deepshard.core.config import EngineConfig, ZeroConfig
-from deepshard.core.mesh import local_device
+from deepshard.core.mesh import axis_size, local_device
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart, parallelize_model
 from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
@@ -40,6 +40,7 @@ from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParalle
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
+from deepshard.finetune.models.ulysses import apply_ulysses, check_sp
 from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
 from deepshard.pipeline import PipelineTrainer, build_pipeline, build_trainer
 
@@ -92,6 +93,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     keeps fp32 shards and casts per all-gather.  The engine and every pipeline stage take this.
     """
     check_tp(model.cfg, mesh["tp"].size())
+    sp = axis_size(mesh, "sp")
+    if sp > 1:
+        check_sp(model.cfg, sp=sp, tp=mesh["tp"].size())
+        apply_ulysses(model, mesh["sp"])
     rows = model_tile_rows(model, mesh, zero.stage)  # ZeRO-3's embedding and head in vocabulary tiles
     tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3

@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.memory import ModelStateBytes
+from deepshard.core.mesh import axis_size, zero_mesh
 from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import IGNORE_INDEX
+from deepshard.core.sequence_parallel import shard_sequence
 
 
 @dataclass
@@ -55,7 +57,12 @@ class EngineStepper(_Stepper):
     """Per step: count the valid label tokens of all its micro-batches (one all-reduce over dp), then
     ``engine(batch, reduction="sum")`` and ``engine.backward(loss_sum, num_items=count)`` per micro-batch,
     then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
-    the global valid-token count, whatever the micro-batch and rank layout (the README's "The loss of a step")."""
+    the global valid-token count, whatever the micro-batch and rank layout (the README's "The loss of a step").
+
+    With sequence parallelism (an ``sp`` axis > 1 on the engine's mesh) every sp rank of a dp rank
+    receives the same rows and keeps its consecutive slice of each (``input_ids``, ``labels``,
+    ``doc_ids`` alike: the labels were aligned on the whole row); the count and the loss are summed
+    over ``dp x sp``."""
 
     def __init__(self, engine, *, grad_accum: int, device: torch.device, micro_batch_size: int = 1) -> None:
         self.engine = engine
@@ -63,11 +70,21 @@ class EngineStepper(_Stepper):
         self.device = device
         self.rows_per_forward = micro_batch_size
         self.prof = None  # the run's StepProfiler, set once the engine exists
-        self.dp_group = engine.mesh["dp"].get_group()
+        self.dp_group = zero_mesh(engine.mesh).get_group()  # dp, or dp x sp: every rank's part of the loss
+        self.sp_size = axis_size(engine.mesh, "sp")
+        self.sp_rank = engine.mesh["sp"].get_local_rank() if self.sp_size > 1 else 0
+        self.sp_group = engine.mesh["sp"].get_group() if self.sp_size > 1 else None
+
+    def _mine(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This sp rank's slice of the sequence dimension of every row (the batch itself at sp=1)."""
+        if self.sp_size == 1:
+            return batch
+        return {k: shard_sequence(v, self.sp_rank, self.sp_size) if k in _SEQUENCE_KEYS else v
+                for k, v in batch.items()}
 
     def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
         """``grad_accum`` micro-batches' forward and backward; returns the step's loss on every rank."""
-        micro_batches = [next(batches) for _ in range(self.grad_accum)]
+        micro_batches = [self._mine(next(batches)) for _ in range(self.grad_accum)]
         num_items = self.engine.global_num_items(sum(valid_tokens(b["labels"]) for b in micro_batches))
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
@@ -82,22 +99,37 @@ class EngineStepper(_Stepper):
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This rank's summed token loss over the batch (forward only, the model in eval mode)."""
-        args, kwargs = model_inputs(batch, self.device)
+        """This rank's summed token loss over the batch (forward only, the model in eval mode); with
+        sequence parallelism, over the whole rows (the sp ranks' slices summed)."""
+        args, kwargs = model_inputs(self._mine(batch), self.device)
         with _eval_mode(self.engine.model):
-            return self.engine(*args, **kwargs, reduction="sum").detach().float()
+            loss = self.engine(*args, **kwargs, reduction="sum").detach().float()
+        if self.sp_group is not None:
+            dist.all_reduce(loss, group=self.sp_group)
+        return loss
 
     @torch.no_grad()
     def next_token(self, ids: list[int], *, max_seq_len: int) -> int:
         """The greedy next token after ``ids`` (its last ``max_seq_len``), rank 0's on every rank."""
+        n = self.sp_size
+        context = ids[-(max_seq_len // n * n):]
+        # sp: padded on the right to a multiple of sp (causal: nothing before the padding changes)
+        row = torch.tensor([context + [0] * (-len(context) % n)], device=self.device)
         with _eval_mode(self.engine.model):
-            logits = self.engine.model(torch.tensor([ids[-max_seq_len:]], device=self.device))
+            logits = self.engine.model(self._mine({"input_ids": row})["input_ids"])
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor-parallel head)
             logits = logits.full_tensor()
-        token = logits[0, -1].float().argmax().reshape(1)
+        if self.sp_group is not None:  # the whole row's logits, to pick its last real position
+            parts = [torch.empty_like(logits) for _ in range(n)]
+            dist.all_gather(parts, logits.contiguous(), group=self.sp_group)
+            logits = torch.cat(parts, dim=1)
+        token = logits[0, len(context) - 1].float().argmax().reshape(1)
         if dist.is_initialized():
             dist.broadcast(token, src=0)
         return int(token)
+
+
+_SEQUENCE_KEYS = ("input_ids", "labels", "doc_ids")  # [rows, seq]: what sequence parallelism slices
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[tuple, dict]:
