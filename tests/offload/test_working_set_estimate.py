@@ -58,3 +58,48 @@ def test_run_that_cannot_fit_is_refused_before_workers_start(tmp_path):
     assert "2.50 GiB" in lines[0] and "+zero=stage3" in lines[0] and "ac=full" in lines[0], lines[0]
     assert "rank" not in out.stdout and not (tmp_path / "run" / "heartbeat").exists()  # no worker started
     assert took < 60, took
+
+
+_PICK = """
+import json, sys
+from deepshard.finetune.config import validate
+from deepshard.finetune.tools.estimate import compose
+from deepshard.finetune import preflight as pf
+base = sys.argv[1:]
+s = validate(compose(base))
+chosen, line = pf.fit_buffers(s, 2)
+o = chosen.offload
+room = pf.room()
+needs = {str(c): 2 * pf.working_set_of(pf.with_offload(s, buffer_count=c[0], param_buffer_count=c[1],
+                                                      param_prefetch=c[2])).ram(False) for c in pf.BUFFER_CHOICES}
+try:
+    pf.check_memory(validate(compose(base + ["offload.buffer_count=4", "offload.param_buffer_count=6"])), 2)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+print(json.dumps({"chosen": [o.buffer_count, o.param_buffer_count, o.param_prefetch], "line": line,
+                  "room": room, "needs": needs, "refused": refused}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
+def test_infinity_buffers_chosen_for_the_cgroup(tmp_path):
+    """ZeRO-Infinity's buffers at their defaults are taken as not given: inside a 4 GiB cgroup the 358M
+    Llama at world 2 gets the most buffers that fit (said in one line); explicit ones that cannot
+    fit are refused."""
+    args = ["model.dim=1536", "model.n_layers=14", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_hidden=4096",
+            "+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}", "ac=full"]
+    with memory_cgroup(4 * 2**30) as group:
+        out = subprocess.run([sys.executable, "-c", _PICK, *args], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    room, where = got["room"]
+    assert "memory cgroup" in where and room < 4 * 2**30
+    choices = list(got["needs"])
+    k = choices.index(str(tuple(got["chosen"])))
+    assert k > 0, got  # the defaults do not fit here
+    assert got["needs"][choices[k]] <= 0.9 * room < got["needs"][choices[k - 1]], got
+    assert got["line"].startswith("offload: picked offload.buffer_count="), got["line"]
+    assert got["refused"] and got["refused"].startswith("memory: this run needs about"), got["refused"]

@@ -83,7 +83,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 def _run(settings: Settings, run_dir: str) -> dict:
     local_workers = not under_torchrun() and settings.world_size > 1
     # the working set of this host's ranks against the memory they will have: refused or warned here
-    preflight_memory(settings, settings.world_size if local_workers else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    settings = preflight_memory(settings, settings.world_size if local_workers else
+                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # and offload buffers chosen to fit
     if local_workers:  # their imports, in the background, while the checks below read the inputs
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
     check_inputs(settings)  # user data read through once, model=hf's files

@@ -122,11 +122,45 @@ def check_memory(s: Settings, nproc: int) -> str | None:
     return None
 
 
-def preflight_memory(s: Settings, nproc: int) -> None:
-    """The app's check before starting workers: refuse (ValueError) or warn on stderr."""
+# offload.params=nvme's buffers, most first: (buffer_count, param_buffer_count, param_prefetch)
+BUFFER_CHOICES = ((3, 4, 2), (2, 3, 2), (2, 3, 1), (1, 3, 2), (1, 2, 1))
+
+
+def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
+    """ZeRO-Infinity's buffers chosen for the memory the run has: where ``offload.buffer_count``,
+    ``param_buffer_count`` and ``param_prefetch`` are at their defaults (taken as not given), the
+    most buffers that fit; the choice said in one line.  Explicit values are kept (and refused by
+    :func:`check_memory` if they cannot fit)."""
+    o = s.offload
+    if o.params != "nvme" or (o.buffer_count, o.param_buffer_count, o.param_prefetch) != BUFFER_CHOICES[0]:
+        return s, None
+    have = room()
+    if have is None:
+        return s, None
+    baseline = process_baseline()
+    for i, (count, pool, prefetch) in enumerate(BUFFER_CHOICES):
+        tried = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
+        shape = run_shape(tried)
+        need = nproc * working_set_of(tried, baseline=baseline, shape=shape).ram(shape.on_device)
+        if need <= CLOSE * have[0] or i == len(BUFFER_CHOICES) - 1:
+            line = None if i == 0 else (
+                f"offload: picked offload.buffer_count={count} offload.param_buffer_count={pool} "
+                f"offload.param_prefetch={prefetch} for the {_gib(have[0])} {have[1]} leaves (about {_gib(need)} "
+                "needed); set them to override")
+            return tried, line
+    return s, None  # not reached
+
+
+def preflight_memory(s: Settings, nproc: int) -> Settings:
+    """The app's check before starting workers: the buffers chosen, then refuse (ValueError) or warn
+    on stderr; returns the settings the workers get."""
+    s, picked = fit_buffers(s, nproc)
+    if picked:
+        print(picked, file=sys.stderr)
     line = check_memory(s, nproc)
     if line:
         print(line, file=sys.stderr)
+    return s
 
 
 def with_offload(s: Settings, **changes: int) -> Settings:
