@@ -21,6 +21,7 @@ beside it, and both again over a run without offload under offload's malloc poli
 DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
     python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
+    python bench/infinity.py app [--world 2] [--limit-gib 2.5] [--shapes 450m,358m]   (bench/infinity_app.py)
 
 Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory.  ``worker`` is the
 confined process's entry point (also used by tests/offload/test_param_swap_memory.py).
@@ -396,5 +397,9 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "app":  # through apps/finetune/main.py at Llama-like shapes
+        from infinity_app import main as app_main
+
+        app_main(sys.argv[2:])
     else:
         main()
