@@ -8,6 +8,7 @@ the whole global batch with torch.optim.AdamW (tests/core/zero_harness.py).  One
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from functools import partial
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from zero_harness import MICRO, SEQ, batches, engine_config, reference  # noqa: E402
+from zero_harness import MICRO, batches, engine_config, reference  # noqa: E402
 
 from deepshard.launch.local import launch_local  # noqa: E402
 
@@ -105,7 +106,7 @@ def _app_run(nvme_path: str | None) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    ctx = swap.resident() if swap is not None else torch.autograd.grad_mode.no_grad()
+    ctx = swap.resident() if swap is not None else contextlib.nullcontext()
     with ctx:
         full = {n: p.data.full_tensor().clone() for n, p in engine.model.named_parameters()}
     engine.store.close()
@@ -113,8 +114,9 @@ def _app_run(nvme_path: str | None) -> dict:
 
 
 def _worker(nvme_path: str) -> dict:
-    from deepshard.core import init_distributed
     from torch.distributed.device_mesh import init_device_mesh
+
+    from deepshard.core import init_distributed
 
     init_distributed()
     out = {"kernels": _kernels(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))}
