@@ -203,3 +203,61 @@ def test_a_refusal_never_repeats_torchs_advice_to_load_unsafely(tmp_path):
         line = str(err.value)
         assert "will likely succeed" not in line and "False" not in line and "\n" not in line, line
         assert line.startswith(f"{f}: not loaded (") and re.search(reason, line), line
+
+
+HOLDER = """import sys, time
+from pathlib import Path
+from deepshard.core.checkpoint.owners import write_owner
+write_owner(Path(sys.argv[1]))  # what an importer writes into its .tmp-import as it starts
+print("holding", flush=True)
+time.sleep(300)
+"""
+
+
+def _cli_import(src: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepshard.finetune.tools.from_deepspeed", str(src), str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def leftover_and_holder(tmp_path):
+    """``out/step-N.tmp-import`` (N: the fixture's step) with half a file, owned by a live process."""
+    name = import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", tmp_path / "probe").name
+    leftover = tmp_path / "out" / f"{name}.tmp-import"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"half")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(leftover)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        yield leftover, holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_live_importers_partial_import_is_named_not_deleted(leftover_and_holder):
+    """A second import into the OUT_DIR of one still running: one error line naming the directory and the
+    live importer (its pid), exit 2, and the first import's files untouched (it used to delete them)."""
+    leftover, holder = leftover_and_holder
+    proc = _cli_import(FIXTURES / "ds_zero2" / "checkpoint", leftover.parent)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {leftover}: another import is writing it "), lines
+    assert f"pid {holder.pid}" in lines[0] and "still running" in lines[0], lines[0]
+    assert (leftover / "__0_0.distcp").read_bytes() == b"half"
+    assert sorted(p.name for p in leftover.parent.iterdir()) == [leftover.name]
+
+
+def test_a_dead_importers_partial_import_is_removed_naming_it(leftover_and_holder):
+    """The same leftover once its importer is dead (killed: no chance to clean up): removed with a notice
+    naming the dead pid, and the import lands whole."""
+    leftover, holder = leftover_and_holder
+    holder.kill()
+    holder.wait()
+    proc = _cli_import(FIXTURES / "ds_zero2" / "checkpoint", leftover.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"notice: removing the partial import {leftover} (its importer, pid {holder.pid}, is not running)" \
+        in proc.stderr, proc.stderr[-2000:]
+    final = leftover.parent / leftover.name[:-len(".tmp-import")]
+    assert sorted(p.name for p in leftover.parent.iterdir()) == [final.name]
+    assert not (final / ".owner.json").exists()  # the marker is not part of the import

@@ -13,7 +13,9 @@ output tensor is assembled when DCP writes it, from the mapped pieces of the ran
 so the peak memory is about one parameter, never the model (DeepSpeed's zero_to_fp32 holds it all).
 
 Whatever is wrong with the files (refused, truncated, a key missing, a partition of the wrong size)
-is one ``error:`` line naming the file, exit 2; the partial ``step-N.tmp-import`` is removed.
+is one ``error:`` line naming the file, exit 2; the partial ``step-N.tmp-import`` is removed.  The
+import is written into ``step-N.tmp-import`` (marked with its importer's host and pid) and renamed into
+place whole; a leftover of a killed import is removed, one whose importer still runs is named (exit 2).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -48,6 +51,7 @@ from deepshard.core.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
+from deepshard.core.checkpoint.owners import OWNER, owner_alive, write_owner
 from deepshard.core.checkpoint.state import clean_name
 from deepshard.finetune.models.hf import to_hf_name
 
@@ -244,17 +248,44 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     tmp = Path(out_dir) / f"{final.name}.tmp-import"
     if final.exists():  # before any work: an import that cannot be renamed into place is wasted
         raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
-    if tmp.exists():  # an earlier import that was interrupted (a kill leaves no chance to clean up)
-        print(f"notice: removing the partial import {tmp}", file=sys.stderr)
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True, exist_ok=False)
+    _claim(tmp)
     try:
         _write(tmp, ds, tag_dir, state, build, step, global_steps)
+        (tmp / OWNER).unlink()
     except BaseException:  # a refused or short file, a full disk, Ctrl-C: no half-written import stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tmp.rename(final)
+    tmp.rename(final)  # atomic: OUT_DIR holds the whole import or none of it
     return final
+
+
+def _claim(tmp: Path) -> None:
+    """Make ``tmp`` this import's, marked with its owner (host, pid) from the moment it exists (made
+    aside and renamed into place).  A leftover of a dead import (a kill leaves no chance to clean up) is
+    removed with a notice; one whose importer still runs is named, never touched: two imports into one
+    OUT_DIR would write the same files."""
+    for _ in range(3):
+        if tmp.exists():
+            alive, who = owner_alive(tmp)
+            if alive:
+                raise ValueError(f"{tmp}: another import is writing it ({who}, still running); wait for it "
+                                 f"to finish or stop it, then run again")
+            print(f"notice: removing the partial import {tmp} (its importer, {who}, is not running)", file=sys.stderr)
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        aside = tmp.parent / f".{tmp.name}.{os.getpid()}"
+        aside.mkdir()
+        try:
+            write_owner(aside)
+        except BaseException:  # a full disk: nothing of this import stays
+            shutil.rmtree(aside, ignore_errors=True)
+            raise
+        try:
+            os.rename(aside, tmp)  # fails if another import made tmp meanwhile: look at its owner again
+            return
+        except OSError:
+            shutil.rmtree(aside, ignore_errors=True)
+    raise ValueError(f"{tmp}: another import keeps creating it; run one import into {tmp.parent} at a time")
 
 
 def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step: int, global_steps: int) -> None:
