@@ -37,6 +37,7 @@ from deepshard.launch import remote
 from deepshard.launch.agent import Failure, NodeConfig, run_node, worker_command
 from deepshard.launch.env_file import job_env
 from deepshard.launch.hostfile import Resources, limit, read_hostfile, select
+from deepshard.launch.parent_death import end_with_stdin
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: used when it exists and --hostfile is not given
 DEFAULT_PORT = 29500
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang_s", type=float, default=300.0, help="end a job whose rank made no progress this long")
     p.add_argument("--world_info", default=None, help=argparse.SUPPRESS)  # a node's view of the job (ssh, srun)
     p.add_argument("--run_id", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--end_with_stdin", action="store_true", help=argparse.SUPPRESS)  # a node started over ssh
     for dest, (flag, takes_value) in NOT_OFFERED.items():
         p.add_argument(flag, dest=dest, default=None, help=argparse.SUPPRESS,
                        **({} if takes_value else {"action": "store_const", "const": True}))
@@ -263,7 +265,7 @@ def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     if not args.no_ssh_check:
         remote.check_reachable(hosts, port=args.ssh_port)
     env, cwd = job_env(), os.getcwd()
-    lines = {h: remote.remote_shell_line(remote.node_command(i, **common), env=env, cwd=cwd,
+    lines = {h: remote.remote_shell_line(remote.node_command(i, over_ssh=True, **common), env=env, cwd=cwd,
                                          venv_script=args.venv_script) for i, h in enumerate(hosts)}
     code, line = remote.run_over_ssh(lines, port=args.ssh_port)
     return None if code == 0 else Failure(line or f"exit {code}", code)
@@ -284,6 +286,8 @@ def run(argv: Sequence[str]) -> int:
     except ValueError as err:  # UsageError and the hostfile's, env file's ValueErrors: nothing started
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.end_with_stdin:  # this node's ssh session closing stops its workers (SIGTERM to the agent)
+        end_with_stdin()
     try:
         failure = _run_nodes(args, world) if multi else run_node(node, entry, cmd_args)
     except ValueError as err:  # a host that cannot be reached, before any node started

@@ -5,6 +5,8 @@ resources (``--world_info``, DeepSpeed's base64 of ``host -> slots``), rendezvou
 id, so each node's elastic agent joins the same c10d rendezvous.  Over ssh the launcher waits for
 every node; when one fails it stops the others (closing their ssh sessions ends the remote
 commands) and its last line is that node's own ``error:`` line, which names host, rank and cause.
+A node started over ssh ends when its session closes (``--end_with_stdin``), and the ssh clients
+die with the launcher, so a SIGKILLed launcher leaves no node running.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import Sequence
 
 from deepshard.launch.hostfile import Resources
 from deepshard.launch.local import _lost_peer
+from deepshard.launch.parent_death import guarded
 
+SSH_ARGS_ENV = "PDSH_SSH_ARGS_APPEND"
 SUPPORTED = ("pdsh", "ssh", "slurm")  # pdsh (DeepSpeed's default) means: one ssh per host, in parallel
 REFUSED = ("openmpi", "mpich", "impi", "mvapich")  # DeepSpeed's MPI launchers start ranks, not agents
 
@@ -41,11 +45,13 @@ def decode_world(text: str) -> Resources:
 
 
 def node_command(node_rank: int | str, *, world: str, master_addr: str, master_port: int, run_id: str,
-                 launch_flags: Sequence[str], script: str, script_args: Sequence[str]) -> list[str]:
-    """The ``deepshard`` command one node runs (``node_rank`` may be a shell expression for srun)."""
+                 launch_flags: Sequence[str], script: str, script_args: Sequence[str],
+                 over_ssh: bool = False) -> list[str]:
+    """The ``deepshard`` command one node runs (``node_rank`` may be a shell expression for srun);
+    ``over_ssh``: the node ends when its ssh session does (its standard input closes)."""
     return [sys.executable, "-u", "-m", "deepshard.launch.cli", "--no_ssh", f"--node_rank={node_rank}",
             f"--world_info={world}", f"--master_addr={master_addr}", f"--master_port={master_port}",
-            f"--run_id={run_id}", *launch_flags, script, *script_args]
+            f"--run_id={run_id}", *(["--end_with_stdin"] if over_ssh else []), *launch_flags, script, *script_args]
 
 
 def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, venv_script: str | None) -> str:
@@ -59,7 +65,10 @@ def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, 
 
 
 def ssh_command(host: str, line: str, *, port: int | None, options: Sequence[str] = ()) -> list[str]:
-    return ["ssh", "-o", "BatchMode=yes", *options, *(["-p", str(port)] if port else []), host, line]
+    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options (DeepSpeed's pdsh
+    runner passes that variable's options to every ssh: ``-F config``, ``-i key``, ``-l user``)."""
+    extra = shlex.split(os.environ.get(SSH_ARGS_ENV, ""))
+    return ["ssh", "-o", "BatchMode=yes", *options, *extra, *(["-p", str(port)] if port else []), host, line]
 
 
 def srun_command(resources: Resources, command: Sequence[str], *, launcher_args: str = "", comment: str = "",
@@ -126,7 +135,10 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
     order: list[int] = []  # failed nodes, in the order they were seen to fail
     try:
         for i, (host, line) in enumerate(lines.items()):
-            proc = subprocess.Popen(ssh_command(host, line, port=port), stdin=subprocess.DEVNULL,
+            # stdin stays open, unwritten: when this launcher ends, the session's end reaches the node
+            ssh = ssh_command(host, line, port=port)  # dies with this launcher, even by SIGKILL
+            exe, args = guarded(ssh[0], ssh[1:], os.getpid())
+            proc = subprocess.Popen([exe, *args], stdin=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
             procs.append((host, proc))
             pumps.append(threading.Thread(target=_pump, args=(proc, sys.stderr, last, i), daemon=True))
@@ -152,6 +164,9 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    for _, proc in procs:
+        if proc.stdin:
+            proc.stdin.close()
     for t in pumps:
         t.join(timeout=5)
     if not order:

@@ -1,0 +1,16 @@
+"""The launcher tests' shared reference: one uninterrupted one-node world-2 run of compat_loop.py."""
+
+from __future__ import annotations
+
+import pytest
+from compat_runs import final_losses, run_loop
+
+
+@pytest.fixture(scope="session")
+def one_node_losses(tmp_path_factory) -> dict[tuple[int, int], str]:
+    """``deepshard --num_gpus=2 compat_loop.py``: 12 ZeRO-3 steps on 2 ranks, (rank, step) -> loss."""
+    code, err, rows = run_loop(["--num_gpus=2"], tmp_path_factory.mktemp("one_node"))
+    assert code == 0, err[-3000:]
+    losses = final_losses(rows)
+    assert sorted(losses) == [(r, s) for r in (0, 1) for s in range(1, 13)]
+    return losses
