@@ -14,6 +14,10 @@ import copy
 import itertools
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -156,6 +160,49 @@ def test_epoch_with_a_short_last_accumulation(tmp_path_factory):
     for mine, ref in zip(out["short_last"], out["short_last_reference"], strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+SCRIPT = Path(__file__).with_name("hf_trainer_script.py")
+# the harness's arguments() for world 2's ZeRO-2 run, as a command line
+SCRIPT_ARGS = ["--per_device_train_batch_size=2", "--gradient_accumulation_steps=2", "--learning_rate=3e-3",
+               "--weight_decay=0.01", "--max_grad_norm=0.5", "--warmup_steps=1", "--lr_scheduler_type=linear",
+               "--max_steps=4", "--logging_steps=1", "--save_strategy=no", "--report_to=none", "--seed=0",
+               "--train_sampling_strategy=sequential", "--remove_unused_columns=False", "--disable_tqdm=True",
+               "--per_device_eval_batch_size=1"]
+
+
+def _run_script(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A launcher command in its own process group, stopped (with its workers) on any failure."""
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepshard"])
+def test_script_under_torchrun_and_our_launcher(tmp_path_factory, tmp_path, launcher):
+    """The same Trainer script (HfArgumentParser, ``--deepspeed ds_config.json``) started by
+    ``torchrun --nproc_per_node 2`` and by ``deepshard --num_gpus 2`` (which passes ``--local_rank=N``,
+    taken by TrainingArguments' own field) logs exactly what world 2's ZeRO-2 run logged under the
+    tests' launcher.  ~15 s each."""
+    from hf_trainer_harness import ds_config
+
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds_config(2)))
+    bindir = Path(sys.executable).parent
+    start = ([str(bindir / "torchrun"), "--standalone", "--nproc_per_node", "2"] if launcher == "torchrun"
+             else [str(bindir / "deepshard"), "--num_gpus", "2"])
+    done = _run_script([*start, str(SCRIPT), "--output_dir", str(tmp_path / "out"), "--deepspeed", "ds_config.json",
+                        "--logs_out", str(tmp_path / "logs.json"), *SCRIPT_ARGS], tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    got = json.loads((tmp_path / "logs.json").read_text())
+    assert got["world_size"] == 2
+    assert got["logs"] == runs(tmp_path_factory)["w2"][0]["zero2"]["logs"]
 
 
 # --- "auto" filling against transformers' own rules

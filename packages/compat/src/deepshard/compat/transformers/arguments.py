@@ -71,5 +71,8 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError("TrainingArguments(activation_checkpointing_kwargs={'use_reentrant': True}) with "
                              "deepspeed=: not supported (reentrant checkpointing under ZeRO-3 trains wrong "
                              "silently); leave it False, transformers' default")
+        if self.save_on_each_node:
+            raise ValueError("TrainingArguments(save_on_each_node=True) with deepspeed=: not supported (global rank 0 "
+                             "writes save_model()'s files and the checkpoints' trainer state)")
         if self.auto_find_batch_size:
             raise ValueError("TrainingArguments(auto_find_batch_size=True) with deepspeed=: not supported")

@@ -10,7 +10,7 @@ transformers' own loop runs unchanged; the overrides only swap what it drives:
   (``num_items_in_batch``): the gradient of the token sum over micro-batches and ranks divided by
   the global count, the same as one large batch.
 - the engine clips and measures the gradient norm inside its step; the logs take its number.
-- ``save_model`` gathers ZeRO-3 shards; checkpoints hold the engine's sharded state
+- ``save_model`` streams HF safetensors one gathered tensor at a time (save.py); checkpoints hold the engine's sharded state
   (``checkpoint-N/global_stepN``, DeepSpeed's layout) next to transformers' trainer state and RNG.
 
 Without ``args.deepspeed`` every method is transformers' own.
@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.trainer_utils import _is_peft_model
 
-from deepshard.compat.deepspeed.checkpoint import full_state_dict
-
+from . import auto, checkpoints
 from .arguments import TrainingArguments
-from .bridge import EngineOptimizer, EngineSchedule, build_engine
+from .bridge import EngineOptimizer, EngineSchedule, build_engine, hf_schedule
+from .save import trainable_state, write_streaming
 
 
 class Trainer(transformers.Trainer):
@@ -38,6 +39,8 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.ds_engine: Any = None
         self._num_training_steps = 0
+        self._schedule: tuple[Any, int] | None = None  # (k -> lr, its number of steps) of the first train()
+        self._pending_save: tuple[Path, Path, int | None] | None = None  # (run dir, checkpoint-N, limit)
         if not self.args.deepspeed:
             return
         if not isinstance(self.args, TrainingArguments):
@@ -51,10 +54,43 @@ class Trainer(transformers.Trainer):
     def _on_engine(self) -> bool:
         return bool(self.args.deepspeed)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` that verifies (transformers
+        takes the newest by name, sealed or not)."""
+        if self._on_engine and resume_from_checkpoint is True:
+            found = checkpoints.newest_good(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint=True: no checkpoint-N in {self.args.output_dir} verifies")
+            resume_from_checkpoint = str(found)
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._on_engine:
+            self.seal_pending_save()  # train() returns with its last checkpoint sealed
+        return out
+
     # --- building the engine in place of the optimizer, scheduler and accelerate's wrapping
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         self._num_training_steps = max_steps  # the engine's schedule and the ds_config's "auto" need it
-        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self._on_engine:
+            self._schedule_from(max_steps)
+        return prepared
+
+    def _schedule_from(self, max_steps: int) -> None:
+        """The schedule counts this ``train()`` call's steps, as transformers' new scheduler per call
+        does: a later call on the same Trainer keeps the weights and Adam's moments and step count
+        (transformers keeps its optimizer) and restarts the rate at step 0 (``state.global_step``,
+        or the resumed checkpoint's)."""
+        opt = self.ds_engine.engine.optimizer
+        if self._schedule is None:  # the first call: the schedule build_engine made for max_steps
+            self._schedule = (opt.lr_at, max_steps)
+        base, steps = self._schedule
+        if steps != max_steps:
+            if "scheduler" in auto.read(self.args.deepspeed):
+                raise ValueError(f"Trainer.train() again with {max_steps} steps (the first call had {steps}): the "
+                                 f"ds_config's scheduler section was filled for {steps}; build a new Trainer")
+            base = hf_schedule(self.args, self.ds_engine.engine.config.optim.lr, max_steps)
+        offset = opt.num_updates - self.state.global_step  # updates made before this call's step 0
+        opt.lr_at = base if offset == 0 else (lambda k: base(k - offset))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if not self._on_engine:
@@ -126,11 +162,50 @@ class Trainer(transformers.Trainer):
 
     # --- saving and resuming
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """HF safetensors that ``from_pretrained`` loads, gathered one tensor at a time (never the whole
+        model on one rank); a PEFT model writes its adapter (its trainable tensors, gathered)."""
         if not (self._on_engine and self.ds_engine is not None):
             return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.ds_engine.engine.gather_params()
-        state = full_state_dict(self.model)  # every rank takes part (ZeRO-3 gathers); rank 0 gets the tensors
-        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        if _is_peft_model(self.model):
+            self._save(output_dir, state_dict=trainable_state(self.model, is_main=self.args.should_save))
+        else:  # transformers writes config, generation config, tokenizer, arguments; then the weights stream
+            self._save(output_dir, state_dict={})
+            write_streaming(self.model, output_dir, is_main=self.args.should_save)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """transformers' save with its rotation replaced by ours (checkpoints.py): the newest
+        ``save_total_limit`` that verify are kept, only our own ``checkpoint-N`` are removed."""
+        if not self._on_engine:
+            return super()._save_checkpoint(model, trial)
+        self.seal_pending_save()  # the previous asynchronous save, before this one starts
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # transformers' rotation counts directories, good or not
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = Path(self._get_output_dir(trial=trial))
+        self._pending_save = (run_dir, run_dir / f"checkpoint-{self.state.global_step}", limit)
+        if not getattr(getattr(self.ds_engine, "compat", None), "async_save", False):
+            self.seal_pending_save()
+
+    def seal_pending_save(self) -> None:
+        """Wait for the engine's asynchronous save in flight (ds_config ``checkpoint.writer.decoupled``;
+        every rank; its failure is raised as one line), then rotate: a checkpoint counts for
+        ``save_total_limit`` only once it is sealed.  Runs at the next save and at the end of ``train()``."""
+        if self._pending_save is None:
+            return
+        run_dir, written, limit = self._pending_save
+        self._pending_save = None
+        wait = getattr(self.ds_engine, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
+        if self.args.should_save and limit:
+            checkpoints.rotate(run_dir, limit, keep=written, protect=[self.state.best_model_checkpoint])
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._on_engine:
