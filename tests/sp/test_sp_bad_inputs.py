@@ -1,4 +1,4 @@
-"""``parallel.sp`` that cannot work is refused before any worker starts, in one line naming the keys,
+"""``parallel.sp`` (and ``model.mlp_tiles``) that cannot work is refused before any worker starts, in one line naming the keys,
 the values and what is valid (the launcher's checks, run in this process: no launch)."""
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ CASES = [
      ["parallel.sp=2", "parallel.tp=2", "1 heads per tp rank"]),
     (["parallel.sp=2", "parallel.pp=2", "pipeline.microbatches=2"], ["parallel.sp=2", "parallel.pp=2", "pp=1"]),
     (["parallel.sp=0"], ["parallel.sp=0", "positive integer"]),
+    (["parallel.sp=2", "model.mlp_tiles=33"], ["model.mlp_tiles=33", "data.seq_len=64 / parallel.sp=2 = 32"]),
+    (["parallel.tp=2", "model.mlp_tiles=2"], ["model.mlp_tiles=2", "parallel.tp=2"]),
+    (["model.mlp_tiles=0"], ["model.mlp_tiles=0", ">= 1"]),
 ]
 
 

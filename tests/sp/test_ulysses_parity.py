@@ -11,13 +11,14 @@ token of slice k predicts the first of slice k+1).  The model has grouped-query 
 heads, so sp=4 exercises the kv-head replication.
 
 Layouts (global batch 4 rows of 16 tokens, 3 steps): world 2 = sp 2 at ZeRO 1 (micro 2 x accum 2),
-ZeRO 3 with activation checkpointing (micro 4), ZeRO 2 with LoRA adapters; world 4 = sp 2 x dp 2 at
+ZeRO 3 with activation checkpointing and the MLP in 3 tiles (micro 4), ZeRO 2 with LoRA adapters; world 4 = sp 2 x dp 2 at
 ZeRO 3 and sp 4 at ZeRO 1.  Two launches, ~45 s together on 2 cores.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from functools import partial
 
@@ -32,19 +33,19 @@ CFG = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ff
 SEQ, ROWS, STEPS = 16, 4, 3
 LR, BETAS, EPS, WD, CLIP = 2e-3, (0.9, 0.95), 1e-6, 0.1, 0.05
 LORA = {"r": 4, "alpha": 8.0}
-# name: (world, sp, zero stage, micro batch, grad accum, ac, lora)
+# name: (world, sp, zero stage, micro batch, grad accum, ac, mlp tiles, lora)
 LAYOUTS = {
-    "sp2_zero1_accum2": (2, 2, 1, 2, 2, "none", False),
-    "sp2_zero3_ac": (2, 2, 3, 4, 1, "full", False),
-    "sp2_zero2_lora": (2, 2, 2, 4, 1, "none", True),
-    "sp2_dp2_zero3": (4, 2, 3, 2, 1, "none", False),
-    "sp4_zero1_gqa_repeat": (4, 4, 1, 4, 1, "none", False),
+    "sp2_zero1_accum2": (2, 2, 1, 2, 2, "none", 1, False),
+    "sp2_zero3_ac_tiled_mlp": (2, 2, 3, 4, 1, "full", 3, False),
+    "sp2_zero2_lora": (2, 2, 2, 4, 1, "none", 1, True),
+    "sp2_dp2_zero3": (4, 2, 3, 2, 1, "none", 1, False),
+    "sp4_zero1_gqa_repeat": (4, 4, 1, 4, 1, "none", 1, False),
 }
 
 
-def model(lora: bool = False) -> Llama:
+def model(lora: bool = False, mlp_tiles: int = 1) -> Llama:
     torch.manual_seed(0)
-    m = Llama(CFG)
+    m = Llama(dataclasses.replace(CFG, mlp_tiles=mlp_tiles))
     m.init_weights(0)
     if lora:
         from deepshard.finetune.models.lora import apply_lora
@@ -111,7 +112,8 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(sp: int, stage: int, micro: int, accum: int, ac: str, lora: bool) -> tuple[list[float], dict]:
+def _run(sp: int, stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool
+         ) -> tuple[list[float], dict]:
     from deepshard.core import (
         EngineConfig,
         OptimConfig,
@@ -131,7 +133,7 @@ def _run(sp: int, stage: int, micro: int, accum: int, ac: str, lora: bool) -> tu
                           grad_accum=accum, ac=ac)
     mesh = build_mesh(ParallelDims(sp=sp))
     recipe = partial(parallelize_llama, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac)
-    engine = initialize(model(lora).to(local_device()), config, mesh=mesh, parallelize_fn=recipe)
+    engine = initialize(model(lora, tiles).to(local_device()), config, mesh=mesh, parallelize_fn=recipe)
     stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
     stepper.prof = types.SimpleNamespace(phase=lambda name: contextlib.nullcontext())
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()

@@ -286,6 +286,11 @@ def translate(ds: dict) -> Translation:
         tr.copy({k: v for k, v in tb.items() if k != "enabled" or v is not False}, "tensorboard", {})
         if tb.get("enabled") is False:
             t.unsupported.append("tensorboard.enabled=false")
+    if "sequence_parallel_size" in ds:  # DeepSpeed's Ulysses (ALST; HF's parallelism_config sp_size too)
+        handled.add("sequence_parallel_size")
+        _positive_int(ds["sequence_parallel_size"], "sequence_parallel_size")
+        sp = ds["sequence_parallel_size"]
+        tr.set("parallel.sp", sp if sp in (AUTO, None) else int(sp), "sequence_parallel_size")
     t.notes += [f"{k}: {BUILT_IN[k]}" for k in ds if k not in handled and k in BUILT_IN]
     t.unsupported += [k for k in ds if k not in handled and k not in BUILT_IN]
     return t

@@ -288,6 +288,18 @@ def _validate_sp(settings: Settings) -> None:
     check_sp(settings.model, sp=par.sp, tp=par.tp, seq_len=settings.data.seq_len)
 
 
+def _check_mlp_tiles(settings: Settings) -> None:
+    """``model.mlp_tiles``: at most one tile per token of a rank's slice of a row, and not under tp."""
+    tiles, par, seq_len = settings.model.mlp_tiles, settings.parallel.resolve(settings.world_size), settings.data.seq_len
+    if tiles > seq_len // par.sp:
+        held = f"data.seq_len={seq_len} / parallel.sp={par.sp} = " if par.sp > 1 else "data.seq_len="
+        raise ValueError(f"model.mlp_tiles={tiles} is larger than the sequence each rank holds ({held}"
+                         f"{seq_len // par.sp} tokens): choose 1 to {seq_len // par.sp}")
+    if tiles > 1 and par.tp > 1:
+        raise ValueError(f"model.mlp_tiles={tiles} with parallel.tp={par.tp}: not supported (the tiled MLP "
+                         "takes plain parameters, tp's are DTensors); use mlp_tiles=1 with tp")
+
+
 def _positive(key: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value}: must be a positive integer")
@@ -358,7 +370,7 @@ def _validate_model(c: dict, kernels: str, seq_len: int) -> LlamaConfig:
     if c["name"] == "hf":
         if not c["path"]:
             raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
-        model = llama_config_from_hf(c["path"])
+        model = dataclasses.replace(llama_config_from_hf(c["path"]), mlp_tiles=c.get("mlp_tiles", 1))
     else:
         arch = {k: v for k, v in c.items() if k not in ("name", "path")}
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -465,6 +477,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:
         _validate_sp(settings)
+    _check_mlp_tiles(settings)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     _validate_zeropp(settings, parallel.resolve(world))

@@ -31,6 +31,7 @@ from deepshard.finetune.models.attention import (
     ulysses_tokens,
     use_flex,
 )
+from deepshard.finetune.models.tiled_mlp import tiled_mlp
 from deepshard.finetune.models.vocab_tiling import embed, head_loss
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
@@ -50,6 +51,7 @@ class LlamaConfig:
     kernels: str = "torch"  # resolved backend: torch | triton
     loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: plain logits
     vocab_tile_size: int = -1  # ZeRO-3: embedding/head in tiles of this many vocab rows (-1 auto, 0 off)
+    mlp_tiles: int = 1  # the MLP in this many sequence tiles, recomputed per tile in backward (models/tiled_mlp.py)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -59,6 +61,8 @@ class LlamaConfig:
         if self.vocab_tile_size < -1:
             raise ValueError(f"model.vocab_tile_size={self.vocab_tile_size}: must be -1 (auto), 0 (off) or "
                              "rows per tile")
+        if self.mlp_tiles < 1:
+            raise ValueError(f"model.mlp_tiles={self.mlp_tiles}: must be >= 1 (1: untiled)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
 
@@ -110,9 +114,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
         self.kernels = cfg.kernels
+        self.tiles = cfg.mlp_tiles
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=self.kernels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=self.kernels))
+        if self.tiles > 1:  # one tile's [tokens, ffn_hidden] at a time
+            return tiled_mlp(self._mlp, x, self.tiles, [p for p in self.parameters() if p.requires_grad])
+        return self._mlp(x)
 
 
 class Block(nn.Module):

@@ -1,0 +1,31 @@
+"""DeepSpeed's ``sequence_parallel_size`` (Ulysses / ALST) maps to ``parallel.sp``, and reaches the app's
+checks through ``+deepspeed=ds_config.json`` (in-process, no launch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prelaunch import prelaunch_error
+
+from deepshard.compat.ds_config import translate
+
+
+def test_sequence_parallel_size_maps_to_parallel_sp():
+    t = translate({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 1})
+    assert "parallel.sp=2" in t.overrides and not t.unsupported
+    assert t.origin["parallel.sp"] == ("sequence_parallel_size", 2)
+    assert "parallel.sp" not in translate({"sequence_parallel_size": "auto"}).entries
+    with pytest.raises(ValueError, match="sequence_parallel_size=0"):
+        translate({"sequence_parallel_size": 0})
+
+
+def test_ds_config_sequence_parallel_size_reaches_the_app_checks(tmp_path, monkeypatch):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}))
+    from deepshard.finetune.config.ds_config import merge_argv
+
+    argv, _ = merge_argv(["main.py", f"+deepspeed={ds}", "launcher.nproc_per_node=2", "data.seq_len=63"])
+    assert "parallel.sp=2" in argv
+    line = prelaunch_error(argv[1:], tmp_path / "run", monkeypatch)
+    assert "data.seq_len=63 is not divisible by parallel.sp=2" in line, line
