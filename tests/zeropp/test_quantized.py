@@ -2,8 +2,8 @@
 
 - The collectives alone: qwZ's all-gather and qgZ's reduce-scatter against the exact results
   computed here from every rank's seeded input, within the quantization error the blocks allow.
-- Training: the same small masked-data run, 100 steps, same seed, unquantized ZeRO-3 and qwZ + qgZ
-  (int8, and int4 gradients as DeepSpeed sends them): final losses within 2%, printed side by side.
+- Training: the same small masked-data run, 100 steps, same seed, unquantized ZeRO-3 and qwZ + hpZ +
+  qgZ (int8, and int4 gradients as DeepSpeed sends them): final losses within 2%, printed side by side.
 
 One launch (~60 s on 2 cores).
 """
@@ -18,9 +18,8 @@ from deepshard.launch.local import launch_local
 
 STEPS = 100
 SEG = 5000  # per-rank elements: one whole block of 4096 and a partial one
-RUNS = {"zero3": {}, "qwz+qgz": dict(quantized_weights=True, quantized_gradients=True, quantized_gradients_node_size=2),
-        "qwz+qgz int4": dict(quantized_weights=True, quantized_gradients=True, quantized_gradients_bits=4,
-                             quantized_gradients_node_size=2)}
+ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True, quantized_gradients_node_size=2)
+RUNS = {"zero3": {}, "zero++": ZEROPP, "zero++ int4": dict(ZEROPP, quantized_gradients_bits=4)}
 
 
 def _rank_input(rank: int, numel: int) -> torch.Tensor:
@@ -42,6 +41,10 @@ def _collectives() -> dict:
     work = QuantizedAllGather()(gathered, _rank_input(rank, SEG), group, async_op=True)
     work.wait()
     out["gather"] = gathered
+    pair = node_mesh(mesh, 2).get_group("qgz_intra")  # hpZ's backward gather inside a "node": left exact
+    in_node = torch.empty(2 * SEG)
+    QuantizedAllGather(group_size=world)(in_node, _rank_input(rank, SEG), pair)
+    out["gather_in_node"] = in_node
     for name, nodes, bits in (("one_hop", None, 8), ("two_hops", node_mesh(mesh, 2), 8), ("two_hops_int4", node_mesh(mesh, 2), 4)):
         res = torch.empty(SEG)
         QuantizedReduceScatter(bits=bits, nodes=nodes)(res, _rank_input(rank, world * SEG), group, dist.ReduceOp.SUM)
@@ -78,6 +81,13 @@ def test_quantized_all_gather_within_half_a_step_per_block(runs):
         assert not torch.equal(got, exact)  # really quantized
 
 
+def test_hpz_gather_inside_a_node_is_exact(runs):
+    for rank in range(4):
+        node = rank // 2
+        exact = torch.cat([_rank_input(r, SEG) for r in (2 * node, 2 * node + 1)])
+        assert torch.equal(runs[rank]["collectives"]["gather_in_node"], exact)
+
+
 @pytest.mark.parametrize("name,tol", [("one_hop", 1.5e-2), ("two_hops", 2e-2), ("two_hops_int4", 0.3)])
 def test_quantized_reduce_scatter_close_to_exact_sum(runs, name, tol):
     total = sum(_rank_input(r, 4 * SEG) for r in range(4))
@@ -89,12 +99,12 @@ def test_quantized_reduce_scatter_close_to_exact_sum(runs, name, tol):
         assert 0 < err < tol, f"{name} rank {rank}: relative error {err:.2e}"
 
 
-def test_training_with_qwz_qgz_within_2_percent(runs):
+def test_training_with_qwz_hpz_qgz_within_2_percent(runs):
     base = runs[0]["zero3"]
-    print("step  zero3     qwz+qgz   qwz+qgz(int4 grads)")
+    print("\nstep  zero3     qwZ+hpZ+qgZ  (int4 gradients)")
     for s in (0, 9, 24, 49, 74, 99):
-        print(f"{s + 1:4d}  {base[s]:.5f}  {runs[0]['qwz+qgz'][s]:.5f}  {runs[0]['qwz+qgz int4'][s]:.5f}")
+        print(f"{s + 1:4d}  {base[s]:.5f}  {runs[0]['zero++'][s]:.5f}      {runs[0]['zero++ int4'][s]:.5f}")
     assert base[-1] < 0.5 * base[0]  # it really trained
-    for name in ("qwz+qgz", "qwz+qgz int4"):
+    for name in ("zero++", "zero++ int4"):
         assert runs[0][name][-1] == pytest.approx(base[-1], rel=2e-2), name
         assert runs[0][name] != base  # quantization really changed the numbers

@@ -55,16 +55,22 @@ class _Dequantized(Works):
 
 
 class QuantizedAllGather(_PlainAlloc, AllGather):
-    """qwZ: FSDP2's parameter all-gather carrying int8 blocks (floating outputs; others as they are)."""
+    """qwZ: FSDP2's parameter all-gather carrying int8 blocks (floating outputs; others as they are).
 
-    def __init__(self, *, block_size: int = DEFAULT_BLOCK) -> None:
-        self.block_size = block_size
+    ``group_size``: only gathers over groups of this many ranks (the ZeRO group) are quantized; a
+    smaller one is hpZ's backward gather inside a node, which DeepSpeed keeps in the compute dtype
+    (and re-quantizing already dequantized weights would only add error).  None: every gather.
+    """
+
+    def __init__(self, *, block_size: int = DEFAULT_BLOCK, group_size: int | None = None) -> None:
+        self.block_size, self.group_size = block_size, group_size
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         world, rank = group.size(), group.rank()
         seg = output_tensor.numel() // world
-        if not output_tensor.is_floating_point():  # mixed-dtype units gather raw bytes: leave them exact
+        exact = self.group_size is not None and world != self.group_size  # hpZ's intra-node gather
+        if exact or not output_tensor.is_floating_point():  # (mixed-dtype units gather raw bytes)
             mine = output_tensor[rank * seg:(rank + 1) * seg]
             if mine.data_ptr() != input_tensor.data_ptr():
                 mine.copy_(input_tensor)
@@ -160,7 +166,7 @@ def zeropp_collectives(shard_mesh: DeviceMesh, *, quantized_weights: bool, quant
     """The (all-gather, reduce-scatter) hooks ZeRO++'s switches ask for (None: FSDP2's or the gloo
     forms).  Under HSDP (a 2-D ``shard_mesh``) the reduce-scatter group is one node already: qgZ is
     one hop there, and the all-reduce across the replicas stays FSDP2's own."""
-    gather = QuantizedAllGather() if quantized_weights else None
+    gather = QuantizedAllGather(group_size=shard_mesh.size(shard_mesh.ndim - 1)) if quantized_weights else None
     scatter = None
     if quantized_gradients:
         nodes = node_mesh(shard_mesh, node_size) if shard_mesh.ndim == 1 else None
