@@ -19,6 +19,8 @@ SLACK = 8 * MiB  # the allocator's and the writer's own small buffers
 @pytest.mark.slow
 def test_save_model_streams_one_tensor_at_a_time(tmp_path):
     results = launch_local(census, 2, str(tmp_path))
+    print("census MiB:", [{k: round(r[k] / MiB, 1) for k in ("streamed", "full_gather", "largest", "total")}
+                          for r in results])
     for rank, r in enumerate(results):
         assert r["total"] >= 8 * r["largest"], "the model must dwarf its largest tensor for the census to tell"
         # the census sees a full gather: the old path's growth is the whole model (on rank 0, which kept it)
