@@ -109,9 +109,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grad_accum: int = 1
     ac: str = "none"
+    ac_offload: bool = False  # checkpointed blocks' inputs in host memory (activation_checkpoint.offloaded_checkpoint)
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
             raise ConfigError("grad_accum", self.grad_accum, "must be >= 1")
         if self.ac not in AC_MODES:
             raise ConfigError("ac", self.ac, f"valid values are {list(AC_MODES)}")
+        if self.ac_offload and self.ac == "none":
+            raise ConfigError("ac_offload", self.ac_offload, "needs checkpointed blocks: set ac=full or every_2")

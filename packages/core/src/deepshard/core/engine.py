@@ -142,7 +142,8 @@ def initialize(
                          f"materialize function (stages 0-2 keep full replicated params)")
     if parallelize_fn is None:
         parallelize_fn = partial(parallelize_model, mesh=mesh, zero=config.zero, dtype=config.precision.dtype,
-                                 ac=config.ac, blocks=blocks, offload_params=offload_params)
+                                 ac=config.ac, blocks=blocks, offload_params=offload_params,
+                                 ac_offload=config.ac_offload)
     part = parallelize_fn(model)
     if on_meta:
         device = local_device()

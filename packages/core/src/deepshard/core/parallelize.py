@@ -65,6 +65,7 @@ def parallelize_model(
     blocks: Sequence[nn.Module] | nn.Module | None = None,
     tp_plan: Mapping[str, ParallelStyle] | None = None,
     offload_params: bool | ParamOffload = False,
+    ac_offload: bool = False,
 ) -> ShardedPart:
     """TP over ``mesh["tp"]`` (when the mesh has that axis and ``tp_plan`` is given), activation
     checkpointing of ``blocks``, precision, then ZeRO over ``mesh["dp"]`` (``dp x sp`` with sequence
@@ -80,7 +81,7 @@ def parallelize_model(
         apply_tp(model, mesh["tp"], tp_plan)
     blocks = find_blocks(model) if blocks is None else blocks
     if isinstance(blocks, nn.Module):
-        apply_ac(blocks, ac)
+        apply_ac(blocks, ac, offload=ac_offload)
     elif ac != "none":
         raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
     num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)

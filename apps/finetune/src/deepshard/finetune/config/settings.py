@@ -208,6 +208,7 @@ class AppSchema:
     pipeline: PipelineSchema = field(default_factory=PipelineSchema)  # type: ignore[valid-type]
     peft: PeftSchema = field(default_factory=PeftSchema)
     ac: str = "none"
+    ac_offload: bool = False  # the checkpointed blocks' inputs kept in host memory (ac=full or every_2)
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)  # type: ignore[valid-type]
 
@@ -451,9 +452,9 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         optim = OptimConfig(**o)
     with named("scheduler"):
         scheduler = SchedulerConfig(**cfg["scheduler"])
-    with named({"grad_accum": "train.grad_accum", "ac": "ac"}.__getitem__):
+    with named({"grad_accum": "train.grad_accum", "ac": "ac", "ac_offload": "ac_offload"}.__getitem__):
         engine = EngineConfig(zero=zero, precision=precision, optim=optim, scheduler=scheduler,
-                              grad_accum=train.grad_accum, ac=cfg["ac"])
+                              grad_accum=train.grad_accum, ac=cfg["ac"], ac_offload=cfg["ac_offload"])
     settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),

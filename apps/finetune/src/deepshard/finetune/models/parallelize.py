@@ -85,7 +85,8 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
-                      ac: str = "none", offload_params: bool | ParamOffload = False) -> ShardedPart:
+                      ac: str = "none", offload_params: bool | ParamOffload = False,
+                      ac_offload: bool = False) -> ShardedPart:
     """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
 
     ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
@@ -101,7 +102,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
-                             tp_plan=llama_tp_plan(model), offload_params=offload_params)
+                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
         part.num_params += tiled - sharded_numel(model)
     return part
@@ -162,7 +163,7 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
 
     def parallelize(stage: nn.Module) -> ShardedPart:
         return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac,
-                                 offload_params=offload_params)
+                                 offload_params=offload_params, ac_offload=config.ac_offload)
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,

@@ -105,7 +105,7 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
                                micro_batch_size=t.micro_batch_size, seq_len=s.data.seq_len, pad_id=pad_id)
     sharded_init = e.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
     recipe = partial(parallelize_llama, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
-                     offload_params=offload_params)
+                     offload_params=offload_params, ac_offload=e.ac_offload)
     engine = initialize(build_model(s, device, materialize=not sharded_init), e, mesh=mesh,
                         parallelize_fn=recipe, store_factory=store_factory, offload_params=offload_params,
                         materialize=_materializer(s, offload_params) if sharded_init else None)
@@ -136,7 +136,8 @@ def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
     off, par = s.offload, s.parallel
     offload = f", offload optimizer={off.device} params={off.params}" if off.device != "none" or off.params != "none" else ""
     split = par.pp > 1 or par.tp > 1
-    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp})" if split else ""
+    sp = f" x sp {par.sp}" if par.sp > 1 else ""  # sequence parallel: the sp ranks share every row
+    layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp}{sp})" if split or sp else ""
     params_scope = " per pp/tp rank" if split else ""  # each pp/tp rank holds a part
     return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
             f"{s.engine.precision.dtype}, {num_params / 1e6:.2f}M {'trainable (LoRA) ' if s.peft else ''}"
