@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, tiny_model, train_steps
+import torch
+from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
 
 
-def resume_tied_worker(imported: str, stage: int) -> dict:
-    """A fresh tied-embedding engine (other weights) at our ZeRO ``stage`` resumes the import of
+def resume_tied_worker(imported: str, stages: list[int]) -> dict[int, dict]:
+    """At each of our ZeRO ``stages``: a fresh tied-embedding engine (other weights) resumes the import of
     DeepSpeed's checkpoint and trains DeepSpeed's next steps."""
     import deepshard.compat.deepspeed as deepspeed
 
     deepspeed.init_distributed()
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-    model = tiny_model(seed=1, tied=True)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, world))
-    path, client_state = engine.load_checkpoint(imported)
-    assert path is not None and engine.global_steps == SAVE_STEP
-    step = client_state["step"]  # what the script reads back (DeepSpeedExamples' scripts: the epoch/step)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    return {"client_state": client_state, "step": step, "tied": tied,
-            "losses": train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)}
+    out = {}
+    for stage in stages:
+        model = tiny_model(seed=1, tied=True)
+        # the groups DeepSpeed trained with (bench/record_ds_exchange.py): matrices decayed, vectors not
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                          config=ds_config(stage, world))
+        path, client_state = engine.load_checkpoint(imported)
+        assert path is not None and engine.global_steps == SAVE_STEP
+        step = client_state["step"]  # what the script reads back (DeepSpeedExamples' scripts: the epoch/step)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        losses = train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)
+        with deepspeed.zero.GatheredParameters([model.lm_head.weight, model.model.embed_tokens.weight]):
+            same = bool(torch.equal(model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()))
+        out[stage] = {"client_state": client_state, "step": step, "tied": tied, "same_after": same, "losses": losses}
+    return out
 
 
 def decay_groups(model) -> list[dict]:
@@ -128,3 +136,59 @@ def ours_to_deepspeed_worker(root: str, stage: int) -> dict:
     assert path is not None and ds.global_steps == SAVE_STEP
     return {"ours": ours_after, "ds": train_steps(ds, range(SAVE_STEP, TOTAL_STEPS), rank, world),
             "client_state": {k: client_state.get(k) for k in CLIENT_STATE}}
+
+
+def aligned_to_deepspeed_worker(root: str) -> dict:
+    """Ours (TinyLM: odd parameter sizes; two groups, vectors undecayed; fp32) trains 3 steps, saves, trains 3
+    more; DeepSpeed with ``zero_optimization.parameter_alignment`` (each parameter padded to 16 bytes in its
+    flat groups) resumes the ``--parameter-alignment`` export and trains the same 3 steps."""
+    import os
+    import sys
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from ds_zero3_patterns_harness import TinyLM, batch
+
+    import deepshard.compat.deepspeed as ours
+    from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+
+    ours.init_distributed()
+    rank, world = ours.comm.get_rank(), ours.comm.get_world_size()
+    cfg = {**ds_config(2, world), "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+           "zero_optimization": {"stage": 2, "parameter_alignment": True}}
+
+    def steps(engine, which: range) -> list[float]:
+        out = []
+        for step in which:
+            inputs, labels = batch(step, rank)
+            loss = F.cross_entropy(engine(inputs.to(engine.device)).flatten(0, 1), labels.to(engine.device).flatten())
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            out.append(mean.item() / world)
+        return out
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, *_ = ours.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    steps(engine, range(SAVE_STEP))
+    engine.save_checkpoint(f"{root}/ours")
+    ours_after = steps(engine, range(SAVE_STEP, TOTAL_STEPS))
+    if rank == 0:
+        export_checkpoint(f"{root}/ours/global_step{SAVE_STEP}", f"{root}/ds", stage=2, world=world,
+                          num_groups=2, parameter_alignment=True)
+    torch.distributed.barrier()
+
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    torch.manual_seed(1)
+    m = TinyLM()
+    ds, *_ = deepspeed.initialize(model=m, model_parameters=param_groups(m), config=cfg)
+    path, _ = ds.load_checkpoint(f"{root}/ds")
+    assert path is not None and ds.global_steps == SAVE_STEP
+    paddings = ds.optimizer.round_robin_bit16_padding
+    return {"ours": ours_after, "ds": steps(ds, range(SAVE_STEP, TOTAL_STEPS)), "paddings": paddings}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, tiny_model, train_steps
+from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
 
 
 def resume_worker(imported: dict[int, str], stages: dict[int, int]) -> dict[int, list[float]]:
@@ -16,7 +16,8 @@ def resume_worker(imported: dict[int, str], stages: dict[int, int]) -> dict[int,
     for ds_stage, path in imported.items():
         model = tiny_model(seed=1)
         cfg = ds_config(stages[ds_stage], world)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        # the groups DeepSpeed trained with (ds_fixture_model.param_groups): vectors undecayed
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
         loaded, _ = engine.load_checkpoint(path)
         assert loaded is not None and engine.global_steps == SAVE_STEP
         out[ds_stage] = train_steps(engine, range(SAVE_STEP, TOTAL_STEPS), rank, world)

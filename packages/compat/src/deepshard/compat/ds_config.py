@@ -54,6 +54,8 @@ BUILT_IN = {
     "optimizer.params.adam_w_mode": "Adam is AdamW (DeepSpeed's default adam_w_mode=true)",
     "optimizer.params.torch_adam": "always torch's AdamW kernels",
     "tensorboard.enabled": "TensorBoard is always written",
+    "zero_optimization.parameter_alignment": "a layout of DeepSpeed's flat buffers (the checkpoints of "
+                                             "to_deepspeed --parameter-alignment have it)",
 }
 
 
@@ -286,6 +288,9 @@ def translate(ds: dict) -> Translation:
         tr.copy({k: v for k, v in tb.items() if k != "enabled" or v is not False}, "tensorboard", {})
         if tb.get("enabled") is False:
             t.unsupported.append("tensorboard.enabled=false")
+    if "checkpoint" in ds:
+        handled.add("checkpoint")
+        _checkpoint(_section(ds["checkpoint"], "checkpoint"), tr)
     if "sequence_parallel_size" in ds:  # DeepSpeed's Ulysses (ALST; HF's parallelism_config sp_size too)
         handled.add("sequence_parallel_size")
         _positive_int(ds["sequence_parallel_size"], "sequence_parallel_size")
@@ -359,6 +364,31 @@ def _zero(z: dict, tr: _Translator) -> None:
     if z.get("zero_quantized_gradients") is True:  # DeepSpeed's qgZ sends int4 blocks
         tr.set("zero.quantized_gradients_bits", 4, "zero_optimization.zero_quantized_gradients")
     tr.copy(z, "zero_optimization", {**{k: f"zero.{k}" for k in keys}, **zeropp})
+
+
+TAG_VALIDATION = ("WARN", "IGNORE", "FAIL")  # DeepSpeed's checkpoint.tag_validation modes (any case)
+
+
+def _checkpoint(c: dict, tr: _Translator) -> None:
+    """DeepSpeed's ``checkpoint`` section.  ``tag_validation`` (Warn | Ignore | Fail) is checked here and
+    read by deepshard.compat.deepspeed's save_checkpoint (the app names its own checkpoints: a note);
+    ``writer.decoupled=true`` (DeepSpeed's writer in its own process while training goes on) is our
+    asynchronous save, ``checkpoint.async_save``; the writer's I/O tuning keys are not ours."""
+    mode = c.get("tag_validation")
+    if mode is not None:
+        if not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION:
+            raise ValueError(f"checkpoint.tag_validation={mode!r}: valid values are Warn, Ignore, Fail")
+        tr.t.notes.append(f"checkpoint.tag_validation={mode}: used by deepshard.compat.deepspeed's save_checkpoint")
+    writer = c.get("writer")
+    if writer is not None:
+        writer = dict(_section(writer, "checkpoint.writer"))
+        decoupled = writer.pop("decoupled", False)
+        if not isinstance(decoupled, bool):
+            raise ValueError(f"checkpoint.writer.decoupled={decoupled!r}: expected true or false")
+        if decoupled:
+            tr.set("checkpoint.async_save", True, "checkpoint.writer.decoupled")
+        tr.copy(writer, "checkpoint.writer", {})
+    tr.copy({k: v for k, v in c.items() if k not in ("tag_validation", "writer")}, "checkpoint", {})
 
 
 def load(path: str) -> dict:

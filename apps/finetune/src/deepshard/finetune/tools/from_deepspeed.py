@@ -312,6 +312,7 @@ def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step:
     app = {"counters": counters, "client_state": client_state(ms, ds.model_file),
            "deepspeed": {"tag": tag_dir.name, "version": str(ms.get("ds_version", "?")), "zero_stage": ds.stage,
                          "dp_world_size": ds.world, "bf16": ds.optim_files[0].name.startswith("bf16_"),
+                         "parameter_alignment": any(any(g) for g in ds.osd_meta.get("param_alignment_paddings") or []),
                          "lr_scheduler": {k: v for k, v in sched.items()
                                                                      if isinstance(v, (int, float, str))},
                          "param_groups": _jsonable(ds.param_groups)}}

@@ -6,7 +6,8 @@ data-parallel size W (default: the size it was saved at), in ``OUT_DIR/latest`` 
 
 - ZeRO-1/2: ``mp_rank_00_model_states.pt`` (the full fp32 weights, LR-scheduler position, step
   counters) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its slice of the flat
-  fp32 masters and Adam moments, each group padded to a multiple of 2 x W).
+  fp32 masters and Adam moments, each group padded to a multiple of 2 x W, and with
+  ``--parameter-alignment`` each parameter to 16 bytes, as DeepSpeed lays them out).
 - ZeRO-3: per rank ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (shapes,
   counters) and ``..._optim_states.pt`` holding its ceil(numel / W) piece of every parameter.
 
@@ -68,10 +69,12 @@ def default_num_groups(trainer: dict) -> int:
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, world: int | None = None,
                       tag: str | None = None, sub_group_size: int = DS_SUB_GROUP_SIZE, num_groups: int | None = None,
-                      bf16: bool | None = None) -> Path:
+                      bf16: bool | None = None, parameter_alignment: bool | None = None, fp16: bool = False) -> Path:
     """``num_groups``: the resuming script's parameter groups (1: ``model.parameters()``; 2: decayed
     matrices then the rest; default: an imported run's own count, else 2).  ``bf16``: DeepSpeed's
-    bf16 file names (``bf16_zero_pp_rank_*``; default: as the imported run's files were named)."""
+    bf16 file names (``bf16_zero_pp_rank_*``; default: as the imported run's files were named).
+    ``parameter_alignment``: the resuming run's ``zero_optimization.parameter_alignment`` (ZeRO-1/2: each
+    parameter padded to 16 bytes of its bit16 dtype, bf16 or ``fp16``, else fp32; default: as imported)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1, -2 or -3 checkpoints (valid: 1, 2, 3)")
     if num_groups not in (None, 1, 2):
@@ -105,26 +108,53 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     torch.save({"module": module, **client, **model_states(shapes, steps, counters, world)},
                out / "mp_rank_00_model_states.pt")
     del module
-    align = 2 * world  # DeepSpeed pads each flat group to a multiple of 2 x dp size
-    sizes = [math.ceil(sum(math.prod(i.shape) for i in g) / align) * align for g in grouped]
+    esize = 2 if file_prefix or fp16 else 4  # the bytes of the resuming run's bit16 (or fp32) parameters
+    aligned = parameter_alignment if parameter_alignment is not None else bool(app.get("deepspeed", {}).get(
+        "parameter_alignment"))
+    export_zero12(path, out, trainer, grouped, world=world, steps=steps, stage=stage, file_prefix=file_prefix,
+                  param_alignment=16 // math.gcd(16, esize) if aligned else 1)
+    (Path(out_dir) / "latest").write_text(tag)
+    return out
+
+
+def flat_layout(group: list[TensorInfo], world: int, param_alignment: int) -> tuple[list[int], list[int], int, int]:
+    """DeepSpeed ZeRO-1/2's flat buffer of one group (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__): the
+    parameters in order, each but the last followed by zeros up to a multiple of ``param_alignment``
+    elements (``zero_optimization.parameter_alignment``: 16 bytes; else 1), the whole padded to a multiple
+    of 2 x world and split into ``world`` equal partitions.  Returns (offsets, paddings, used, partition)."""
+    offsets, paddings, current = [], [], 0
+    for index, info in enumerate(group):
+        offsets.append(current)
+        current += math.prod(info.shape)
+        pad = 0 if index == len(group) - 1 else (-current) % param_alignment
+        paddings.append(pad)
+        current += pad
+    align = 2 * world  # nccl_start_alignment_factor x dp size
+    return offsets, paddings, current, math.ceil(current / align) * align // world
+
+
+def export_zero12(path: Path, out: Path, trainer: dict, grouped: list[list[TensorInfo]], *, world: int, steps: int,
+                  stage: int, file_prefix: str, param_alignment: int) -> None:
+    """Per rank its partition of every group's flat fp32 masters and Adam moments, as DeepSpeed's
+    ``state_dict`` writes them: the masters without the partition's tail padding (``group_paddings``),
+    the moments whole, and each parameter's alignment padding (``param_alignment_paddings``), which
+    DeepSpeed compares with its own layout on load."""
+    layouts = [flat_layout(g, world, param_alignment) for g in grouped]
     for rank in range(world):
         flats: dict[str, list[torch.Tensor]] = {k: [] for k in PREFIXES}
-        paddings = []
-        for g, size in zip(grouped, sizes):
-            part = size // world
+        group_paddings = []
+        for g, (offsets, _, used, part) in zip(grouped, layouts):
             lo_r, hi_r = rank * part, (rank + 1) * part
             for kind, prefix in PREFIXES.items():
                 flat = torch.zeros(part, dtype=torch.float32)
-                offset = 0
-                for info in g:
+                for info, offset in zip(g, offsets):
                     n = math.prod(info.shape)
                     lo, hi = max(offset, lo_r), min(offset + n, hi_r)
                     if hi > lo:
                         t = load_full_tensor(path, TensorInfo(prefix + info.key[6:], info.shape, torch.float32))
                         flat[lo - lo_r:hi - lo_r] = t.reshape(-1)[lo - offset:hi - offset]
-                    offset += n
                 flats[kind].append(flat)
-            paddings.append(max(0, hi_r - max(lo_r, sum(math.prod(i.shape) for i in g))))
+            group_paddings.append(part if used <= lo_r else max(0, hi_r - used))
         # torch's Adam keeps ``step`` as a tensor it increments in place (an int would stay put)
         state = {i: {"step": torch.tensor(float(steps)), "exp_avg": flats["exp_avg"][i], "exp_avg_sq": flats["exp_avg_sq"][i]}
                  for i in range(len(grouped))}
@@ -132,13 +162,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
         osd: dict[str, Any] = {
             # no loss_scaler / clip_grad / dynamic_loss_scale keys: DeepSpeed keeps its own config's values
             "base_optimizer_state": {"state": state, "param_groups": param_groups},
-            "single_partition_of_fp32_groups": flats["master"], "zero_stage": stage, "group_paddings": paddings,
-            "param_alignment_paddings": [[0] * len(g) for g in grouped], "partition_count": [world] * len(grouped),
+            "single_partition_of_fp32_groups": [f[:f.numel() - pad] for f, pad in zip(flats["master"], group_paddings)],
+            "zero_stage": stage, "group_paddings": group_paddings,
+            "param_alignment_paddings": [layout[1] for layout in layouts], "partition_count": [world] * len(grouped),
             "ds_version": DS_VERSION}
         torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION},
                    out / f"{file_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    (Path(out_dir) / "latest").write_text(tag)
-    return out
 
 
 def sub_groups(group: list[TensorInfo], world: int, sub_group_size: int) -> list[list[TensorInfo]]:
@@ -255,10 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                          "then the rest); default: an imported run's own, else 2")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="DeepSpeed's bf16 file names (bf16_zero_pp_rank_*); default: as an imported run's")
+    ap.add_argument("--parameter-alignment", action=argparse.BooleanOptionalAction, default=None,
+                    help="ZeRO-1/2: the resuming run sets zero_optimization.parameter_alignment (default: as an "
+                         "imported run's)")
+    ap.add_argument("--fp16", action="store_true", help="the resuming run trains in fp16 (alignment in 2-byte units)")
     args = ap.parse_args(argv)
     try:
         print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag,
-                                sub_group_size=args.sub_group_size, num_groups=args.groups, bf16=args.bf16))
+                                sub_group_size=args.sub_group_size, num_groups=args.groups, bf16=args.bf16,
+                                parameter_alignment=args.parameter_alignment, fp16=args.fp16))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from deepshard.core.mesh import local_device
 from . import accelerator, comm, moe, ops, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
 from .comm import init_distributed
-from .config import CompatConfig, compat_config, read_ds_config
+from .config import CompatConfig, compat_config, config_decays, read_ds_config
 from .engine import DeepSpeedEngine
 from .schedule import apply_group_decays, client_scheduler, group_decays, optimizer_defaults
 
@@ -70,12 +70,12 @@ def _train_only(model: nn.Module, model_parameters: Iterable | None) -> None:
     for item in model_parameters:
         if isinstance(item, dict):
             given |= {id(p) for p in item["params"]}
-            options |= set(item) - {"params"}
+            options |= set(item) - {"params", "weight_decay"}  # each group's weight_decay is honoured
         else:
             given.add(id(item))
     if options:
         print(f"warning: deepspeed.initialize(model_parameters=...): per-group options {sorted(options)} ignored "
-              f"(one group; weight decay applies to matrices, not norms/biases)", file=sys.stderr)
+              f"(one AdamW; each group's weight_decay is honoured)", file=sys.stderr)
     for p in model.parameters():
         if id(p) not in given:
             p.requires_grad_(False)
@@ -151,6 +151,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                          "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
     if model_parameters is None and optimizer is not None:
         model_parameters = [p for g in optimizer.param_groups for p in g["params"]]
+    if model_parameters is not None:  # a generator (model.parameters()) is read twice below
+        model_parameters = list(model_parameters)
     _train_only(model, model_parameters)
     if pipelined:
         return _initialize_pipeline(model, cfg, ds_dict, optimizer, lr_scheduler, training_data, collate_fn)
@@ -164,7 +166,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     blocks = find_blocks(model, ac=cfg.engine.ac)
     if stage == 3:
         zero.check_external_parameters(model, blocks)
-    decays = group_decays(model, optimizer) if optimizer is not None else None  # before ZeRO-3 swaps params
+    # each parameter's decay, by name before ZeRO-3 swaps the params: the script's optimizer groups', or
+    # DeepSpeed's for the ds_config's optimizer (its weight_decay on every parameter of each group)
+    decays = group_decays(model, optimizer) if optimizer is not None else \
+        config_decays(model, model_parameters, cfg.engine.optim.weight_decay)
     engine = core_initialize(model, cfg.engine, blocks=blocks, store_factory=store_factory,
                              offload_params=offload_params, materialize=zero.materialize if on_meta else None)
     if decays:

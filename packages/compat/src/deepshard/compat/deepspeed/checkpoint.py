@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from deepshard.core import Engine
+from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
-from deepshard.core.checkpoint.state import clean_name, load_checkpoint, save_checkpoint
+from deepshard.core.checkpoint.state import (
+    clean_name,
+    load_checkpoint,
+    save_request,
+    step_dir_name,
+    write_checkpoint,
+)
 
 from .ds_files import check_tag
 
@@ -33,24 +41,32 @@ def _json(client_state: dict) -> dict:
     return client_state
 
 
-def rank0_tag(tag: str, source: str) -> str:
-    """Every rank saves under rank 0's tag.  A tag that differs across ranks (``tag=loss.item()``) is
-    warned about on the ranks whose tag differs, as DeepSpeed's default ``checkpoint.tag_validation``
-    ("Warn") does; DeepSpeed would then write each rank's files under its own tag, here they stay one
-    checkpoint."""
+def rank0_tag(tag: str, source: str, mode: str = "WARN") -> str:
+    """The tag every rank saves under: rank 0's.  ``mode`` is the ds_config's ``checkpoint.tag_validation``
+    with DeepSpeed's meanings when the ranks' tags differ (``tag=loss.item()``): WARN (its default) warns
+    on every rank, IGNORE says nothing, FAIL raises on every rank before anything is written.  DeepSpeed
+    would then write each rank's files under its own tag; here they stay one checkpoint, rank 0's."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tag
-    box = [tag]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] != tag:
-        warnings.warn(f"{source}: the checkpoint tag {tag!r} of rank {dist.get_rank()} differs from rank 0's "
-                      f"{box[0]!r} (a tag must be the same on every rank: not a per-rank value such as the "
-                      f"local loss); saved under rank 0's tag {box[0]!r}", stacklevel=3)
-    return box[0]
+    tags: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) == 1 or mode == "IGNORE":
+        return str(tags[0])
+    differ = {r: t for r, t in enumerate(tags) if t != tags[0]}
+    message = (f"{source}: the checkpoint tag differs across ranks (rank 0: {tags[0]!r}, "
+               f"{', '.join(f'rank {r}: {t!r}' for r, t in differ.items())}): a tag must be the same on every rank, "
+               f"not a per-rank value such as the local loss")
+    if mode == "FAIL":
+        raise ValueError(f"{message}; nothing saved (the ds_config's checkpoint.tag_validation is Fail)")
+    warnings.warn(f"{message}; saved under rank 0's tag {tags[0]!r} (checkpoint.tag_validation: Warn)", stacklevel=3)
+    return str(tags[0])
 
 
 def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dict, counters: dict[str, int],
-                  save_latest: bool, extra: dict[str, Any] | None = None) -> Path:
+                  save_latest: bool, extra: dict[str, Any] | None = None,
+                  writer: AsyncCheckpointer | None = None) -> Path:
+    """``save_dir/tag/step-N`` (and ``save_dir/latest``).  With ``writer`` (no save in flight: the caller
+    waited) the state is staged and the writer thread writes it; ``latest`` is written once it is sealed."""
     oc = engine.config.optim
     opt = engine.optimizer
     # what a DeepSpeed optimizer group needs on resume (to_deepspeed): the rate of the next update
@@ -58,12 +74,24 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
                  "weight_decay": oc.weight_decay}
     app = {"client_state": _json(client_state), "counters": counters, "tag": tag, "optimizer": optimizer,
            **(extra or {})}  # e.g. a client lr_scheduler's state (engine.py)
-    path = save_checkpoint(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
+    request = save_request(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
                            model=engine.model, app_state=app)
-    if save_latest and dist.get_rank() == 0:
-        (save_dir / LATEST).write_text(tag)
+    final = save_dir / tag / step_dir_name(request.step)
+    if writer is not None:
+        writer.on_sealed = partial(_write_latest, save_dir, tag) if save_latest else None
+        writer.start(request)
+        return final
+    path = write_checkpoint(request)
+    if save_latest:
+        _write_latest(save_dir, tag, path)
     dist.barrier()
     return path
+
+
+def _write_latest(save_dir: Path, tag: str, sealed: Path) -> None:
+    """Rank 0 names the sealed checkpoint's tag in ``save_dir/latest``."""
+    if dist.get_rank() == 0:
+        (save_dir / LATEST).write_text(tag)
 
 
 def resolve(load_dir: Path, tag: str | None) -> Path | None:

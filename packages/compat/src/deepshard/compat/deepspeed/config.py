@@ -51,6 +51,8 @@ class CompatConfig:
     offload: dict[str, Any] = field(default_factory=dict)
     translation: Translation = field(default_factory=Translation)
     fp16_on_cpu: bool = False
+    tag_validation: str = "WARN"  # checkpoint.tag_validation: WARN | IGNORE | FAIL (DeepSpeed's default WARN)
+    async_save: bool = False  # checkpoint.writer.decoupled: saves written by a thread while training goes on
 
 
 def ds_key(ours: str) -> str:
@@ -145,8 +147,11 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
     if warn and tr.unsupported:
         print(f"warning: {source}: not supported, ignored: {', '.join(tr.unsupported)}", file=sys.stderr)
     global_batch = train["micro_batch_size"] * train["grad_accum"] * dp
+    mode = (ds.get("checkpoint") or {}).get("tag_validation") or "WARN"  # translate() checked it
     return CompatConfig(engine=engine, micro_batch_size=train["micro_batch_size"], grad_accum=train["grad_accum"],
-                        train_batch_size=global_batch, offload=s["offload"], translation=tr, fp16_on_cpu=fallback)
+                        train_batch_size=global_batch, offload=s["offload"], translation=tr, fp16_on_cpu=fallback,
+                        tag_validation=str(mode).upper(),
+                        async_save=bool(tr.sections()["app"].get("checkpoint.async_save", False)))
 
 
 def _batch_hint(train: dict, dp: int) -> str:
@@ -160,3 +165,21 @@ def _batch_hint(train: dict, dp: int) -> str:
     if a and g and g % (a * dp) == 0:
         hints.append(f"train_micro_batch_size_per_gpu={g // (a * dp)}")
     return f" (at world size {dp}: set {' or '.join(hints)})" if hints else ""
+
+
+def config_decays(model: Any, model_parameters: list | None, weight_decay: float) -> dict[str, float]:
+    """Each parameter's weight decay under the ds_config's optimizer section, as DeepSpeed applies it: one
+    AdamW over ``model_parameters`` (default: every parameter), each group's own ``weight_decay`` (default:
+    the section's) on every parameter of it, matrices, norms and biases alike.  (deepshard's own rule,
+    matrices only, is the app's recipe; a DeepSpeed script gets DeepSpeed's.)  By name, before
+    ``initialize`` replaces the parameters."""
+    from deepshard.core.checkpoint.state import clean_name
+
+    by_id: dict[int, float] = {}
+    for item in model_parameters if model_parameters is not None else model.parameters():
+        if isinstance(item, dict):
+            wd = float(item.get("weight_decay", weight_decay))
+            by_id.update({id(p): wd for p in item["params"]})
+        else:
+            by_id[id(item)] = float(weight_decay)
+    return {clean_name(n): by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
