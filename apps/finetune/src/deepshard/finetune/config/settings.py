@@ -420,13 +420,17 @@ def _validate_offload(c: dict, stage: int) -> OffloadConfig:
 
 
 def _check_param_swap(settings: Settings, world: int) -> None:
-    from deepshard.finetune.models.memory_plan import count_params, largest_unit
+    from deepshard.finetune.models.memory_plan import count_params, unit_shards
+    from deepshard.finetune.models.vocab_tiling import tile_rows
     from deepshard.offload.config import validate_param_swap
 
     per_rank = -(-count_params(settings.model) // world)
-    unit = -(-largest_unit(settings.model) // world)
+    par = settings.parallel  # ZeRO-3's vocabulary tiling makes the embedding and the head units of their own
+    tiled = bool(tile_rows(settings.model, zero_stage=3, tp=par.tp, pp=par.pp, sp=getattr(par, "sp", 1)))
+    unit = max(unit_shards(settings.model, world, tiled=tiled))
     # 16 B per element (param, grad, two moments), plus alignment slack per unit
-    validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit, "the largest block or the root")
+    validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit,
+                        "the largest unit: a block, the root" + (", the embedding or the head" if tiled else ""))
 
 
 def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
