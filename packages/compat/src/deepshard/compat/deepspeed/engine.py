@@ -9,8 +9,10 @@ step, then ``engine.backward(loss_sum, num_items=n)`` (README, "As a library").
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from deepshard.core import Engine
+from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.mesh import local_device
 
 from .checkpoint import load_ds_style, rank0_tag, save_16bit, save_ds_style
@@ -43,6 +46,7 @@ class DeepSpeedEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._writer: AsyncCheckpointer | None = None  # asynchronous saves (checkpoint.writer.decoupled)
 
     # --- identity and batch arithmetic
     @property
@@ -227,16 +231,50 @@ class DeepSpeedEngine(nn.Module):
         ``client_state`` must be JSON (DeepSpeed pickles it; our checkpoints execute nothing on load).
         """
         source = f"save_checkpoint({str(save_dir)!r})"
-        tag = check_tag(rank0_tag(str(tag or f"global_step{self.global_steps}"), source), source)
+        tag = check_tag(rank0_tag(str(tag or f"global_step{self.global_steps}"), source, self.compat.tag_validation),
+                        source)
+        writer = None
+        if self.compat.async_save:
+            self.wait_for_checkpoint()  # one save in flight at a time (DeepSpeed's decoupled writer commits too)
+            writer = self._async_writer()
         save_ds_style(self.engine, Path(save_dir), str(tag), client_state=dict(client_state or {}),
-                      counters=self.counters(), save_latest=save_latest, extra=scheduler_state(self.lr_scheduler))
+                      counters=self.counters(), save_latest=save_latest, extra=scheduler_state(self.lr_scheduler),
+                      writer=writer)
         return True
+
+    def _async_writer(self) -> AsyncCheckpointer:
+        """Made at the first asynchronous save (every rank reaches it: it creates the writer's gloo group)."""
+        if self._writer is None:
+            self._writer = AsyncCheckpointer(device=local_device())
+            atexit.register(_wait_at_exit, weakref.ref(self))
+        return self._writer
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Block until the asynchronous save in flight (ds_config ``checkpoint.writer.decoupled: true``) is
+        sealed on every rank, and ``latest`` names it; its path, or None when none was in flight.  Raises
+        its CheckpointSaveError (one line) if it failed.  Call it on every rank (it ends with a barrier).
+
+        ``save_checkpoint``, ``load_checkpoint``, ``destroy`` and interpreter exit call it; so should code
+        that reads a checkpoint directory this engine may still be writing (e.g. a Trainer's rotation)."""
+        if self._writer is None or not self._writer.in_flight:
+            return None
+        outcome = self._writer.wait()
+        torch.distributed.barrier()
+        assert outcome is not None
+        if outcome.error is not None:
+            raise outcome.error
+        return str(outcome.path)
+
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``: here, finish the asynchronous save in flight."""
+        self.wait_for_checkpoint()
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no checkpoint (DeepSpeed's
         answer).  ``load_dir`` may also be one of our checkpoints (``from_deepspeed``'s output)."""
+        self.wait_for_checkpoint()
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False): not supported (every parameter is restored)")
         found = load_ds_style(self.engine, Path(load_dir), tag,
@@ -267,3 +305,13 @@ def sync_masters(engine: Engine) -> None:
     state = store.state_dict()
     masters = [p.detach().float() for p in engine.stage.local_params()]
     store.load_state_dict({"master": masters, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]})
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit a save still being written is finished (its thread is a daemon: it would die)."""
+    engine = ref()
+    if engine is None or engine._writer is None or not engine._writer.in_flight:
+        return
+    try:
+        engine.wait_for_checkpoint()
+    except Exception as err:  # noqa: BLE001 - at exit, one line instead of a traceback
+        print(f"error: the asynchronous checkpoint in flight at exit was not sealed: {err}", file=sys.stderr)
