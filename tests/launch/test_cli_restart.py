@@ -1,7 +1,9 @@
 """``deepshard apps/finetune/main.py`` with --max_restarts: a worker SIGKILLed at step 6 of 8
 (checkpoints every 4 steps) is restarted, the app resumes from step 4 and logs the losses of an
 uninterrupted run of the app's own workers, bit for bit (fp32); a failure that repeats at the same step stops once the restarts are used up,
-naming the step."""
+naming the step.  The same for a DeepSpeed script on deepshard.compat (``load_checkpoint`` of
+``latest`` at start, a save every 4 steps): SIGKILL at step 6 of 12, resumed from step 4, the
+uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from compat_runs import final_losses, run_loop
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +98,16 @@ def test_a_failure_that_repeats_stops_after_the_restarts_naming_the_step(tmp_pat
     assert last.endswith("(after 1 restart(s): --max_restarts used up)")
     assert err.count("restarting the workers") == 1
     print(f"repeating failure ended after {time.time() - start:.0f} s")
+
+
+def test_a_deepspeed_script_resumes_from_latest_after_a_restart(tmp_path, one_node_losses):
+    code, err, rows = run_loop(["--num_gpus=2", "--max_restarts=1"], tmp_path / "cut", loop_args=("--die_at", "1:6"))
+    assert code == 0, err[-3000:]
+    assert err.count("restarting the workers (restart 1 of 1)") == 1, err[-3000:]
+    resumed = [line for line in err.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and "global_step4" in resumed[0] and resumed[0].endswith(" at step 4"), err[-3000:]
+    first, second = ([r for r in rows if r["attempt"] == a] for a in (0, 1))
+    assert max(r["step"] for r in first if r["rank"] == 1) == 5  # rank 1 died before step 6
+    assert sorted({r["step"] for r in second}) == list(range(5, 13))  # resumed after step 4
+    assert all(one_node_losses[(r["rank"], r["step"])] == r["loss"] for r in first)
+    assert final_losses(rows) == one_node_losses  # fp32: bit for bit
