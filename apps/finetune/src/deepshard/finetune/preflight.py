@@ -142,7 +142,9 @@ def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
         tried = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
         shape = run_shape(tried)
         need = nproc * working_set_of(tried, baseline=baseline, shape=shape).ram(shape.on_device)
-        if need <= CLOSE * have[0] or i == len(BUFFER_CHOICES) - 1:
+        if i == len(BUFFER_CHOICES) - 1 and need > CLOSE * have[0]:
+            return tried, None  # the smallest buffers; check_memory says the rest (refused or close)
+        if need <= CLOSE * have[0]:
             line = None if i == 0 else (
                 f"offload: picked offload.buffer_count={count} offload.param_buffer_count={pool} "
                 f"offload.param_prefetch={prefetch} for the {_gib(have[0])} {have[1]} leaves (about {_gib(need)} "
