@@ -329,7 +329,8 @@ class RunCheckpoints:
                 log.warning("checkpoint: step %d not saved: the save of step %d is still being written "
                             "(checkpoint.async_policy=skip)", step, self.writer.writing_step)
             return None
-        blocked = self.writer.start(self._request(step))
+        since = time.perf_counter()  # an NVMe store's state_dict reads its files: blocked time too
+        blocked = self.writer.start(self._request(step), since=since)
         if dist.get_rank() == 0:
             log.info("checkpoint: step %d staged in %.3fs (training blocked); writing in the background", step,
                      blocked)

@@ -19,6 +19,7 @@ the same step; a save requested while one is writing either waits for it or is s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -44,9 +45,11 @@ class HostStaging:
 
     A state store's tensors are copied whatever their residence: device state (a GPU's, or the CPU
     on a CPU-only host) into pinned host buffers; host-offloaded state (``offload.device=cpu``) with
-    one memcpy, since the next step updates it in place; NVMe state from its mapped swap files (a read
-    of what the page cache does not hold).  That is one copy of this rank's checkpoint state, held for
-    the run.
+    one memcpy, since the next step updates it in place; ZeRO-Infinity's state from its mapped swap
+    files (a read of what the page cache does not hold).  That is one copy of this rank's checkpoint
+    state, held for the run (``bench/checkpoint.py`` measures it).  The NVMe optimizer store's
+    ``state_dict`` is itself a fresh read of its swap files, copied here once more: a second, short-lived
+    copy while staging (adopting those tensors instead would need the store to say they are its own).
     """
 
     def __init__(self) -> None:
@@ -125,6 +128,19 @@ def training_timeout(device: torch.device) -> timedelta | None:
         return None
 
 
+WRITER_NICE = 10  # the writer thread's niceness: on a busy host the step goes first, the writer takes the rest
+
+
+def _yield_to_training() -> None:
+    """Lower this (writer) thread's CPU priority: where the cores are all busy training, checksumming and
+    writing would otherwise take their time from the step; when training waits (the end of a run, a save
+    due while this one writes) the writer has the CPUs to itself.  Linux schedules threads one by one."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux: the writer runs at the training thread's priority
+        pass
+
+
 class AsyncCheckpointer:
     """Staging plus one writer thread; create it on every rank at the same point (it makes a group).
 
@@ -151,6 +167,7 @@ class AsyncCheckpointer:
         return self._pending is not None
 
     def _writer(self, request: SaveRequest) -> None:
+        _yield_to_training()
         try:
             path = write_checkpoint(request, self.group)
             if self.on_sealed is not None:
@@ -212,11 +229,13 @@ class AsyncCheckpointer:
                            blocked_s=pending["blocked_s"], write_s=result["done_at"] - pending["start"],
                            nbytes=pending["nbytes"])
 
-    def start(self, request: SaveRequest) -> float:
+    def start(self, request: SaveRequest, *, since: float | None = None) -> float:
         """Stage ``request``'s state (blocking: the seconds it took are returned) and start its writer.
-        The caller has made sure that no save is in flight (:meth:`wait` or :meth:`poll`)."""
+        ``since``: when the caller began to build the request (``time.perf_counter()``), so that a store
+        whose ``state_dict`` reads its state (NVMe) counts that read as blocked time too.  The caller has
+        made sure that no save is in flight (:meth:`wait` or :meth:`poll`)."""
         assert self._pending is None, "one asynchronous save at a time"
-        start = time.perf_counter()
+        start = time.perf_counter() if since is None else since
         request.state = self.staging.stage(request.state)
         blocked = time.perf_counter() - start
         self._pending = {"step": request.step, "start": start, "blocked_s": blocked, "nbytes": request.nbytes}
