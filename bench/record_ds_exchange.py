@@ -1,9 +1,9 @@
 """Real DeepSpeed checkpoints of ordinary scripts (issue 34), for tests/compat/test_ds_exchange.py.
 
     pip install -r bench/requirements.txt    # DeepSpeed 0.19.x
-    python bench/record_ds_tied_client_state.py [--out tests/compat/fixtures]
+    python bench/record_ds_exchange.py [--out tests/compat/fixtures] [--only tied3]
 
-``ds_tied_zero2/`` holds ``checkpoint/`` (ZeRO-2, world 2, fp32, the tiny HF Llama of
+``ds_tied_zero2/`` (and ``ds_tied_zero3/``, the same at DeepSpeed's ZeRO-3) holds ``checkpoint/`` (ZeRO-2, world 2, fp32, the tiny HF Llama of
 tests/compat/ds_fixture_model.py with ``tie_word_embeddings=True``, saved after 3 steps with
 ``client_state=CLIENT_STATE``) and ``continuation.json`` (DeepSpeed's losses for steps 4-6 after
 ``load_checkpoint`` in a fresh engine, and the client_state that call returned, its JSON values).
@@ -34,7 +34,7 @@ STAGE = 2
 CLIENT_STATE = {"step": SAVE_STEP, "epoch": 0, "best_loss": 3.5, "note": "tied"}
 
 
-def worker(out_dir: str) -> dict:
+def worker(out_dir: str, stage: int = STAGE) -> dict:
     sys.stdout.flush()
     os.dup2(2, 1)  # DeepSpeed's banners go to stderr
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -43,14 +43,14 @@ def worker(out_dir: str) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = tiny_model(tied=True)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config(STAGE))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config(stage))
     before = train_steps(engine, range(SAVE_STEP), rank, world)
     ckpt = Path(out_dir) / "checkpoint"
     engine.save_checkpoint(str(ckpt), tag=f"global_step{SAVE_STEP}", client_state=dict(CLIENT_STATE))
     torch.distributed.barrier()
     fresh_model = tiny_model(seed=1, tied=True)
     fresh, *_ = deepspeed.initialize(model=fresh_model, model_parameters=param_groups(fresh_model),
-                                     config=ds_config(STAGE))
+                                     config=ds_config(stage))
     path, client_state = fresh.load_checkpoint(str(ckpt))
     assert path is not None
     after = train_steps(fresh, range(SAVE_STEP, TOTAL_STEPS), rank, world)
@@ -99,21 +99,26 @@ def bf16_config(aligned: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures"))
+    ap.add_argument("--only", choices=["tied3"], default=None,
+                    help="record only ds_tied_zero3 (the tied model at DeepSpeed's ZeRO-3)")
     args = ap.parse_args()
     from deepshard.launch.local import launch_local
 
-    out = Path(args.out) / f"ds_tied_zero{STAGE}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    r = launch_local(worker, 2, str(out))[0]
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its recovery script in
-        (out / "checkpoint" / script).unlink(missing_ok=True)
-    record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": STAGE, "config": ds_config(STAGE),
-              "tie_word_embeddings": True, "save_step": SAVE_STEP, "client_state": r["client_state"],
-              "losses_before": r["before"], "losses_after_resume": r["after"]}
-    (out / "continuation.json").write_text(json.dumps(record, indent=1) + "\n")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"{out}: {size / 1e3:.0f} KB, DeepSpeed's losses after resume {r['after']}")
+    for stage in (3,) if args.only == "tied3" else (STAGE, 3):
+        out = Path(args.out) / f"ds_tied_zero{stage}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        r = launch_local(worker, 2, str(out), stage)[0]
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its recovery script in
+            (out / "checkpoint" / script).unlink(missing_ok=True)
+        record = {"deepspeed": r["version"], "world_size": 2, "zero_stage": stage, "config": ds_config(stage),
+                  "tie_word_embeddings": True, "save_step": SAVE_STEP, "client_state": r["client_state"],
+                  "losses_before": r["before"], "losses_after_resume": r["after"]}
+        (out / "continuation.json").write_text(json.dumps(record, indent=1) + "\n")
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        print(f"{out}: {size / 1e3:.0f} KB, DeepSpeed's losses after resume {r['after']}")
+    if args.only:
+        return
 
     for name, aligned in ((f"ds_bf16_onegroup_zero{STAGE}", False), (f"ds_aligned_zero{STAGE}", True)):
         out = Path(args.out) / name

@@ -30,9 +30,13 @@ BF16 = Path(__file__).parent / "fixtures" / "ds_bf16_onegroup_zero2" / "checkpoi
 
 
 @pytest.mark.slow
-def test_deepspeed_tied_checkpoint_with_client_state_resumes(tmp_path):
-    record = json.loads((TIED / "continuation.json").read_text())
-    imported = import_checkpoint(TIED / "checkpoint", tmp_path / "imported")
+@pytest.mark.parametrize("ds_stage", [2, 3])
+def test_deepspeed_tied_checkpoint_with_client_state_resumes(tmp_path, ds_stage):
+    """Saved by DeepSpeed at its ZeRO ``ds_stage`` (fixtures/ds_tied_zero2, ds_tied_zero3), resumed by ours at
+    ZeRO 2 and 3."""
+    tied = TIED.parent / f"ds_tied_zero{ds_stage}"
+    record = json.loads((tied / "continuation.json").read_text())
+    imported = import_checkpoint(tied / "checkpoint", tmp_path / "imported")
     for out in launch_local(resume_tied_worker, 2, str(imported), [2, 3]):
         for stage, got in out.items():  # at our ZeRO-2 and ZeRO-3 (the tied weight sharded once, FSDP2)
             assert got["client_state"] == record["client_state"], stage
