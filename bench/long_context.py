@@ -1,0 +1,124 @@
+"""How long a sequence trains in the same per-rank memory: sp=1, sp=2, sp=2 + tiled MLP + activation
+checkpointing (world 2 on this host; ``python bench/long_context.py``, JSON out).
+
+Each rank measures its own peak RSS growth over one training step (after a first step has created the
+optimizer state): ``/proc/self/clear_refs`` resets the high-water mark, VmHWM - VmRSS before the step is
+what the step's activations and temporaries took.  glibc would keep freed tensors resident (its mmap
+threshold grows with use) and hide the growth: the workers run with a fixed ``MALLOC_MMAP_THRESHOLD_``
+so every large tensor is its own mapping, returned on free, and ``malloc_trim`` runs before each step.  sp=1 runs two independent rows (dp 2), sp=2 one row
+shared by both ranks, so every variant holds one row's worth of work per rank pair.  The budget is
+sp=1's peak at ``--budget-seq``; each variant's longest ``seq_len`` (from the list) within it, and the
+ratio against sp=1's, are the answer.  Tokens/s counts every rank's tokens of the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import time
+from functools import partial
+
+SEQS = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # 1.5x and 2x steps
+VARIANTS = {"sp1": (1, 1, "none"), "sp2": (2, 1, "none"), "sp2_tiled_ac": (2, 8, "full")}  # sp, mlp tiles, ac
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _measure(sp: int, tiles: int, ac: str, seq: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from deepshard.core import EngineConfig, OptimConfig, ParallelDims, ZeroConfig, build_mesh, initialize
+    from deepshard.core.mesh import local_device
+    from deepshard.core.sequence_parallel import shard_sequence
+    from deepshard.finetune.models.llama import Llama, LlamaConfig
+    from deepshard.finetune.models.parallelize import parallelize_llama
+
+    cfg = LlamaConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
+                      max_seq_len=max(SEQS), mlp_tiles=tiles)
+    config = EngineConfig(zero=ZeroConfig(stage=1), optim=OptimConfig(lr=1e-4), ac=ac)
+    mesh = build_mesh(ParallelDims(sp=sp))
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    model.init_weights(0)
+    engine = initialize(model.to(local_device()), config, mesh=mesh,
+                        parallelize_fn=partial(parallelize_llama, mesh=mesh, zero=config.zero, ac=ac))
+    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+    rank = mesh["sp"].get_local_rank()
+    ids = shard_sequence(ids, rank, sp)
+
+    def step() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        count = engine.global_num_items(ids.numel())
+        engine.backward(engine(ids, ids, reduction="sum"), num_items=count)
+        engine.step()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    step()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = _status("VmRSS")
+    seconds = step()
+    peak = _status("VmHWM") - before
+    out = torch.tensor([float(peak)], device=local_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return {"seq_len": seq, "peak_mb": round(out.item() / 2**20, 1), "tokens_per_s": round(2 * seq / sp / seconds)}
+
+
+def _worker(seqs: tuple[int, ...], budget_seq: int) -> dict:
+    """Every variant from the shortest seq_len up, until its peak passes the budget (sp=1's peak at
+    ``budget_seq``): a longer one only grows."""
+    from deepshard.core import init_distributed
+
+    init_distributed()
+    results: dict[str, list[dict]] = {}
+    budget = None
+    for name, (sp, tiles, ac) in VARIANTS.items():
+        results[name] = []
+        for seq in seqs:
+            r = _measure(sp, tiles, ac, seq)
+            results[name].append(r)
+            if name == "sp1" and seq == budget_seq:
+                budget = r["peak_mb"]
+            if budget is not None and r["peak_mb"] > budget:
+                break
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    parser.add_argument("--budget-seq", type=int, default=2048, help="sp=1's peak at this seq_len is the budget")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # before the launcher records the environment
+    from deepshard.launch.local import launch_local
+
+    seqs = tuple(int(s) for s in args.seqs.split(","))
+    t0 = time.perf_counter()
+    results = launch_local(_worker, 2, seqs, args.budget_seq)[0]
+    budget = next(r["peak_mb"] for r in results["sp1"] if r["seq_len"] == args.budget_seq)
+    longest = {name: max((r["seq_len"] for r in rows if r["peak_mb"] <= budget), default=0)
+               for name, rows in results.items()}
+    print(json.dumps({
+        "world": 2, "budget_mb": budget, "budget_from": f"sp1 at seq_len {args.budget_seq}",
+        "longest_seq_len": longest,
+        "vs_sp1": {name: round(v / max(longest["sp1"], 1), 2) for name, v in longest.items()},
+        "runs": results, "seconds": round(time.perf_counter() - t0, 1),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
