@@ -12,7 +12,7 @@ heads, so sp=4 exercises the kv-head replication.
 
 Layouts (global batch 4 rows of 16 tokens, 3 steps): world 2 = sp 2 at ZeRO 1 (micro 2 x accum 2),
 ZeRO 3 with activation checkpointing and the MLP in 3 tiles (micro 4), ZeRO 2 with LoRA adapters; world 4 = sp 2 x dp 2 at
-ZeRO 3 and sp 4 at ZeRO 1.  Two launches, ~45 s together on 2 cores.
+ZeRO 3, sp 4 at ZeRO 1, and sp 2 x tp 2 at ZeRO 1.  Two launches, ~45 s together on 2 cores.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ LAYOUTS = {
     "sp2_zero2_lora": (2, 2, 2, 4, 1, "none", 1, True),
     "sp2_dp2_zero3": (4, 2, 3, 2, 1, "none", 1, False),
     "sp4_zero1_gqa_repeat": (4, 4, 1, 4, 1, "none", 1, False),
+    "sp2_tp2_zero1": (4, (2, 2), 1, 4, 1, "none", 1, False),  # (sp, tp): 1 local kv head, repeated for sp
 }
 
 
@@ -112,7 +113,7 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(sp: int, stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool
+def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool
          ) -> tuple[list[float], dict]:
     from deepshard.core import (
         EngineConfig,
@@ -131,7 +132,8 @@ def _run(sp: int, stage: int, micro: int, accum: int, ac: str, tiles: int, lora:
                           precision=PrecisionConfig(dtype="fp32"),
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=CLIP),
                           grad_accum=accum, ac=ac)
-    mesh = build_mesh(ParallelDims(sp=sp))
+    sp, tp = sp if isinstance(sp, tuple) else (sp, 1)
+    mesh = build_mesh(ParallelDims(sp=sp, tp=tp))
     recipe = partial(parallelize_llama, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac)
     engine = initialize(model(lora, tiles).to(local_device()), config, mesh=mesh, parallelize_fn=recipe)
     stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
