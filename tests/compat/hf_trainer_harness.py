@@ -73,6 +73,20 @@ def arguments(cls: type, out: Path, *, micro: int, accum: int, max_steps: int = 
 EVAL = {"per_device_eval_batch_size": 1}  # eval_loss is a mean over rows of row means: the same at any world
 
 
+def reference_trainer(**kwargs: Any) -> Any:
+    """transformers' own Trainer (no DeepSpeed), its AdamW decaying every trainable parameter: what
+    DeepSpeed does with the ds_config's optimizer section (one group over the parameters transformers
+    passes it; transformers alone leaves biases and norms undecayed), so the reference and ours (and
+    real DeepSpeed + transformers, the recorded fixture) apply weight decay alike."""
+    import transformers
+
+    class DecayAll(transformers.Trainer):
+        def get_decay_parameter_names(self, model: Any) -> list[str]:
+            return [name for name, p in model.named_parameters() if p.requires_grad]
+
+    return DecayAll(**kwargs)
+
+
 def logged(trainer: Any) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in h.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
             for h in trainer.state.log_history if "loss" in h]
@@ -83,7 +97,7 @@ def reference(out: Path, *, micro: int, accum: int, **extra: Any) -> dict[str, A
     import transformers
 
     args = arguments(transformers.TrainingArguments, out, micro=micro, accum=accum, **EVAL, **extra)
-    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer = reference_trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
     trainer.train()
     with torch.no_grad():
         logits = trainer.model(**probe_batch()).logits
@@ -160,7 +174,7 @@ def lora_reference(out: Path) -> dict[str, Any]:
     import transformers
 
     args = arguments(transformers.TrainingArguments, out, micro=4, accum=2)
-    trainer = transformers.Trainer(model=lora_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer = reference_trainer(model=lora_llama(), args=args, train_dataset=rows(), data_collator=collate)
     trainer.train()
     with torch.no_grad():
         logits = trainer.model(**probe_batch()).logits
@@ -211,7 +225,7 @@ def short_last_reference(out: Path) -> list[dict[str, float]]:
     import transformers
 
     args = arguments(transformers.TrainingArguments, out, micro=4, accum=5, **SHORT_LAST)
-    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
+    trainer = reference_trainer(model=tiny_llama(), args=args, train_dataset=rows(), data_collator=collate)
     trainer.train()
     return logged(trainer)
 

@@ -9,6 +9,7 @@ count, so a checkpoint's engine state is its whole state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -36,10 +37,21 @@ def trainer_ds_config(args: Any, model: nn.Module, *, world_size: int, num_train
     return ds
 
 
-def build_engine(args: Any, model: nn.Module, *, world_size: int, num_training_steps: int) -> Any:
-    """``deepshard.compat.deepspeed.initialize`` on the filled ds_config: a ``DeepSpeedEngine``."""
+def build_engine(args: Any, model: nn.Module, *, world_size: int, num_training_steps: int,
+                 decay_names: Iterable[str] = ()) -> Any:
+    """``deepshard.compat.deepspeed.initialize`` on the filled ds_config: a ``DeepSpeedEngine``.
+
+    Weight decay as transformers + DeepSpeed apply it: with the file's optimizer section, DeepSpeed's
+    AdamW over every trainable parameter (one group); without one, transformers' own optimizer, whose
+    groups decay only ``decay_names`` (``Trainer.get_decay_parameter_names``: no biases, no norms)."""
+    groups = None
+    if "optimizer" not in auto.read(args.deepspeed):
+        decay = set(decay_names)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     ds = trainer_ds_config(args, model, world_size=world_size, num_training_steps=num_training_steps)
-    ds_engine, _, _, _ = ds_initialize(model=model, config=ds)
+    ds_engine, _, _, _ = ds_initialize(model=model, config=ds, model_parameters=groups)
     if "scheduler" not in ds:  # transformers' lr_scheduler_type, through its own schedule functions
         ds_engine.engine.optimizer.lr_at = hf_schedule(args, ds_engine.engine.config.optim.lr, num_training_steps)
     return ds_engine

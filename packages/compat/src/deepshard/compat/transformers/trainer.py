@@ -97,7 +97,8 @@ class Trainer(transformers.Trainer):
             return super().create_optimizer(model)
         if self.ds_engine is None:
             self.ds_engine = build_engine(self.args, self.model, world_size=self.args.world_size,
-                                          num_training_steps=self._num_training_steps)
+                                          num_training_steps=self._num_training_steps,
+                                          decay_names=self.get_decay_parameter_names(self.model))
             self.optimizer = EngineOptimizer(self.ds_engine.engine)
         return self.optimizer
 
