@@ -111,3 +111,29 @@ def test_a_deepspeed_script_resumes_from_latest_after_a_restart(tmp_path, one_no
     assert sorted({r["step"] for r in second}) == list(range(5, 13))  # resumed after step 4
     assert all(one_node_losses[(r["rank"], r["step"])] == r["loss"] for r in first)
     assert final_losses(rows) == one_node_losses  # fp32: bit for bit
+
+
+HF_LOOP = Path(__file__).resolve().with_name("hf_trainer_loop.py")
+
+
+def test_an_hf_trainer_script_resumes_from_its_checkpoint_after_a_restart(tmp_path):
+    from compat_runs import DEEPSHARD
+    from compat_runs import launch as run
+
+    def job(name: str, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[str, dict]:
+        out = tmp_path / f"{name}.json"
+        code, _, err = run([*DEEPSHARD, "--num_gpus=2", *flags, str(HF_LOOP), "--output_dir", str(tmp_path / name),
+                            "--out", str(out), *script_args], tmp_path)
+        assert code == 0, err[-3000:]
+        return err, json.loads(out.read_text())
+
+    _, whole = job("whole")
+    err, cut = job("cut", "--max_restarts=1", script_args=("--die_at", "1:6"))
+    assert err.count("restarting the workers (restart 1 of 1)") == 1, err[-3000:]
+    resumed = [line for line in err.splitlines() if "resumed from" in line]
+    # the engine's own step counter stays 0 under the Trainer (transformers counts the steps): the line names
+    # the directory, checkpoint-4, and not the step
+    assert len(resumed) == 1 and "/checkpoint-4/" in resumed[0], err[-3000:]
+    assert cut["resumed_from"].endswith("checkpoint-4") and whole["resumed_from"] is None
+    assert sorted(map(int, cut["losses"])) == list(range(1, 13))
+    assert cut["losses"] == whole["losses"]  # fp32 ZeRO-3: bit for bit
