@@ -3,6 +3,10 @@
 - swap: read/write bandwidth of the NVMe optimizer step vs a plain sequential O_DIRECT write and
   read of the same bytes on the same path (goal: step I/O >= 0.8 of sequential).
 - adam: host AdamW step time, CpuStateStore vs torch.optim.AdamW (for-loop, foreach, fused).
+- host_adam: CpuStateStore vs DeepSpeedCPUAdam (where DeepSpeed is installed) on 1 and 2 threads, flat
+  and 50-tensor layouts, as bytes/s (28 B per element: reads p, g, m, v; writes p, m, v) against the
+  floor, a plain in-place stream of the same kind (``p += g; m += v``: 24 B/element, writes to lines it
+  read) on the same buffers.
 - rss: peak RSS of a fresh process stepping ~100M fp32 params with NvmeStateStore vs
   DeviceStateStore; the drop should be most of the optimizer-state bytes (goal >= 0.8).
 
@@ -126,6 +130,51 @@ def bench_adam(numel: int, repeats: int) -> dict:
     return out
 
 
+def _host_adam_row(numel: int, pieces: int, repeats: int, ds_cls) -> dict:
+    params = make_params(numel, pieces)
+    grads = [torch.rand_like(p) * 1e-3 for p in params]
+    store = CpuStateStore(params, [0.01] * pieces, CFG)
+    k = [1]
+
+    def ours() -> None:
+        k[0] += 1
+        store.step(grads, lr=1e-3, step=k[0])
+
+    def stream() -> None:  # the floor: reads p, g, m, v and writes p, m in place (24 B/element)
+        torch._foreach_add_(params, grads)
+        torch._foreach_add_(store.exp_avgs, store.exp_avg_sqs)
+
+    row = {"ours_s": best_of(ours, repeats), "stream_s": best_of(stream, repeats)}
+    row["ours_GBps"] = 28 * numel / row["ours_s"] / 1e9
+    row["stream_GBps"] = 24 * numel / row["stream_s"] / 1e9
+    row["ours_vs_floor"] = row["ours_GBps"] / row["stream_GBps"]
+    if ds_cls is not None:
+        ds_params = [torch.nn.Parameter(p) for p in params]
+        for p, g in zip(ds_params, grads):
+            p.grad = g
+        ds = ds_cls(ds_params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+        row["deepspeed_s"] = best_of(ds.step, repeats)
+        row["deepspeed_GBps"] = 28 * numel / row["deepspeed_s"] / 1e9
+        row["ours_over_deepspeed_time"] = row["ours_s"] / row["deepspeed_s"]
+    return row
+
+
+def bench_host_adam(numel: int, repeats: int) -> list[dict]:
+    """Ours vs DeepSpeedCPUAdam vs the stream floor, per thread count and layout (see the docstring)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        DeepSpeedCPUAdam = None  # noqa: N806
+    rows, threads = [], torch.get_num_threads()
+    for n_threads in (1, 2):
+        torch.set_num_threads(n_threads)
+        for layout, pieces in (("flat", 1), ("50_tensors", 50)):
+            rows.append({"threads": n_threads, "layout": layout,
+                         **_host_adam_row(numel, pieces, repeats, DeepSpeedCPUAdam)})
+    torch.set_num_threads(threads)
+    return rows
+
+
 def rss_child(kind: str, numel: int, nvme_path: str) -> None:
     params = make_params(numel)
     grads = [torch.rand_like(p) for p in params]
@@ -219,7 +268,8 @@ def main() -> None:
     ap.add_argument("--swap-params", type=float, default=100, help="NVMe step size, millions of params")
     ap.add_argument("--rss-params", type=float, default=100, help="RSS comparison size, millions")
     ap.add_argument("--nvme-path", default=None, help="disk-backed dir (default: a temp dir under /var/tmp)")
-    ap.add_argument("--only", default="swap,adam,rss,zero3")
+    ap.add_argument("--only", default="swap,adam,host_adam,rss,zero3")
+    ap.add_argument("--host-adam-params", type=float, default=50, help="host_adam size, millions of params")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -234,6 +284,8 @@ def main() -> None:
             result["swap"] = bench_swap(path, int(args.swap_params * M), args.repeats)
         if "adam" in only:
             result["adam"] = [bench_adam(int(float(s) * M), args.repeats) for s in args.sizes.split(",")]
+        if "host_adam" in only:
+            result["host_adam"] = bench_host_adam(int(args.host_adam_params * M), args.repeats + 1)
         if "rss" in only:
             result["rss"] = bench_rss(int(args.rss_params * M), path)
         if "zero3" in only:
