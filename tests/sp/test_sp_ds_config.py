@@ -29,3 +29,14 @@ def test_ds_config_sequence_parallel_size_reaches_the_app_checks(tmp_path, monke
     assert "parallel.sp=2" in argv
     line = prelaunch_error(argv[1:], tmp_path / "run", monkeypatch)
     assert "data.seq_len=63 is not divisible by parallel.sp=2" in line, line
+
+
+def test_cpu_checkpointing_maps_to_ac_offload():
+    """``activation_checkpointing.cpu_checkpointing`` is our ``ac_offload``, for the app and for
+    deepshard.compat.deepspeed's engine config alike."""
+    from deepshard.compat.deepspeed.config import engine_config
+
+    t = translate({"activation_checkpointing": {"cpu_checkpointing": True}})
+    assert {"ac=full", "ac_offload=true"} <= set(t.overrides) and not t.unsupported
+    config = engine_config(t.sections(), grad_accum=1)
+    assert (config.ac, config.ac_offload) == ("full", True)

@@ -267,7 +267,9 @@ def translate(ds: dict) -> Translation:
         handled.add("activation_checkpointing")
         ac = _section(ds["activation_checkpointing"], "activation_checkpointing")
         t.set("ac", "full")  # the section asks for checkpointing: every block, non-reentrant
-        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        if ac.get("cpu_checkpointing"):  # the checkpointed inputs in host memory: our ac_offload
+            tr.set("ac_offload", True, "activation_checkpointing.cpu_checkpointing")
+        for key in ("partition_activations", "contiguous_memory_optimization",
                     "synchronize_checkpoint_boundary", "profile"):
             if ac.get(key):
                 t.unsupported.append(f"activation_checkpointing.{key}")

@@ -103,9 +103,11 @@ def engine_config(s: dict[str, dict[str, Any]], *, grad_accum: int) -> EngineCon
         zero = ZeroConfig(**_typed(ZeroConfig, s["zero"], "zero"))
     with named(lambda f: ds_key(f"precision.{f}")):
         precision = PrecisionConfig(**_typed(PrecisionConfig, s["precision"], "precision"))
-    with named({"grad_accum": "gradient_accumulation_steps", "ac": "activation_checkpointing"}.__getitem__):
+    with named({"grad_accum": "gradient_accumulation_steps", "ac": "activation_checkpointing",
+                "ac_offload": "activation_checkpointing.cpu_checkpointing"}.__getitem__):
         return EngineConfig(zero=zero, precision=precision, optim=optim_config, scheduler=scheduler_config,
-                            grad_accum=grad_accum, ac=s["app"].get("ac", "none"))
+                            grad_accum=grad_accum, ac=s["app"].get("ac", "none"),
+                            ac_offload=bool(s["app"].get("ac_offload", False)))
 
 
 def read_ds_config(config: dict | str | Path | None) -> tuple[dict, str]:
