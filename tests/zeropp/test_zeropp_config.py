@@ -37,6 +37,7 @@ def test_hsdp_and_zeropp_keys_validate():
      r"^parallel.dp_shard=3 x parallel.dp_replicate=2 = 6 != the data-parallel size 4"),
     (["+zero=stage3", "parallel.dp_replicate=3"], 4, r"^parallel.dp_replicate=3 does not divide the data-parallel size 4"),
     (["+zero=stage2", "parallel.dp_replicate=2"], 4, r"^parallel.dp_replicate=2 needs zero.stage=3"),
+    (["+zero=stage3", "parallel.dp_replicate=2", "parallel.sp=2"], 8, r"^parallel.dp_replicate=2 with parallel.sp=2"),
     (["+zero=stage2", "zero.quantized_gradients=true"], 2, r"^zero.quantized_gradients=True: .* stage 3's"),
     (["+zero=stage3", "zero.quantized_weights=true"], 1, r"^zero.quantized_weights=true with a ZeRO-3 shard group of one"),
     (["+zero=stage3", "parallel.dp_replicate=2", "zero.quantized_gradients=true"], 2, r"shard group of one rank"),

@@ -494,8 +494,8 @@ def _validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
     from deepshard.core.zero.hsdp import check_hpz, check_hsdp
 
     check_hsdp(dp_replicate=parallel.dp_replicate, zero_stage=settings.engine.zero.stage, pp=parallel.pp,
-               tp=parallel.tp)
-    check_hpz(settings.engine.zero.hpz_partition_size, shard_size=parallel.dp_shard,
+               tp=parallel.tp, sp=parallel.sp)
+    check_hpz(settings.engine.zero.hpz_partition_size, shard_size=parallel.dp_shard * parallel.sp,
               hsdp=parallel.dp_replicate > 1, offload_params=settings.offload.params != "none")
     zero = settings.engine.zero
     on = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
