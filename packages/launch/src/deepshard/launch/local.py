@@ -180,6 +180,7 @@ def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., An
 
     if parent is not None:
         die_with_parent(parent)  # a SIGKILLed launcher leaves no worker behind
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (forkserver_guard); a worker must not
     per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
     os.environ.clear()
     os.environ.update(env)
