@@ -28,8 +28,10 @@ def _worker(tmp: str):
     for name, replicate, zero in (("flat", 1, {}), ("hsdp", 2, {}), ("hpz", 1, {"hpz_partition_size": 2})):
         engine = build_engine(replicate, **zero)
         p = next(engine.model.parameters())
-        out[name] = (train(engine, ids, labels, range(STEPS)), full_params(engine),
+        census: dict = {}
+        out[name] = (train(engine, ids, labels, range(STEPS), census), full_params(engine),
                      (tuple(p.device_mesh.shape), str(p.placements)))
+        out[name + "_census"] = census
         if name == "hpz":  # after a forward, a resharded block holds 1/2 of its weights, not 1/4
             from deepshard.core.mesh import local_device
 
@@ -75,6 +77,21 @@ def test_reference_trains(ref):
 def test_hsdp_shards_on_a_2d_mesh(runs):
     assert runs[0]["hsdp"][2] == ((2, 2), "(Replicate(), Shard(dim=0))")
     assert runs[0]["flat"][2] == ((4,), "(Shard(dim=0),)")
+
+
+@pytest.mark.parametrize("layout,shards", [("flat", 4), ("hsdp", 2), ("hpz", 4)])
+def test_model_state_bytes_follow_the_formula(runs, layout, shards):
+    """fp32 with Adam: params 4Ψ, grads 4Ψ, moments 8Ψ, each over the ranks a parameter is sharded
+    across: all 4 flat and under hpZ (its secondary partition is gone after backward), dp_shard=2 under
+    HSDP.  Ψ counted here from the model; the measured side is the engine's census after backward."""
+    from zeropp_harness import model
+
+    psi = sum(p.numel() for p in model().parameters())
+    for rank in range(4):
+        c = runs[rank][layout + "_census"]
+        for part, per in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            expected = per * psi / shards
+            assert abs(c[part] - expected) <= 0.02 * expected, (layout, rank, part, c[part], expected)
 
 
 def test_hpz_keeps_a_node_sized_secondary_partition_after_forward(runs):

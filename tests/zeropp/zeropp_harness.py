@@ -77,8 +77,9 @@ def build_engine(dp_replicate: int, cfg: LlamaConfig = MICRO, **zero):
     return initialize(model(cfg).to(local_device()), engine_config(**zero), mesh=mesh)
 
 
-def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range) -> list[float]:
-    """Global-batch steps: this dp rank takes its rows; returns each step's global token-mean loss."""
+def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range, census: dict | None = None) -> list[float]:
+    """Global-batch steps: this dp rank takes its rows; returns each step's global token-mean loss.
+    ``census``: filled with the measured model-state bytes after the first backward."""
     import torch.distributed as dist
 
     from deepshard.core.mesh import local_device
@@ -94,6 +95,8 @@ def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range) -> list
         loss = engine(x, y, reduction="sum")
         total = loss.detach().clone()
         engine.backward(loss, num_items=count)
+        if census is not None and not census:
+            census.update(engine.memory()["measured"].as_dict())
         engine.step()
         dist.all_reduce(total, group=dp.get_group())
         losses.append((total / count).item())
