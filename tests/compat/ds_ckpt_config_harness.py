@@ -115,3 +115,14 @@ def worker(root: str) -> dict:
     rank = deepspeed.comm.get_rank()
     return {"tags": _part(tags, Path(root) / "tags", rank), "decay": _part(decay, [2, 3], 3),
             "async": _part(async_saves, Path(root) / "async", rank)}
+
+
+def exit_worker(root: str) -> list[float]:
+    """An asynchronous save as a script's last call: the process exits with the save still being written."""
+    deepspeed.init_distributed()
+    rank = deepspeed.comm.get_rank()
+    engine = _engine({"checkpoint": {"writer": {"decoupled": True}}}, stage=3)
+    losses = [_step(engine, step, rank) for step in range(2)]
+    engine.save_checkpoint(root, client_state={"step": 2})
+    assert engine._writer.in_flight
+    return losses

@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_ckpt_config_harness import BETAS, LR, WD, worker
+from ds_ckpt_config_harness import BETAS, LR, WD, exit_worker, worker
 from ds_zero3_patterns_harness import TinyLM, batch
 
 from deepshard.compat.ds_config import translate
+from deepshard.core.checkpoint.manifest import latest_good
 from deepshard.launch.local import launch_local
 
 
@@ -72,6 +73,17 @@ def test_async_saves_equal_synchronous_ones_and_resume_bit_exact(outs):
         assert out["async"]["same_shards"] == [True, True]
         assert out["async"]["client_state"] == {"step": 2}
         assert out["async"]["resumed"] == run["losses"][2:]  # bit-exact
+
+
+@pytest.mark.slow
+def test_an_async_save_in_flight_at_exit_is_sealed(tmp_path):
+    """A script whose last call is an asynchronous save (its engine gone when the function returns): the
+    worker's exit waits for the writer, so the checkpoint is sealed and ``latest`` names it."""
+    launch_local(exit_worker, 2, str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    found, _ = latest_good(tmp_path / "global_step2")
+    assert found is not None and found.name == "step-00000002"
+    assert not list((tmp_path / "global_step2").glob("*.tmp-*"))
 
 
 def test_checkpoint_section_translates():

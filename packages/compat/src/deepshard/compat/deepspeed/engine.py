@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +245,7 @@ class DeepSpeedEngine(nn.Module):
         """Made at the first asynchronous save (every rank reaches it: it creates the writer's gloo group)."""
         if self._writer is None:
             self._writer = AsyncCheckpointer(device=local_device())
-            atexit.register(_wait_at_exit, weakref.ref(self))
+            atexit.register(_finish_at_exit, self._writer)  # the writer, not the engine: gone by then
         return self._writer
 
     def wait_for_checkpoint(self) -> str | None:
@@ -306,12 +305,11 @@ def sync_masters(engine: Engine) -> None:
     masters = [p.detach().float() for p in engine.stage.local_params()]
     store.load_state_dict({"master": masters, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]})
 
-def _wait_at_exit(ref: weakref.ref) -> None:
-    """At interpreter exit a save still being written is finished (its thread is a daemon: it would die)."""
-    engine = ref()
-    if engine is None or engine._writer is None or not engine._writer.in_flight:
+def _finish_at_exit(writer: AsyncCheckpointer) -> None:
+    """At interpreter exit (or a launched worker's end) a save still being written is finished: its thread
+    is a daemon and would die with the process, leaving the checkpoint unsealed."""
+    if not writer.in_flight:
         return
-    try:
-        engine.wait_for_checkpoint()
-    except Exception as err:  # noqa: BLE001 - at exit, one line instead of a traceback
-        print(f"error: the asynchronous checkpoint in flight at exit was not sealed: {err}", file=sys.stderr)
+    outcome = writer.wait()
+    if outcome is not None and outcome.error is not None:
+        print(f"error: the asynchronous checkpoint in flight at exit was not sealed: {outcome.error}", file=sys.stderr)
