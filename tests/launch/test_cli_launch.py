@@ -1,6 +1,7 @@
 """The deepshard command with real processes: one node (a script, --module, --no_python,
 --no_local_rank, .deepspeed_env), a dead rank, two nodes by --no_ssh on two shells, and a hostfile of
-two loopback hosts over ssh (a stand-in ``ssh`` on PATH that runs the remote line here)."""
+two loopback hosts over ssh (a stand-in ``ssh`` on PATH that runs the remote line here; the real
+sshd is test_cli_ssh.py's), and ``--launcher slurm`` under a stand-in ``srun``."""
 
 from __future__ import annotations
 
@@ -233,3 +234,36 @@ def test_a_deepspeed_script_on_deepshard_compat(tmp_path):
     rows = results(out)
     assert [r["env"]["RANK"] for r in rows] == ["0", "1"] and rows[0]["sum"] == rows[1]["sum"] > 0
     assert rows[1]["argv"][0] == "--local_rank=1"
+
+
+FAKE_SRUN = """#!{python}
+# srun inside an allocation, stood in: one task per node of --nodelist, each with its SLURM_NODEID
+import os, subprocess, sys
+args, opts = sys.argv[1:], {{}}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    opts[key] = value
+open(os.environ["FAKE_SRUN_LOG"], "w").write(" ".join(sys.argv[1:]))
+tasks = [subprocess.Popen(args, env={{**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)}})
+         for i, _ in enumerate(opts["nodelist"].split(","))]
+sys.exit(max(t.wait() for t in tasks))
+"""
+
+
+def test_launcher_slurm_runs_one_agent_per_node_under_srun(job, tmp_path):
+    """``--launcher slurm`` end to end but for Slurm itself: a stand-in ``srun`` on PATH starts the
+    node command once per node with ``SLURM_NODEID``; each node's agent finds its node rank there."""
+    bin_dir = tmp_path / "srun_bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "srun").chmod(0o755)
+    (job / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp_path / "srun.log")}
+    code, out, err = launch([*DEEPSHARD, "-H", "hosts", "--launcher=slurm", f"--master_port={free_port()}", "script.py"],
+                            job, env=env)
+    assert code == 0, err[-3000:]
+    rows = results(out)
+    assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in rows] == [("0", "2"), ("1", "2")]
+    assert all(r["sum"] == 3.0 for r in rows)
+    assert (tmp_path / "srun.log").read_text().startswith("--nodes=2 --ntasks=2 --ntasks-per-node=1 "
+                                                          "--nodelist=127.0.0.1,127.0.0.2 --export=ALL ")
