@@ -83,7 +83,8 @@ def test_hsdp_shards_on_a_2d_mesh(runs):
 def test_model_state_bytes_follow_the_formula(runs, layout, shards):
     """fp32 with Adam: params 4Ψ, grads 4Ψ, moments 8Ψ, each over the ranks a parameter is sharded
     across: all 4 flat and under hpZ (its secondary partition is gone after backward), dp_shard=2 under
-    HSDP.  Ψ counted here from the model; the measured side is the engine's census after backward."""
+    HSDP.  Ψ counted here from the model; the measured side is the engine's census after backward, and
+    the engine's own expectation (``engine.memory()['expected']``) must say the same."""
     from zeropp_harness import model
 
     psi = sum(p.numel() for p in model().parameters())
@@ -92,6 +93,7 @@ def test_model_state_bytes_follow_the_formula(runs, layout, shards):
         for part, per in (("params", 4), ("grads", 4), ("optimizer", 8)):
             expected = per * psi / shards
             assert abs(c[part] - expected) <= 0.02 * expected, (layout, rank, part, c[part], expected)
+            assert c["expected"][part] == pytest.approx(expected, rel=1e-3), (layout, rank, part, "engine.memory()")
 
 
 def test_hpz_keeps_a_node_sized_secondary_partition_after_forward(runs):

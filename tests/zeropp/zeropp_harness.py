@@ -96,7 +96,8 @@ def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range, census:
         total = loss.detach().clone()
         engine.backward(loss, num_items=count)
         if census is not None and not census:
-            census.update(engine.memory()["measured"].as_dict())
+            memory = engine.memory()
+            census.update(memory["measured"].as_dict(), expected=memory["expected"].as_dict())
         engine.step()
         dist.all_reduce(total, group=dp.get_group())
         losses.append((total / count).item())

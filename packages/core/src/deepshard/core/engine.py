@@ -23,6 +23,7 @@ from deepshard.core.parallelize import ShardedPart, parallelize_model
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
 from deepshard.core.zero import ParamOffload, ZeroStage
+from deepshard.core.zero.hsdp import hsdp_mesh
 
 
 class Engine:
@@ -107,7 +108,9 @@ class Engine:
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes."""
-        return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=zero_mesh(self.mesh).size(),
+        hsdp = hsdp_mesh(self.mesh)  # HSDP shards over dp_shard only; the dp_replicate groups hold copies
+        shards = hsdp["dp_shard"].size() if hsdp is not None else zero_mesh(self.mesh).size()
+        return model_state_memory(self.stage, self.store, num_params=self.num_params, dp=shards,
                                   dtype=self.config.precision.dtype, modules=[self.model])
 
 
