@@ -20,6 +20,7 @@ from torch import nn
 
 from deepshard.core import Engine
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
+from deepshard.core.checkpoint.json_state import rng_state, set_rng_state
 from deepshard.core.mesh import local_device
 
 from .checkpoint import load_ds_style, rank0_tag, save_16bit, save_ds_style
@@ -171,7 +172,10 @@ class DeepSpeedEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training:
             self.tput_timer.start()
-        return self.engine(*args, **kwargs)
+        out = self.engine(*args, **kwargs)
+        if not torch.is_grad_enabled():  # no backward will reshard: release what the forward gathered, as
+            release_gathered(self.module)  # DeepSpeed does (every rank then reads ds_status NOT_AVAILABLE)
+        return out
 
     def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
         return self.engine.global_num_items(local_count)
@@ -184,6 +188,10 @@ class DeepSpeedEngine(nn.Module):
         if not scale_wrt_gas and num_items is None:
             loss = loss * self.compat.grad_accum  # the engine divides by the accumulation steps
         self.engine.backward(loss, num_items=num_items)
+        # until the next engine.backward, a backward through this module (DeepSpeedExamples' GAN: the
+        # generator's loss through the discriminator) leaves local gradients, reduced by nothing, as
+        # in DeepSpeed; the script's module.zero_grad() then drops them
+        self.engine.stage.set_grad_sync(False)
         return loss
 
     def step(self) -> None:
@@ -276,9 +284,13 @@ class DeepSpeedEngine(nn.Module):
         self.wait_for_checkpoint()
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False): not supported (every parameter is restored)")
+        # DeepSpeed's load leaves the process's RNGs alone (core's restores the saved ones): a script that
+        # draws its data from them after loading (HelloDeepSpeed's numpy masks) gets what it gets there
+        generators = rng_state()
         found = load_ds_style(self.engine, Path(load_dir), tag,
                               optimizer_states=load_optimizer_states and not load_module_only,
                               lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+        set_rng_state(generators)
         if found is None:
             return None, None
         path, app = found
@@ -298,12 +310,24 @@ class DeepSpeedEngine(nn.Module):
         return True
 
 
+def release_gathered(module: nn.Module) -> None:
+    """Reshard the ZeRO-3 units FSDP2 keeps gathered after a forward (the root and the last block wait for
+    a backward).  Without it a later rank-local ``state_dict()`` (DeepSpeed-Chat's ``save_hf_format`` on
+    rank 0) reshards one rank only, and scripts that gather by ``p.ds_status`` deadlock."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def sync_masters(engine: Engine) -> None:
     """The optimizer's fp32 masters from the current parameter shards (after an outside change)."""
     store = engine.optimizer.store
     state = store.state_dict()
     masters = [p.detach().float() for p in engine.stage.local_params()]
     store.load_state_dict({"master": masters, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]})
+
 
 def _finish_at_exit(writer: AsyncCheckpointer) -> None:
     """At interpreter exit (or a launched worker's end) a save still being written is finished: its thread
