@@ -41,7 +41,7 @@ from deepshard.core.checkpoint.state import (
     unsupported_reason,
     write_checkpoint,
 )
-from deepshard.core.mesh import local_device
+from deepshard.core.mesh import local_device, zero_mesh
 from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.config.settings import AUTO, CheckpointConfig
 from deepshard.finetune.data.resumable import ResumableStream
@@ -228,7 +228,7 @@ class RunCheckpoints:
             from deepshard.finetune.tools.from_deepspeed import ImportedRun
 
             check_lora_resume(path, self.meta)  # LoRA into LoRA on the same base, full into full
-            dp = self.engine.mesh["dp"]
+            dp = zero_mesh(self.engine.mesh)  # the optimizer state's shards: over dp, or dp x sp
             imported = ImportedRun.of(path)  # made by from_deepspeed: DeepSpeed's names, no app state of ours
             if imported is not None:
                 imported.match_names(self.engine.optimizer.stage.names)
@@ -296,7 +296,7 @@ class RunCheckpoints:
             meta["tokenizer"] = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                                  "pad_token_id": tok.pad_token_id}
         app_state = {"step": step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
-        return save_request(self.root, step, self.engine.optimizer, self.engine.mesh["dp"], model=self.model,
+        return save_request(self.root, step, self.engine.optimizer, zero_mesh(self.engine.mesh), model=self.model,
                             app_state=app_state, meta=meta, write_extra=None if tok is None else self._write_tokenizer)
 
     def save(self, step: int, *, final: bool = True) -> Path | None:
