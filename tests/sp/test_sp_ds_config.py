@@ -40,3 +40,13 @@ def test_cpu_checkpointing_maps_to_ac_offload():
     assert {"ac=full", "ac_offload=true"} <= set(t.overrides) and not t.unsupported
     config = engine_config(t.sections(), grad_accum=1)
     assert (config.ac, config.ac_offload) == ("full", True)
+
+
+def test_compat_deepspeed_refuses_sequence_parallel_size():
+    """deepshard.compat.deepspeed trains the user's own model, whose attention it cannot split: refused,
+    pointing at the app, rather than silently training without sequence parallelism."""
+    from deepshard.compat.deepspeed.config import compat_config
+
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2: .* parallel.sp=N"):
+        compat_config({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}, dp=1, cuda=False)
+    assert compat_config({"sequence_parallel_size": 1}, dp=1, cuda=False).engine.ac == "none"

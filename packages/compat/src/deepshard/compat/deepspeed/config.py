@@ -133,6 +133,11 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
         for k, v in optimizer_defaults.items():
             tr.set(f"optim.{k}", v)
     s = tr.sections()
+    sp = s["app"].get("parallel.sp", 1)
+    if sp != 1:  # Ulysses needs to reach into the model's attention: the app's Llama has that, a user's model not
+        raise ValueError(f"{source}: sequence_parallel_size={sp}: deepshard.compat.deepspeed trains your model as it "
+                         "is and does not split its sequences; Ulysses sequence parallelism runs in the app "
+                         "(python apps/finetune/main.py parallel.sp=N, or +deepspeed= with this file)")
     train = {"global_batch_size": 0, "micro_batch_size": 1, "grad_accum": 1, **s["train"]}
     try:
         resolve_batch(train, dp, keys=DS_BATCH_KEYS)
