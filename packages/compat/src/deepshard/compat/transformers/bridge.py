@@ -71,13 +71,25 @@ def hf_schedule(args: Any, base_lr: float, num_training_steps: int) -> Any:
     return lambda k: base_lr * factor(k)
 
 
+def count_update(ds_engine: Any, *, applied: bool) -> None:
+    """Advance the DeepSpeed engine's counters by one update, as its own ``step()`` would: Trainer
+    drives the core engine directly, and without this the checkpoint tag's step, ``global_steps`` in an
+    export and the resume line would all stay 0."""
+    accum = ds_engine.compat.grad_accum
+    ds_engine.micro_steps += accum
+    ds_engine.global_samples += accum * ds_engine.compat.micro_batch_size * ds_engine.world_size
+    ds_engine.global_steps += 1
+    ds_engine.skipped_steps += 0 if applied else 1
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """Trainer's ``optimizer``: ``step()`` is the engine's update on the accumulation boundary."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, counters: Any = None) -> None:
         params = [p for p in engine.model.parameters() if p.requires_grad]
         super().__init__(params, {"lr": engine.optimizer.lr_at(0)})
         self.engine = engine
+        self.counters = counters
         self.last: StepStats | None = None
 
     @torch.no_grad()
@@ -85,6 +97,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         stats = self.engine.step()
         assert stats is not None, "Trainer's accumulation boundary and the engine's disagree"
         self.last = stats
+        if self.counters is not None:
+            count_update(self.counters, applied=stats.applied)
         for group in self.param_groups:
             group["lr"] = stats.lr
 

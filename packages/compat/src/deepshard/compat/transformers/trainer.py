@@ -99,7 +99,7 @@ class Trainer(transformers.Trainer):
             self.ds_engine = build_engine(self.args, self.model, world_size=self.args.world_size,
                                           num_training_steps=self._num_training_steps,
                                           decay_names=self.get_decay_parameter_names(self.model))
-            self.optimizer = EngineOptimizer(self.ds_engine.engine)
+            self.optimizer = EngineOptimizer(self.ds_engine.engine, counters=self.ds_engine)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
