@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -51,9 +50,10 @@ from deepshard.core.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
-from deepshard.core.checkpoint.owners import OWNER, owner_alive, write_owner
+from deepshard.core.checkpoint.owners import OWNER
 from deepshard.core.checkpoint.state import clean_name
 from deepshard.finetune.models.hf import to_hf_name
+from deepshard.finetune.tools.partial_import import claim
 
 KINDS = {"model.": "master", "optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}
 
@@ -248,7 +248,7 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     tmp = Path(out_dir) / f"{final.name}.tmp-import"
     if final.exists():  # before any work: an import that cannot be renamed into place is wasted
         raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
-    _claim(tmp)
+    claim(tmp)
     try:
         _write(tmp, ds, tag_dir, state, build, step, global_steps)
         (tmp / OWNER).unlink()
@@ -257,35 +257,6 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
         raise
     tmp.rename(final)  # atomic: OUT_DIR holds the whole import or none of it
     return final
-
-
-def _claim(tmp: Path) -> None:
-    """Make ``tmp`` this import's, marked with its owner (host, pid) from the moment it exists (made
-    aside and renamed into place).  A leftover of a dead import (a kill leaves no chance to clean up) is
-    removed with a notice; one whose importer still runs is named, never touched: two imports into one
-    OUT_DIR would write the same files."""
-    for _ in range(3):
-        if tmp.exists():
-            alive, who = owner_alive(tmp)
-            if alive:
-                raise ValueError(f"{tmp}: another import is writing it ({who}, still running); wait for it "
-                                 f"to finish or stop it, then run again")
-            print(f"notice: removing the partial import {tmp} (its importer, {who}, is not running)", file=sys.stderr)
-            shutil.rmtree(tmp, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        aside = tmp.parent / f".{tmp.name}.{os.getpid()}"
-        aside.mkdir()
-        try:
-            write_owner(aside)
-        except BaseException:  # a full disk: nothing of this import stays
-            shutil.rmtree(aside, ignore_errors=True)
-            raise
-        try:
-            os.rename(aside, tmp)  # fails if another import made tmp meanwhile: look at its owner again
-            return
-        except OSError:
-            shutil.rmtree(aside, ignore_errors=True)
-    raise ValueError(f"{tmp}: another import keeps creating it; run one import into {tmp.parent} at a time")
 
 
 def _write(tmp: Path, ds: DsCheckpoint, tag_dir: Path, state: dict, build, step: int, global_steps: int) -> None:
