@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
@@ -101,18 +102,22 @@ class InfinityStore(StateStore):
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """Views of the swap files themselves (``master`` is the params), mapped, not read: a
         checkpoint save streams them from the page cache and no copy of the state is made.  The
-        views are for the save (or a load) at hand: the next step rewrites the files."""
+        views are for the save (or a load) at hand: the next step rewrites the files.
+
+        Each tensor maps only its own bytes (:func:`map_region`): DCP's writer clones a tensor whose
+        storage is larger than the tensor and keeps every clone of a file until the file is written,
+        which made a save hold the rank's whole state in anonymous memory (OOM-killed in a cgroup the
+        training fitted in); clean mapped pages are reclaimable."""
         self.swap.finish_writes()
         self.deferred.run_all()
         out: dict[str, list[torch.Tensor]] = {}
         for k in STATES:
-            f = self.swap.files[k]
-            whole = torch.from_file(f.path, shared=False, size=f.nbytes // 4, dtype=torch.float32)
+            path = self.swap.files[k].path
             views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
             for unit in self.swap.units:
-                base = unit.offset // 4
                 for s in unit.slots:
-                    views[s.index] = whole[base + s.offset:base + s.offset + s.local_numel].view(self.params[s.index].shape)
+                    views[s.index] = map_region(path, unit.offset + 4 * s.offset, s.local_numel,
+                                                self.params[s.index].shape)
             out[_REGION[k]] = views
         return out
 
@@ -348,3 +353,11 @@ class DeferredStep:
                 error = error or e
         if error is not None:
             raise error
+
+
+def map_region(path: str, offset: int, numel: int, shape: torch.Size) -> torch.Tensor:
+    """``numel`` fp32 elements of ``path`` from byte ``offset``, mapped copy-on-write (a load writes
+    into private pages, never the file), in a storage of exactly the tensor's size."""
+    if numel == 0:
+        return torch.zeros(shape, dtype=torch.float32)
+    return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", offset=offset, shape=(numel,))).view(shape)
