@@ -67,7 +67,8 @@ def test_fixture_translates_with_deepspeed_defaults():
     z3 = compat_config(str(fixtures / "ds_zero3_offload.json"), dp=2, cuda=False, warn=False)
     assert z3.engine.zero.stage == 3 and z3.offload["device"] == "cpu" and z3.offload["params"] == "cpu"
     plain = compat_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}, dp=2, cuda=False)
-    assert plain.engine.optim.grad_clip == 0.0 and plain.engine.optim.betas == (0.9, 0.999)  # DeepSpeed's
+    # DeepSpeed's: gradient_clipping defaults to 1.0 in 0.19.8 (runtime/constants.py GRADIENT_CLIPPING_DEFAULT)
+    assert plain.engine.optim.grad_clip == 1.0 and plain.engine.optim.betas == (0.9, 0.999)
     assert plain.train_batch_size == 4
 
 

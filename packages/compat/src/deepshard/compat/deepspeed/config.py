@@ -36,7 +36,8 @@ DS_KEYS = {
                                                          "cos_min_ratio")},
 }
 # DeepSpeed's defaults where they differ from our library's (deepspeed/runtime/lr_schedules.py, its Adam)
-DS_OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 0.0}
+DS_OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+            "grad_clip": 1.0}  # gradient_clipping: GRADIENT_CLIPPING_DEFAULT = 1.0 in DeepSpeed 0.19.8
 DS_SCHEDULER = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000, "warmup_type": "log"}
 
 
