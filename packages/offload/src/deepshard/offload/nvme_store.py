@@ -237,6 +237,10 @@ class NvmeStateStore(StateStore):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    # deepshard.core.checkpoint.request.FRESH_STATE_DICT: state_dict's tensors are fresh reads, kept by
+    # no one, so an asynchronous save adopts them instead of staging a second copy
+    state_dict_is_fresh = True
+
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """Reads the swap files back into fresh fp32 tensors (checkpoints never point at scratch)."""
         out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params] for k in STATES}

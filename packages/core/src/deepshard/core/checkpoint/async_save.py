@@ -47,9 +47,9 @@ class HostStaging:
     on a CPU-only host) into pinned host buffers; host-offloaded state (``offload.device=cpu``) with
     one memcpy, since the next step updates it in place; ZeRO-Infinity's state from its mapped swap
     files (a read of what the page cache does not hold).  That is one copy of this rank's checkpoint
-    state, held for the run (``bench/checkpoint.py`` measures it).  The NVMe optimizer store's
-    ``state_dict`` is itself a fresh read of its swap files, copied here once more: a second, short-lived
-    copy while staging (adopting those tensors instead would need the store to say they are its own).
+    state, held for the run (``bench/checkpoint.py`` measures it).  Tensors a store made for the save
+    (the NVMe optimizer store reads its swap files into fresh tensors: ``request.FRESH_STATE_DICT``) are
+    adopted as they are, not copied: no buffer is kept for them and they live until the save is written.
     """
 
     def __init__(self) -> None:
@@ -61,10 +61,12 @@ class HostStaging:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def _allocate(self, state: dict[str, Any]) -> None:
+    def _allocate(self, state: dict[str, Any], adopt: frozenset[str]) -> None:
         pin = torch.cuda.is_available()
         self.buffers, self.staged, self._layout = {}, {}, {}
         for key, value in state.items():
+            if key in adopt:  # never kept here: the returned dict carries it for this save only
+                continue
             if not isinstance(value, torch.Tensor):
                 self.staged[key] = value
                 continue
@@ -80,19 +82,20 @@ class HostStaging:
         log.info("checkpoint: %.1f MB of %shost memory hold this rank's staged state for asynchronous saves "
                  "(allocated once, reused)", self.nbytes / 1e6, "pinned " if pin else "")
 
-    def _layout_of(self, state: dict[str, Any]) -> dict[str, tuple]:
+    def _layout_of(self, state: dict[str, Any], adopt: frozenset[str]) -> dict[str, tuple]:
         out = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and key not in adopt:
                 local = value.to_local() if isinstance(value, DTensor) else value
                 out[key] = (tuple(value.shape), tuple(local.shape), value.dtype)
         return out
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], adopt: frozenset[str] = frozenset()) -> dict[str, Any]:
         """``state`` copied into the buffers (allocated now if this is the first save, or if the state's
-        layout changed); returns the staged DCP state dict, valid until the next :meth:`stage`."""
-        if self._layout_of(state) != self._layout:
-            self._allocate(state)
+        layout changed), the tensors of the keys in ``adopt`` taken as they are (fresh, the caller's to
+        give away); returns the staged DCP state dict, valid until the next :meth:`stage`."""
+        if self._layout_of(state, adopt) != self._layout:
+            self._allocate(state, adopt)
         with torch.no_grad():
             for key, buf in self.buffers.items():
                 value = state[key]
@@ -100,7 +103,8 @@ class HostStaging:
                 buf.copy_(local.detach(), non_blocking=buf.is_pinned())
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
-        return self.staged
+        # adopted tensors live in the returned dict only (the request's), not past the save
+        return {**self.staged, **{key: state[key] for key in adopt}}
 
 
 @dataclass
@@ -236,7 +240,7 @@ class AsyncCheckpointer:
         made sure that no save is in flight (:meth:`wait` or :meth:`poll`)."""
         assert self._pending is None, "one asynchronous save at a time"
         start = time.perf_counter() if since is None else since
-        request.state = self.staging.stage(request.state)
+        request.state = self.staging.stage(request.state, request.fresh)
         blocked = time.perf_counter() - start
         self._pending = {"step": request.step, "start": start, "blocked_s": blocked, "nbytes": request.nbytes}
         self._thread = threading.Thread(target=self._writer, args=(request,), name=f"checkpoint-{request.step}",

@@ -26,11 +26,16 @@ from deepshard.core.checkpoint.failures import rank_and_world
 from deepshard.core.checkpoint.json_state import rng_state
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["KINDS", "SaveRequest", "checkpoint_bytes", "clean_name", "mesh_on", "save_request", "training_state",
-           "unsupported_reason"]
+__all__ = ["FRESH_STATE_DICT", "KINDS", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "mesh_on",
+           "save_request", "training_state", "unsupported_reason"]
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 KINDS = (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq."))
+# A state store whose ``state_dict`` returns tensors made for the caller (read from its files, kept by no
+# one else, never updated in place) sets this class attribute True: an asynchronous save then adopts them
+# instead of copying them into its staging buffers (one copy of the state instead of two at the first
+# save, none held between saves).  Stores that return views of their live state leave it unset.
+FRESH_STATE_DICT = "state_dict_is_fresh"
 
 
 def clean_name(name: str) -> str:
@@ -101,6 +106,13 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     return out
 
 
+def fresh_keys(optimizer: ZeroOptimizer) -> frozenset[str]:
+    """The DCP keys whose tensors the store made for this save (:data:`FRESH_STATE_DICT`), else none."""
+    if not getattr(optimizer.store, FRESH_STATE_DICT, False):
+        return frozenset()
+    return frozenset(prefix + clean_name(name) for name in optimizer.stage.names for _, prefix in KINDS)
+
+
 def checkpoint_bytes(state: dict[str, Any]) -> int:
     """Bytes DCP writes for ``state`` (each global tensor once, whatever its sharding)."""
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
@@ -120,6 +132,7 @@ class SaveRequest:
     num_params: int
     meta: dict[str, Any] | None = None
     write_extra: Callable[[Path], None] | None = None
+    fresh: frozenset[str] = frozenset()  # keys of ``state`` that are fresh tensors, adoptable by staging
 
     @property
     def nbytes(self) -> int:
@@ -137,4 +150,4 @@ def save_request(root: str | os.PathLike, step: int, optimizer: ZeroOptimizer, d
         trainer={"num_updates": optimizer.num_updates, "scaler": optimizer.scaler.state_dict(),
                  "app": app_state or {}, "world_size": world, "zero_stage": optimizer.stage.zero_stage},
         world={"world_size": world, "dp_size": dp_mesh.size(), "zero_stage": optimizer.stage.zero_stage},
-        num_params=len(optimizer.stage.names), meta=meta, write_extra=write_extra)
+        num_params=len(optimizer.stage.names), meta=meta, write_extra=write_extra, fresh=fresh_keys(optimizer))
