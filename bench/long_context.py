@@ -32,7 +32,7 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure(sp: int, tiles: int, ac: str, seq: int) -> dict:
+def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -44,13 +44,14 @@ def _measure(sp: int, tiles: int, ac: str, seq: int) -> dict:
 
     cfg = LlamaConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
                       max_seq_len=max(SEQS), mlp_tiles=tiles)
-    config = EngineConfig(zero=ZeroConfig(stage=1), optim=OptimConfig(lr=1e-4), ac=ac)
+    config = EngineConfig(zero=ZeroConfig(stage=1), optim=OptimConfig(lr=1e-4), ac=ac, ac_offload=ac_offload)
     mesh = build_mesh(ParallelDims(sp=sp))
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights(0)
     engine = initialize(model.to(local_device()), config, mesh=mesh,
-                        parallelize_fn=partial(parallelize_llama, mesh=mesh, zero=config.zero, ac=ac))
+                        parallelize_fn=partial(parallelize_llama, mesh=mesh, zero=config.zero, ac=ac,
+                                                       ac_offload=ac_offload))
     g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
     ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
     rank = mesh["sp"].get_local_rank()
@@ -74,7 +75,22 @@ def _measure(sp: int, tiles: int, ac: str, seq: int) -> dict:
     peak = _status("VmHWM") - before
     out = torch.tensor([float(peak)], device=local_device())
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return {"seq_len": seq, "peak_mb": round(out.item() / 2**20, 1), "tokens_per_s": round(2 * seq / sp / seconds)}
+    est = estimate_step(cfg, sum(p.numel() for p in model.parameters()), sp=sp, tiles=tiles, ac=ac, seq=seq,
+                        ac_offload=ac_offload)
+    return {"seq_len": seq, "peak_mb": round(out.item() / 2**20, 1), "estimate_mb": round(est / 2**20, 1),
+            "tokens_per_s": round(2 * seq / sp / seconds)}
+
+
+def estimate_step(cfg, num_params: int, *, sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False,
+                  world: int = 2) -> int:
+    """The estimator's figure for one rank's growth over a step of this layout (ZeRO 1 over the world)."""
+    import dataclasses
+
+    from deepshard.finetune.models.working_set import RunShape, step_growth, working_set
+
+    cfg = dataclasses.replace(cfg, mlp_tiles=tiles)
+    shape = RunShape(stage=1, dp=world, seq_len=seq // sp, sp=sp, mlp_tiles=tiles, ac=ac, ac_offload=ac_offload)
+    return step_growth(working_set(cfg, num_params, shape, baseline=0), on_device=False)
 
 
 def _worker(seqs: tuple[int, ...], budget_seq: int) -> dict:

@@ -46,6 +46,9 @@ class RunShape:
     reduce_bucket_size: int = 5 * 10**8
     tile_rows: int = 0  # vocabulary tiling (gathered rows per tile), 0: off
     on_device: bool = False  # an accelerator holds the device column (else both columns are host RAM)
+    sp: int = 1  # parallel.sp: seq_len above is already a rank's seq_len / sp tokens
+    mlp_tiles: int = 1  # model.mlp_tiles: one tile's [tokens, ffn_hidden] at a time
+    ac_offload: bool = False  # checkpointed block inputs in host memory (the host column)
 
 
 @dataclass
@@ -78,32 +81,53 @@ def process_baseline() -> int:
     return 0
 
 
-def _activations(cfg, s: RunShape, block_numel: int) -> int:
-    """Saved activations of one micro-batch: per token per layer the tensors autograd keeps (block
-    input and norms, q/k/v and the rotated q/k, attention output, SwiGLU's gate/up/product), or with
-    ``ac`` only the block inputs plus one block recomputed; the embedding and final norm outputs."""
+def _block(cfg, s: RunShape, tokens: int) -> tuple[int, int]:
+    """(saved, backward transient) of one block for a rank's ``tokens``.  Saved: the block input and
+    norms, the rotated q/k, v, attention's output and log-sum-exp per head (under sp attention runs on
+    whole sequences for heads/sp heads: the same bytes per rank, kv heads repeated up to sp), the MLP's
+    input and SwiGLU's gate/silu/up/product.  Under ``mlp_tiles`` the MLP keeps only its input, and one
+    tile's intermediates exist in backward (the transient); untiled, the MLP's backward adds about one
+    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/long_context.py (tests/sp/test_sp_estimate.py)."""
+    b = BYTES[s.dtype]
+    kv = max(cfg.n_kv_heads, s.sp if s.sp > 1 else 1) * cfg.head_dim
+    attn = tokens * b * (8 * cfg.dim + 3 * kv) + tokens * 4 * cfg.n_heads
+    tiles = max(1, min(s.mlp_tiles, tokens))
+    if tiles == 1:
+        return attn + tokens * b * (cfg.dim + 4 * cfg.ffn_hidden), tokens * b * cfg.ffn_hidden
+    return attn + tokens * b * cfg.dim, 4 * -(-tokens // tiles) * b * cfg.ffn_hidden
+
+
+def _activations(cfg, s: RunShape) -> tuple[int, int, int]:
+    """Activations of one micro-batch on one rank (``micro_batch_size x seq_len`` tokens, seq_len being
+    the rank's slice under sp) as (device, host, transient): every block's saved tensors (``_block``),
+    or with ``ac`` only the checkpointed blocks' inputs (the host's under ``ac_offload``, one streamed
+    back at a time), and the final norm's; plus the backward transient (under ``ac`` one block
+    recomputed), which the loss's logits block never meets (the loss is done before backward reaches
+    the blocks)."""
     b = BYTES[s.dtype]
     tokens = s.micro_batch_size * s.seq_len
-    kv = cfg.n_kv_heads * cfg.head_dim
-    per_layer = tokens * b * (9 * cfg.dim + 3 * kv + 3 * cfg.ffn_hidden) + tokens * 4 * cfg.n_heads
+    saved, transient = _block(cfg, s, tokens)
     if s.ac == "none":
-        kept = cfg.n_layers * per_layer
-    else:  # full (and every_k, counted as full): inputs kept, one block live at a time in backward
-        every = int(s.ac.split("_")[1]) if s.ac.startswith("every_") else 1
-        recomputed = cfg.n_layers // every
-        kept = recomputed * tokens * b * cfg.dim + (cfg.n_layers - recomputed) * per_layer + per_layer
-    return kept + 3 * tokens * b * cfg.dim
+        return cfg.n_layers * saved + 3 * tokens * b * cfg.dim + transient, 0, transient
+    every = int(s.ac.split("_")[1]) if s.ac.startswith("every_") else 1  # full is every_1
+    recomputed = cfg.n_layers // every
+    inputs = recomputed * tokens * b * cfg.dim  # the embedding's output is the first block's input
+    kept = (cfg.n_layers - recomputed) * saved + 2 * tokens * b * cfg.dim + saved + transient
+    if s.ac_offload:
+        return kept + tokens * b * cfg.dim, inputs, saved + transient
+    return kept + inputs, 0, saved + transient
 
 
 def _loss(cfg, s: RunShape) -> int:
     """The fused linear + cross-entropy: a [chunk, vocab] fp32 logits block (a [chunk, tile] one under
-    tiling), the hidden states' gradient, and without tiling the head's fp32 gradient accumulator."""
+    tiling; measured on CPU: one block at a time), the hidden states' gradient, and without tiling the
+    head's fp32 gradient accumulator."""
     tokens = s.micro_batch_size * s.seq_len
     chunk = min(tokens, cfg.loss_chunk_size or tokens)
     if s.tile_rows:
         tile = s.tile_rows * cfg.dim
-        return 2 * chunk * s.tile_rows * 4 + tokens * cfg.dim * 4 + 2 * tile * (4 + BYTES[s.dtype])
-    return 2 * chunk * cfg.vocab_size * 4 + tokens * cfg.dim * 4 + cfg.vocab_size * cfg.dim * 4
+        return chunk * s.tile_rows * 4 + tokens * cfg.dim * 4 + 2 * tile * (4 + BYTES[s.dtype])
+    return chunk * cfg.vocab_size * 4 + tokens * cfg.dim * 4 + cfg.vocab_size * cfg.dim * 4
 
 
 def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = None, frozen: int = 0) -> WorkingSet:
@@ -138,10 +162,23 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
         # full gradient at the peak), and at dp > 1 a packing buffer of about a bucket
         ws.device["gradients in flight"] = 4 * num_params + (
             4 * min(s.reduce_bucket_size, num_params) if s.dp > 1 and s.stage > 0 else 0)
-    ws.device["activations"] = _activations(cfg, s, block)
-    ws.device["loss"] = _loss(cfg, s)
+    ws.device["activations"], offloaded, transient = _activations(cfg, s)
+    if offloaded:
+        ws.host["activations (offloaded inputs)"] = offloaded
+    ws.device["loss"] = max(0, _loss(cfg, s) - transient)  # beyond the backward transient it never meets
     ws.host["process baseline"] = process_baseline() if baseline is None else baseline
     return ws
+
+
+def step_growth(ws: WorkingSet, on_device: bool) -> int:
+    """What a training step adds on top of the model states and the process (what a run's peak memory
+    grows by over a step: bench/long_context.py measures it): activations and the loss at the start of
+    backward, or the gradients once the activations are freed (stages 0-2: they grow as the blocks'
+    activations go), plus the offloaded block inputs where the host's RAM is the device's too."""
+    act = ws.device.get("activations", 0) + ws.device.get("loss", 0)
+    act += 0 if on_device else ws.host.get("activations (offloaded inputs)", 0)
+    grads = ws.device.get("gradients in flight", 0) + ws.device.get("gathered units", 0)
+    return max(act, grads)
 
 
 def knobs_to_fit(s: RunShape) -> list[str]:
