@@ -38,6 +38,8 @@ ALLOWED = {
     f"{OFFLOAD}/nvme_store.py:NvmeStateStore.state_dict": "checkpoint copies of swapped-out state, in host memory",
     f"{OFFLOAD}/infinity_store.py:InfinityStore.state_dict":
         "placeholders for views of the memory-mapped swap files a checkpoint saves from (host by design)",
+    f"{OFFLOAD}/infinity_store.py:map_region":
+        "an empty region of a memory-mapped swap file: the same host placeholder as the mapped ones",
     f"{OFFLOAD}/param_swap.py:ParamSwap.open":
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
     f"{OFFLOAD}/param_swap.py:ParamSwap.zero_grad":
@@ -56,8 +58,8 @@ ALLOWED = {
         "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",
     f"{FINETUNE}/tools/from_deepspeed.py:DsCheckpoint.full":
         "the DeepSpeed importer assembles each tensor in host memory from the rank files (no GPU, no group)",
-    f"{FINETUNE}/tools/to_deepspeed.py:export_checkpoint":
-        "the DeepSpeed exporter writes DeepSpeed's files from host tensors (no GPU, no process group)",
+    f"{FINETUNE}/tools/to_deepspeed.py:export_zero12":
+        "the ZeRO-1/2 exporter writes DeepSpeed's flat per-rank files from host tensors (no GPU, no process group)",
     f"{FINETUNE}/tools/to_deepspeed.py:export_zero3":
         "the ZeRO-3 exporter writes DeepSpeed's per-rank files from host tensors (no GPU, no process group)",
     f"{FINETUNE}/tools/adapter_export.py:export_adapter":
