@@ -43,7 +43,8 @@ def run_shape(s: Settings) -> RunShape:
                     micro_batch_size=s.train.micro_batch_size, seq_len=s.data.seq_len // sp, ac=e.ac,
                     prefetch=e.zero.prefetch, reduce_bucket_size=e.zero.reduce_bucket_size,
                     tile_rows=tile_rows(s.model, zero_stage=e.zero.stage, tp=par.tp, pp=par.pp, sp=sp),
-                    on_device=torch.cuda.is_available())
+                    on_device=torch.cuda.is_available(), sp=sp, mlp_tiles=s.model.mlp_tiles,
+                    ac_offload=e.ac_offload)
 
 
 def working_set_of(s: Settings, *, baseline: int | None = None, shape: RunShape | None = None) -> WorkingSet:

@@ -3,12 +3,16 @@
 Like DeepSpeed's ``estimate_zero2_model_states_mem_needs_all_live`` / ``..._zero3_...``, but for our
 layouts (core's ``memory.expected_bytes``, the README's ZeRO table) and the app's own overrides:
 ``model=small``, ``precision=bf16``, ``launcher.nproc_per_node=8``, ``parallel.tp=2``, ``+offload=cpu``.
-Parameters are counted on the meta device (no memory, any size).  Activations and temporary
-buffers (gathered ZeRO-3 blocks, communication buckets) are not model states and not counted.
+Parameters are counted on the meta device (no memory, any size).  The table of model states is
+followed by the run's whole working set (activations for data.seq_len under parallel.sp, ac,
+ac_offload and model.mlp_tiles included).  ``--fit-memory 2GiB`` prints instead the largest
+``data.seq_len`` (a multiple of parallel.sp) whose working set fits that much per rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -94,10 +98,80 @@ def working_set_lines(settings) -> list[str]:
     return out
 
 
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``2GiB``, ``1536MB``, ``2e9``: bytes (KB/MB/GB are binary here, as the table prints them)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"--fit-memory={text}: not a memory size; give bytes or a number with KiB/MiB/GiB/TiB "
+                         "(e.g. --fit-memory 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def fit_seq_len(settings, memory: int) -> tuple[int, int]:
+    """The largest ``data.seq_len`` (a multiple of parallel.sp, at least sp x model.mlp_tiles) whose
+    working set fits ``memory`` per rank, and that working set's size; (0, size at the smallest) when
+    none does.  Counted against the device column on an accelerator, else the RAM (host + device)."""
+    from deepshard.finetune.models.working_set import process_baseline
+    from deepshard.finetune.preflight import run_shape, working_set_of
+
+    shape, base = run_shape(settings), process_baseline()
+    sp = shape.sp
+
+    def need(k: int) -> int:  # seq_len = k x sp: each rank holds k tokens of a row
+        ws = working_set_of(settings, baseline=base, shape=dataclasses.replace(shape, seq_len=k))
+        return ws.device_total if shape.on_device else ws.ram(False)
+
+    lo = max(1, shape.mlp_tiles)
+    if need(lo) > memory:
+        return 0, need(lo)
+    hi = lo
+    while hi < 2**31 and need(hi * 2) <= memory:
+        hi *= 2
+    top = hi * 2  # need(top) > memory (or the cap)
+    while top - hi > 1:
+        mid = (hi + top) // 2
+        hi, top = (mid, top) if need(mid) <= memory else (hi, mid)
+    return hi * sp, need(hi)
+
+
+def fit_line(cfg: dict, memory: int) -> str:
+    """The one line ``--fit-memory`` prints."""
+    from deepshard.finetune.config import validate
+    from deepshard.finetune.preflight import run_shape
+
+    settings = validate(cfg)
+    shape = run_shape(settings)
+    where = "device memory" if shape.on_device else "RAM (host + device)"
+    seq, size = fit_seq_len(settings, memory)
+    layout = (f"parallel.sp={shape.sp}, train.micro_batch_size={shape.micro_batch_size}, ac={shape.ac}"
+              f"{' ac_offload=true' if shape.ac_offload else ''}, model.mlp_tiles={shape.mlp_tiles}")
+    if not seq:
+        return (f"nothing fits {_fmt(memory)} of {where} per rank ({layout}): the shortest seq_len already "
+                f"needs {_fmt(size)}")
+    line = (f"largest data.seq_len that fits {_fmt(memory)} of {where} per rank: {seq} "
+            f"({seq // shape.sp} tokens per rank; {layout}; working set {_fmt(size)})")
+    if seq > settings.model.max_seq_len:
+        line += f"; raise model.max_seq_len={settings.model.max_seq_len} to use it"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    memory = None
     try:
-        text, *_ = report(compose(args))
+        for i, a in enumerate(args):
+            if a == "--fit-memory" or a.startswith("--fit-memory="):
+                if "=" not in a and i + 1 >= len(args):
+                    raise ValueError("--fit-memory needs a size (e.g. --fit-memory 2GiB)")
+                memory = parse_size(a.split("=", 1)[1] if "=" in a else args[i + 1])
+                del args[i:i + (1 if "=" in a else 2)]
+                break
+        cfg = compose(args)
+        text = fit_line(cfg, memory) if memory is not None else report(cfg)[0]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
