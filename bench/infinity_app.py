@@ -54,6 +54,11 @@ def run_app(shape: dict, *, world: int, steps: int, offload: bool, limit: int | 
         f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.resume=none", *extra]
     if offload:
         args += ["+offload=nvme", "offload.params=nvme", f"offload.nvme_path={nvme}"]
+        # the swap's buffers hold the largest unit's shard (the tiled head's, vocab x dim / world) and the
+        # app does not size them itself yet: 450M at world 2 needs 24.6M elements, over the 2**24 default
+        unit = -(-shape["vocab_size"] * shape["dim"] // world)
+        if unit > 2**24 and not any(x.startswith(("offload.param_buffer_size=", "offload.buffer_size=")) for x in extra):
+            args += [f"offload.param_buffer_size={unit}", f"offload.buffer_size={unit}"]
     cmd = [sys.executable, str(ROOT / "apps/finetune/main.py"), *args]
     out: dict = {"offload": offload, "limit_gib": None if limit is None else limit / 2**30}
     try:

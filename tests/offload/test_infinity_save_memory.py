@@ -4,7 +4,7 @@ The save writes 12 bytes per parameter (master and both moments) from the swap f
 clones every tensor whose storage is larger than the tensor and holds each clone until its file is
 written; the store's views used to share one mapping of a whole swap file, so the save held the rank's
 whole state in anonymous memory and was OOM-killed after the training fitted.  Here a 20M-parameter
-Llama (240 MB of checkpointed state) trains one step and saves inside a 320 MiB cgroup v1 group
+Llama (240 MB of checkpointed state) trains one step and saves inside a 352 MiB cgroup v1 group
 (the trained process holds ~275 MiB of anonymous memory: torch, gloo, the swap buffers); the
 checkpoint must be complete and verify.  Needs root and the memory controller (skipped otherwise). ~15 s."""
 
@@ -23,7 +23,7 @@ from infinity import cgroup_available, memory_cgroup  # noqa: E402
 
 from deepshard.core.checkpoint.manifest import verify_checkpoint  # noqa: E402
 
-LIMIT = 320 * 2**20
+LIMIT = 352 * 2**20
 WORKER = Path(__file__).with_name("infinity_save_worker.py")
 
 
