@@ -9,6 +9,8 @@ so every large tensor is its own mapping, returned on free, and ``malloc_trim`` 
 shared by both ranks, so every variant holds one row's worth of work per rank pair.  The budget is
 sp=1's peak at ``--budget-seq``; each variant's longest ``seq_len`` (from the list) within it, and the
 ratio against sp=1's, are the answer.  Tokens/s counts every rank's tokens of the measured step.
+Beside each measured peak, ``estimate_mb``: the app's estimator (models/working_set.py) for the same
+step, and ``estimate_over_measured`` its range of ratios per variant.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ def main() -> None:
         "world": 2, "budget_mb": budget, "budget_from": f"sp1 at seq_len {args.budget_seq}",
         "longest_seq_len": longest,
         "vs_sp1": {name: round(v / max(longest["sp1"], 1), 2) for name, v in longest.items()},
+        "estimate_over_measured": {name: [round(min(r["estimate_mb"] / r["peak_mb"] for r in rows), 2),
+                                          round(max(r["estimate_mb"] / r["peak_mb"] for r in rows), 2)]
+                                   for name, rows in results.items()},
         "runs": results, "seconds": round(time.perf_counter() - t0, 1),
     }, indent=1))
 
