@@ -21,9 +21,10 @@ nothing and writes 12 bytes per element (see :class:`DeferredStep`).
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections import deque
 
-import numpy as np
 import torch
 
 from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
@@ -104,7 +105,7 @@ class InfinityStore(StateStore):
         checkpoint save streams them from the page cache and no copy of the state is made.  The
         views are for the save (or a load) at hand: the next step rewrites the files.
 
-        Each tensor maps only its own bytes (:func:`map_region`): DCP's writer clones a tensor whose
+        Each tensor's storage is only its own bytes (:func:`map_file`): DCP's writer clones a tensor whose
         storage is larger than the tensor and keeps every clone of a file until the file is written,
         which made a save hold the rank's whole state in anonymous memory (OOM-killed in a cgroup the
         training fitted in); clean mapped pages are reclaimable."""
@@ -112,12 +113,11 @@ class InfinityStore(StateStore):
         self.deferred.run_all()
         out: dict[str, list[torch.Tensor]] = {}
         for k in STATES:
-            path = self.swap.files[k].path
+            region = map_file(self.swap.files[k].path)
             views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
             for unit in self.swap.units:
                 for s in unit.slots:
-                    views[s.index] = map_region(path, unit.offset + 4 * s.offset, s.local_numel,
-                                                self.params[s.index].shape)
+                    views[s.index] = region(unit.offset + 4 * s.offset, s.local_numel).view(self.params[s.index].shape)
             out[_REGION[k]] = views
         return out
 
@@ -355,9 +355,19 @@ class DeferredStep:
             raise error
 
 
-def map_region(path: str, offset: int, numel: int, shape: torch.Size) -> torch.Tensor:
-    """``numel`` fp32 elements of ``path`` from byte ``offset``, mapped copy-on-write (a load writes
-    into private pages, never the file), in a storage of exactly the tensor's size."""
-    if numel == 0:
-        return torch.zeros(shape, dtype=torch.float32)
-    return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", offset=offset, shape=(numel,))).view(shape)
+def map_file(path: str):
+    """``region(offset, numel)``: ``numel`` fp32 elements of ``path`` from byte ``offset``, in a storage of
+    exactly that size, over one copy-on-write mapping of the file (a load writes into private pages, never
+    the file; one descriptor per file however many tensors)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        whole = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+    def region(offset: int, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.frombuffer(whole, dtype=torch.float32, count=numel, offset=offset)
+
+    return region
