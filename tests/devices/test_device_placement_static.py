@@ -38,7 +38,7 @@ ALLOWED = {
     f"{OFFLOAD}/nvme_store.py:NvmeStateStore.state_dict": "checkpoint copies of swapped-out state, in host memory",
     f"{OFFLOAD}/infinity_store.py:InfinityStore.state_dict":
         "placeholders for views of the memory-mapped swap files a checkpoint saves from (host by design)",
-    f"{OFFLOAD}/infinity_store.py:map_region":
+    f"{OFFLOAD}/infinity_store.py:map_file.region":
         "an empty region of a memory-mapped swap file: the same host placeholder as the mapped ones",
     f"{OFFLOAD}/param_swap.py:ParamSwap.open":
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",

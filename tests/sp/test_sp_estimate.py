@@ -28,8 +28,13 @@ def _bench():
 
 
 def _worker() -> dict:
+    import ctypes
+
     from deepshard.core import init_distributed
 
+    # the environment's MALLOC_MMAP_THRESHOLD_ is read at process start: a worker forked from a server that
+    # an earlier test started never sees it, so fix the threshold here (M_MMAP_THRESHOLD = -3)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
     init_distributed()
     bench = _bench()
     return {name: bench._measure(sp, tiles, ac, seq, ac_offload=off)

@@ -482,7 +482,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:
         _validate_sp(settings)
-    _check_mlp_tiles(settings)
+    if settings.model.mlp_tiles > 1:  # (one tile always fits; the layout's own checks come first)
+        _check_mlp_tiles(settings)
     if settings.uses_pipeline:
         _validate_pipeline(settings)
     _validate_zeropp(settings, parallel.resolve(world))
