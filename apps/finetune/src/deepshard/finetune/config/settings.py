@@ -28,6 +28,13 @@ from deepshard.core.config import EngineConfig
 from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.config.ds_config import resolve_batch_as_given
+from deepshard.finetune.config.layout_checks import (
+    check_mlp_tiles,
+    check_param_swap,
+    validate_pipeline_layout,
+    validate_sp,
+    validate_zeropp,
+)
 from deepshard.finetune.config.world import host_world_size, resolve_nproc
 from deepshard.finetune.models.hf import llama_config_from_hf
 from deepshard.finetune.models.llama import LlamaConfig
@@ -262,45 +269,6 @@ class Settings:
         return self.train.micro_batch_size * self.micro_batches_per_step * self.data.seq_len * dp_size
 
 
-def _validate_pipeline(settings: Settings) -> None:
-    """pp runs: the schedule (over every micro-batch of a step: ``pipeline.microbatches x
-    train.grad_accum``) and the split."""
-    from deepshard.pipeline import validate_pipeline
-
-    p, par = settings.pipeline, settings.parallel
-    virtual = p.virtual_stages or (2 if p.schedule in ("interleaved_1f1b", "zero_bubble") else 1)
-    validate_pipeline(schedule=p.schedule, pp=par.pp, microbatches=settings.micro_batches_per_step,
-                      virtual_stages=virtual, num_layers=settings.model.n_layers, partition=p.partition)
-
-
-def _validate_sp(settings: Settings) -> None:
-    """Ulysses sequence parallelism (``parallel.sp`` > 1): the sequence and the heads split evenly, and
-    what it does not compose with, said before any worker starts."""
-    from deepshard.finetune.models.ulysses import check_sp
-
-    par = settings.parallel
-    par.resolve(settings.world_size)  # sp must divide the world first: the rest would mislead
-    if par.pp > 1:
-        raise ValueError(f"parallel.sp={par.sp} with parallel.pp={par.pp}: not supported (the pipeline's "
-                         "stages and micro-batches are not sliced per sequence-parallel rank); use pp=1 with sp")
-    if settings.offload.params == "nvme":
-        raise ValueError(f"offload.params='nvme' with parallel.sp={par.sp}: not supported (untested); use "
-                         "offload.params=cpu or none with sp")
-    check_sp(settings.model, sp=par.sp, tp=par.tp, seq_len=settings.data.seq_len)
-
-
-def _check_mlp_tiles(settings: Settings) -> None:
-    """``model.mlp_tiles``: at most one tile per token of a rank's slice of a row, and not under tp."""
-    tiles, par, seq_len = settings.model.mlp_tiles, settings.parallel.resolve(settings.world_size), settings.data.seq_len
-    if tiles > seq_len // par.sp:
-        held = f"data.seq_len={seq_len} / parallel.sp={par.sp} = " if par.sp > 1 else "data.seq_len="
-        raise ValueError(f"model.mlp_tiles={tiles} is larger than the sequence each rank holds ({held}"
-                         f"{seq_len // par.sp} tokens): choose 1 to {seq_len // par.sp}")
-    if tiles > 1 and par.tp > 1:
-        raise ValueError(f"model.mlp_tiles={tiles} with parallel.tp={par.tp}: not supported (the tiled MLP "
-                         "takes plain parameters, tp's are DTensors); use mlp_tiles=1 with tp")
-
-
 def _positive(key: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value}: must be a positive integer")
@@ -419,20 +387,6 @@ def _validate_offload(c: dict, stage: int) -> OffloadConfig:
     return offload
 
 
-def _check_param_swap(settings: Settings, world: int) -> None:
-    from deepshard.finetune.models.memory_plan import count_params, unit_shards
-    from deepshard.finetune.models.vocab_tiling import tile_rows
-    from deepshard.offload.config import validate_param_swap
-
-    per_rank = -(-count_params(settings.model) // world)
-    par = settings.parallel  # ZeRO-3's vocabulary tiling makes the embedding and the head units of their own
-    tiled = bool(tile_rows(settings.model, zero_stage=3, tp=par.tp, pp=par.pp, sp=getattr(par, "sp", 1)))
-    unit = max(unit_shards(settings.model, world, tiled=tiled))
-    # 16 B per element (param, grad, two moments), plus alignment slack per unit
-    validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit,
-                        "the largest unit: a block, the root" + (", the embedding or the head" if tiled else ""))
-
-
 def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     """The typed settings of a composed config (a plain dict, left as it is), for ``world_size`` ranks
     (default: torchrun's, or the workers the app starts on this host); ValueError naming the first bad key.
@@ -475,32 +429,16 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                          "parameters, whole blocks of one model: not with parallel.pp/tp > 1 or +peft=lora "
                          "(use offload.params=cpu or none there)")
     if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
-        _check_param_swap(settings, world)
+        check_param_swap(settings, world)
     if parallel.tp > 1:
         from deepshard.finetune.models.parallelize import check_tp
 
         check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:
-        _validate_sp(settings)
+        validate_sp(settings)
     if settings.model.mlp_tiles > 1:  # (one tile always fits; the layout's own checks come first)
-        _check_mlp_tiles(settings)
+        check_mlp_tiles(settings)
     if settings.uses_pipeline:
-        _validate_pipeline(settings)
-    _validate_zeropp(settings, parallel.resolve(world))
+        validate_pipeline_layout(settings)
+    validate_zeropp(settings, parallel.resolve(world))
     return dataclasses.replace(settings, parallel=parallel.resolve(world))
-
-
-def _validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
-    """HSDP (``parallel.dp_replicate``) and ZeRO++'s quantized collectives (deepshard.core.zero.hsdp/quantized)."""
-    from deepshard.core.zero.hsdp import check_hpz, check_hsdp
-
-    check_hsdp(dp_replicate=parallel.dp_replicate, zero_stage=settings.engine.zero.stage, pp=parallel.pp,
-               tp=parallel.tp, sp=parallel.sp)
-    check_hpz(settings.engine.zero.hpz_partition_size, shard_size=parallel.dp_shard * parallel.sp,
-              hsdp=parallel.dp_replicate > 1, offload_params=settings.offload.params != "none")
-    zero = settings.engine.zero
-    on = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
-    if on and parallel.dp_shard == 1:  # (fp32 training is not refused: int8 blocks cut its bytes 4x, bf16's 2x)
-        raise ValueError(f"zero.{on[0]}=true with a ZeRO-3 shard group of one rank (data-parallel size "
-                         f"{parallel.dp}, parallel.dp_shard=1): no weight is all-gathered and no gradient "
-                         f"reduce-scattered, so there is nothing to quantize; set it false")
