@@ -38,6 +38,8 @@ LAYOUTS = {
     "sp2_zero1_accum2": (2, 2, 1, 2, 2, "none", 1, False),
     "sp2_zero3_ac_tiled_mlp": (2, 2, 3, 4, 1, "full", 3, False),
     "sp2_zero2_lora": (2, 2, 2, 4, 1, "none", 1, True),
+    "sp2_zero0": (2, 2, 0, 4, 1, "none", 1, False),
+    "sp2_zero2_offload_cpu": (2, 2, 2, 4, 1, "none", 1, False),  # the optimizer state in host memory
     "sp2_dp2_zero3": (4, 2, 3, 2, 1, "none", 1, False),
     "sp4_zero1_gqa_repeat": (4, 4, 1, 4, 1, "none", 1, False),
     "sp2_tp2_zero1": (4, (2, 2), 1, 4, 1, "none", 1, False),  # (sp, tp): 1 local kv head, repeated for sp
@@ -113,9 +115,10 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool
-         ) -> tuple[list[float], dict]:
+def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool, *,
+         offload: bool = False) -> tuple[list[float], dict]:
     from deepshard.core import (
+        DeviceStateStore,
         EngineConfig,
         OptimConfig,
         ParallelDims,
@@ -127,6 +130,7 @@ def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str,
     from deepshard.core.mesh import local_device
     from deepshard.finetune.models.parallelize import parallelize_llama
     from deepshard.finetune.recipe.steppers import EngineStepper
+    from deepshard.offload import CpuStateStore
 
     config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
                           precision=PrecisionConfig(dtype="fp32"),
@@ -135,7 +139,9 @@ def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str,
     sp, tp = sp if isinstance(sp, tuple) else (sp, 1)
     mesh = build_mesh(ParallelDims(sp=sp, tp=tp))
     recipe = partial(parallelize_llama, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac)
-    engine = initialize(model(lora, tiles).to(local_device()), config, mesh=mesh, parallelize_fn=recipe)
+    factory = CpuStateStore if offload else DeviceStateStore
+    engine = initialize(model(lora, tiles).to(local_device()), config, mesh=mesh, parallelize_fn=recipe,
+                        store_factory=factory)
     stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
     stepper.prof = types.SimpleNamespace(phase=lambda name: contextlib.nullcontext())
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -161,7 +167,8 @@ def _worker() -> dict:
 
     init_distributed()
     world = dist.get_world_size()
-    return {name: _run(*layout[1:]) for name, layout in LAYOUTS.items() if layout[0] == world}
+    return {name: _run(*layout[1:], offload=name.endswith("offload_cpu"))
+            for name, layout in LAYOUTS.items() if layout[0] == world}
 
 
 @pytest.fixture(scope="module")
