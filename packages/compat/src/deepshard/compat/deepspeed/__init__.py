@@ -133,6 +133,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if dist_init_required is not False:
         init_distributed()
+    if comm.is_initialized():
+        comm.close_group_at_exit()
     ds_dict = read_ds_config(config)[0]
     if optimizer is not None and ds_dict is not None and "optimizer" in ds_dict:
         raise ValueError("deepspeed.initialize(optimizer=...) and the ds_config's optimizer section: give one")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+
 import torch.distributed as dist
 
 from deepshard.core.mesh import init_distributed as _join
@@ -38,3 +40,23 @@ def init_distributed(dist_backend: str | None = None, **_: object) -> None:
     if dist_backend not in (None, expected):
         raise ValueError(f"init_distributed(dist_backend={dist_backend!r}): this host uses {expected!r}")
     _join()
+
+
+_closing: list[bool] = []
+
+
+def close_group_at_exit() -> None:
+    """Destroy the default group when the interpreter exits, while Python is still whole.  DeepSpeed
+    scripts and transformers' Trainer rarely call ``destroy_process_group``; gloo's worker threads then
+    hold finished work whose tensors reference Python objects, and their teardown during interpreter
+    finalization can abort the process (SIGABRT, "terminate called without an active exception":
+    pytorch#179291, seen once here on a Trainer script's rank 1 after training had ended).  Registered
+    once; a group the script destroyed itself is left alone."""
+    if not _closing:
+        _closing.append(True)
+        atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
