@@ -24,13 +24,16 @@ from deepshard.launch.local import launch_local  # noqa: E402
 
 STEPS = 5
 # grad_accum, ac, reshard_after_forward, init through the swap's materializer (unit by unit to NVMe),
-# offload.buffer_count (MICRO has 3 units: 3 buffers hold them all)
-CASES = {"plain": (1, "none", True, False, 2), "accum_ac": (2, "full", False, True, 2),
-         "resident_accum": (2, "full", True, True, 3)}
+# offload.buffer_count (MICRO has 3 units: 3 buffers hold them all), offload.sub_group_size (the
+# deferred update's pieces: 1024 elements cut each unit of MICRO, ~3-5k elements per rank, into 3-5)
+PIECE = 1024
+CASES = {"plain": (1, "none", True, False, 2, 2**24), "accum_ac": (2, "full", False, True, 2, 2**24),
+         "resident_accum": (2, "full", True, True, 3, 2**24),
+         "pieces_accum": (2, "full", True, True, 2, PIECE), "pieces_resident": (2, "none", True, True, 16, PIECE)}
 
 
 def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshard: bool = True,
-            unit_init: bool = True, buffer_count: int = 2):
+            unit_init: bool = True, buffer_count: int = 2, sub_group_size: int = 2**24):
     import torch.distributed as dist
 
     from deepshard.core import initialize
@@ -41,7 +44,8 @@ def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshar
     cfg = dataclasses.replace(cfg, ac=ac)
     on = nvme_path is not None
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=nvme_path, params="nvme" if on else "none",
-                        buffer_count=buffer_count, param_buffer_count=3, param_prefetch=2)
+                        buffer_count=buffer_count, param_buffer_count=3, param_prefetch=2,
+                        sub_group_size=sub_group_size, buffer_size=sub_group_size)
     factory = make_store_factory(off, dist.get_rank(), "paramswap")
     swap = getattr(factory, "param_swap", None)
     with torch.device("meta"):
@@ -55,7 +59,7 @@ def _engine(nvme_path: str | None, grad_accum: int = 1, ac: str = "none", reshar
     return engine, swap
 
 
-def _steps(engine, steps, grad_accum: int = 1, after_backward=None) -> list[float]:
+def _steps(engine, steps, grad_accum: int = 1, after_backward=None, after_forward=None) -> list[float]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,6 +70,8 @@ def _steps(engine, steps, grad_accum: int = 1, after_backward=None) -> list[floa
         for micro in range(grad_accum):
             tokens = data[step, micro, rank]
             loss = engine(tokens[:, :-1], tokens[:, 1:])
+            if after_forward is not None:
+                after_forward()
             total += loss.detach()
             engine.backward(loss)
         if after_backward is not None:
@@ -76,20 +82,27 @@ def _steps(engine, steps, grad_accum: int = 1, after_backward=None) -> list[floa
     return losses
 
 
-def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool, buffer_count: int):
-    engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init, buffer_count)
+def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_init: bool, buffer_count: int,
+           sub_group_size: int):
+    engine, swap = _engine(nvme_path, grad_accum, ac, reshard, unit_init, buffer_count, sub_group_size)
     held = {}
-    stats: dict = {}
+    stats: dict = {"step_buffers": 0}
+
+    def census() -> None:  # after a forward: the deferred update's buffers, allocated now
+        buffers = getattr(engine.store, "buffers", [])
+        stats["step_buffers"] = max(stats["step_buffers"], sum(b.raw.numel() for b in buffers))
 
     def record_held(step: int) -> None:
         if step == 0:  # after backward: what the stage holds in memory right now
             held.update(grads=engine.stage.grad_bytes(), params=engine.stage.param_bytes(),
                         all_params=sum(p.to_local().numel() * 4 for p in engine.stage.params))
         if step == 1 and swap is not None:  # the last 3 steps' I/O: the updates run in forwards 2-4
-            stats.update(whole=swap.io_stats(), unit_bytes=sum(u.nbytes for u in swap.units))
+            stats.update(whole=swap.io_stats(), unit_bytes=sum(u.nbytes for u in swap.units),
+                         largest_unit=max(u.numel for u in swap.units),
+                         pieces=sum(-(-u.numel // PIECE) for u in swap.units))
             swap.reset_io_stats()
 
-    losses = _steps(engine, range(STEPS), grad_accum, after_backward=record_held)
+    losses = _steps(engine, range(STEPS), grad_accum, after_backward=record_held, after_forward=census)
     if swap is not None:
         stats.update(last3=swap.io_stats())
     with swap.resident() if swap is not None else contextlib.nullcontext():
@@ -152,7 +165,11 @@ def test_param_swap_matches_no_offload(runs, case):
         assert held["params"] < held["all_params"], held
         whole, last3 = stats["whole"], stats["last3"]
         assert whole["prefetched"] > 0 and whole["read_bytes"] > 0 and whole["write_bytes"] > 0
-        if case == "resident_accum":  # each of 3 updates writes param + moments once; nothing read
+        grad_accum, _, _, _, buffer_count, sub_group_size = CASES[case]
+        if sub_group_size == PIECE:  # the step's buffers: buffer_count x 16 B x the piece, not the largest unit
+            assert stats["largest_unit"] > 2 * PIECE, stats
+            assert stats["step_buffers"] == min(buffer_count, stats["pieces"]) * 16 * PIECE, stats
+        if "resident" in case:  # each of 3 updates writes param + moments once; nothing read
             assert last3["read_bytes"] == 0, last3
             assert last3["write_bytes"] == 3 * 3 * stats["unit_bytes"], (last3, stats["unit_bytes"])
         else:  # each update reads its 4 files (grads too) and writes 3, the backward its gradients

@@ -46,7 +46,10 @@ class OffloadConfig:
     element, ``buffer_count`` of them).  ``params`` is the ZeRO-3 parameter-offload switch
     (validated here, applied by core's ``initialize(offload_params=...)``): ``cpu`` rests the
     sharded params in host memory, ``nvme`` (needs ``device='nvme'``) in swap files beside the
-    optimizer state (ZeRO-Infinity, :mod:`deepshard.offload.param_swap`).
+    optimizer state (ZeRO-Infinity, :mod:`deepshard.offload.param_swap`); there the deferred AdamW
+    update streams each unit through ``buffer_count`` buffers in pieces of ``sub_group_size``
+    elements (rounded down to 1024, at least 1024), so its buffers (16 bytes per element) follow
+    ``sub_group_size``, not the largest unit (:mod:`deepshard.offload.deferred_step`).
 
     Parameter swap (``params='nvme'``), DeepSpeed's ``offload_param`` keys: each FSDP unit (a
     block, or the root's embeddings + head) is read from NVMe into one of ``param_buffer_count``
@@ -151,11 +154,15 @@ def validate_param_swap(config: OffloadConfig, bytes_needed: int, largest_unit: 
     ``largest_unit`` is the largest FSDP unit's shard in elements, ``largest_unit_name`` names it.
     """
     validate_config(config)
-    for key in ("param_buffer_size", "buffer_size"):
-        if getattr(config, key) < largest_unit:
-            raise _bad(key, getattr(config, key),
-                       f"must be >= the largest block shard ({largest_unit} elements, {largest_unit_name!r}): "
-                       "one buffer holds one block's shard")
+    if config.param_buffer_size < largest_unit:
+        raise _bad("param_buffer_size", config.param_buffer_size,
+                   f"must be >= the largest block shard ({largest_unit} elements, {largest_unit_name!r}): "
+                   "one buffer holds one block's shard")
+    piece = min(config.sub_group_size, largest_unit)  # the deferred update's pieces (sub-groups)
+    if config.buffer_size < piece:
+        raise _bad("buffer_size", config.buffer_size,
+                   f"must be >= the optimizer's pieces ({piece} elements: sub_group_size="
+                   f"{config.sub_group_size}, the largest unit {largest_unit_name!r} has {largest_unit})")
     free = shutil.disk_usage(config.nvme_path).free
     if bytes_needed > free:
         raise _bad("nvme_path", config.nvme_path,

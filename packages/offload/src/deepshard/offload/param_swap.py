@@ -67,6 +67,19 @@ def _units_in_order(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str
     return [("root", model), *before, *[(f"block{i}", b) for i, b in enumerate(blocks)], *after]
 
 
+def _slot_parts(regions: list[tuple[int, torch.Tensor]], offset: int, numel: int) -> list[torch.Tensor]:
+    """Views of elements ``offset ... offset + numel`` of a unit's flat layout, in order, where the
+    layout is held in ``regions`` (first element, flat fp32) that tile it."""
+    parts = []
+    for start, f32 in regions:
+        lo, hi = max(offset, start), min(offset + numel, start + f32.numel())
+        if lo < hi:
+            parts.append(f32[lo - start:hi - start])
+    if not parts:
+        parts.append(regions[0][1][:0] if regions else torch.zeros(0))
+    return parts
+
+
 class ParamSwap(UnitSwap):
     """The FSDP hooks over a :class:`UnitSwap`: refills and read-aheads at unshard, frees after
     the all-gather, gradients to the grad file (with their norms) after the reduce-scatter."""
@@ -184,25 +197,30 @@ class ParamSwap(UnitSwap):
         kept = self.deferred.grad_region(unit) if self.deferred is not None else None
         buf = None
         if kept is not None:
-            f32, accumulate = kept
+            regions, accumulate = kept
         else:
             buf = self._free_buffer(wait=True)
             assert buf is not None
-            f32, accumulate = buf[:unit.nbytes].view(torch.float32), unit.grad_written
+            regions, accumulate = [(0, buf[:unit.nbytes].view(torch.float32))], unit.grad_written
             if accumulate:  # grad accumulation: FSDP2 would add into .grad; add into the file's
                 self._io(unit, "grad", buf, write=False).wait()
         if not accumulate:
-            f32.zero_()
+            for _, f32 in regions:
+                f32.zero_()
         views = []
         with torch.no_grad():
             for s, g in zip(unit.slots, grads):
-                view = f32[s.offset:s.offset + s.local_numel]
+                parts = _slot_parts(regions, s.offset, s.local_numel)
                 if g is not None:
-                    if accumulate:
-                        view.add_(g.reshape(-1))
-                    else:
-                        view.copy_(g.reshape(-1))
-                views.append(view)
+                    flat, pos = g.reshape(-1), 0
+                    for part in parts:
+                        src = flat[pos:pos + part.numel()]
+                        if accumulate:
+                            part.add_(src)
+                        else:
+                            part.copy_(src)
+                        pos += part.numel()
+                views.append(parts[0] if len(parts) == 1 else torch.cat(parts))
             for s, n in zip(unit.slots, torch._foreach_norm(views, 2, dtype=torch.float32)):
                 self._norms[s.index] = n.reshape(1)
         if buf is None:

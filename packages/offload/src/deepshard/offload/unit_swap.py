@@ -39,8 +39,8 @@ class Deferred(Protocol):
 
     def owes(self, unit: Unit) -> bool: ...
     def reading(self, unit: Unit) -> bool: ...
-    def held(self, unit: Unit) -> torch.Tensor | None: ...
-    def grad_region(self, unit: Unit) -> tuple[torch.Tensor, bool] | None: ...
+    def held(self, unit: Unit) -> list[tuple[int, torch.Tensor]] | None: ...
+    def grad_region(self, unit: Unit) -> tuple[list[tuple[int, torch.Tensor]], bool] | None: ...
     def keep_grad(self, unit: Unit) -> None: ...
     def drop_grads(self) -> None: ...
     def read_ahead(self, unit: Unit) -> bool: ...
@@ -181,7 +181,7 @@ class UnitSwap:
             return b
         return None
 
-    def _held(self, unit: Unit) -> torch.Tensor | None:
+    def _held(self, unit: Unit) -> list[tuple[int, torch.Tensor]] | None:
         return None if self.deferred is None else self.deferred.held(unit)
 
     def _read_ahead(self, unit: Unit, *, wait: bool) -> bool:
@@ -212,6 +212,22 @@ class UnitSwap:
                     data.copy_(f32[s.offset:s.offset + s.numel])
         unit.resident = True
 
+    def fill_range(self, unit: Unit, start: int, f32: torch.Tensor) -> None:
+        """Refill the part of the unit's shard storages that elements ``start ...`` of its flat
+        layout cover from ``f32`` (a piece of the deferred update); the caller marks the unit
+        resident once every piece has landed."""
+        end = start + f32.numel()
+        with torch.no_grad():
+            for s in unit.slots:
+                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+                if lo >= hi:
+                    continue
+                data = s.data
+                if data.untyped_storage().nbytes() != s.numel * 4:
+                    data.untyped_storage().resize_(s.numel * 4)
+                with torch.autograd._unsafe_preserve_version_counter(data):
+                    data[lo - s.offset:hi - s.offset].copy_(f32[lo - start:hi - start])
+
     def _owed(self, unit: Unit) -> bool:
         return self.deferred is not None and self.deferred.owes(unit)
 
@@ -224,9 +240,11 @@ class UnitSwap:
             self.deferred.apply(unit, land=True)
             return
         held = self._held(unit)
-        if held is not None and unit.pending is None:  # the update's buffer still has them
+        if held is not None and unit.pending is None:  # the update's buffers still have them
             self.reads["kept"] += 1
-            self.fill(unit, held)
+            for start, f32 in held:
+                self.fill_range(unit, start, f32)
+            unit.resident = True
             return
         self.reads["prefetched" if unit.pending is not None else "demand"] += 1
         self._read_ahead(unit, wait=True)
