@@ -104,3 +104,18 @@ def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: train.micro_batch_size=0: must be a positive integer"]
     assert not (tmp_path / "tensorboard").exists()  # nothing started
+
+
+def test_ac_auto_is_the_default_and_resolves_before_workers():
+    """``ac`` left out means auto: no checkpointing unless memory needs it (preflight decides, see
+    tests/offload/test_working_set_estimate.py); ``ac_offload`` alone asks for every block; a given
+    value is kept and never changed."""
+    auto = validate(_compose([]))
+    assert (auto.engine.ac, auto.ac_auto) == ("none", True)
+    offloaded = validate(_compose(["ac_offload=true"]))
+    assert (offloaded.engine.ac, offloaded.ac_auto) == ("full", False)
+    for given in ("none", "full", "every_2"):
+        s = validate(_compose([f"ac={given}"]))
+        assert (s.engine.ac, s.ac_auto) == (given, False)
+    with pytest.raises(ValueError, match=r"ac='sometimes': valid values are \['auto', 'none', 'full', 'every_2'\]"):
+        validate(_compose(["ac=sometimes"]))

@@ -103,3 +103,34 @@ def test_infinity_buffers_chosen_for_the_cgroup(tmp_path):
     assert got["needs"][choices[k]] <= 0.9 * room < got["needs"][choices[k - 1]], got
     assert got["line"].startswith("offload: picked offload.buffer_count="), got["line"]
     assert got["refused"] and got["refused"].startswith("memory: this run needs about"), got["refused"]
+
+
+_PICK_AC = """
+import json, sys
+from deepshard.finetune.config import validate
+from deepshard.finetune.tools.estimate import compose
+from deepshard.finetune import preflight as pf
+out = {}
+for name, extra in (("auto", []), ("none", ["ac=none"])):
+    s, line = pf.fit_ac(validate(compose(sys.argv[1:] + extra)), 2)
+    out[name] = [s.engine.ac, line]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
+def test_ac_auto_picks_full_where_only_it_fits(tmp_path):
+    """The issue's 358M Llama at ZeRO-3 with its parameters on NVMe, 2 ranks in 3 GiB, default ``ac``:
+    its 1024 tokens a rank keep 1.5 GiB of activations without checkpointing, so the app picks
+    ``ac=full`` and says so in one line; an explicit ``ac=none`` is kept (and refused by check_memory)."""
+    args = ["model.dim=1536", "model.n_layers=14", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_hidden=4096",
+            "+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}"]
+    with memory_cgroup(3 * 2**30) as group:
+        out = subprocess.run([sys.executable, "-c", _PICK_AC, *args], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["auto"][0] == "full", got
+    assert got["auto"][1].startswith("memory: picked ac=full"), got
+    assert got["none"] == ["none", None], got

@@ -132,8 +132,7 @@ def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
     ``param_buffer_count`` and ``param_prefetch`` are at their defaults (taken as not given), the
     most buffers that fit; the choice said in one line.  Explicit values are kept (and refused by
     :func:`check_memory` if they cannot fit)."""
-    o = s.offload
-    if o.params != "nvme" or (o.buffer_count, o.param_buffer_count, o.param_prefetch) != BUFFER_CHOICES[0]:
+    if s.offload.params != "nvme" or not _buffers_as_default(s):
         return s, None
     have = room()
     if have is None:
@@ -154,9 +153,51 @@ def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
     return s, None  # not reached
 
 
+def _need(s: Settings, nproc: int, baseline: int) -> int:
+    shape = run_shape(s)
+    return nproc * working_set_of(s, baseline=baseline, shape=shape).ram(shape.on_device)
+
+
+def fit_ac(s: Settings, nproc: int) -> tuple[Settings, str | None]:
+    """``ac=auto``: activation checkpointing of every block where the run fits only with it.
+
+    Without it a block keeps all its activations until backward (at 1536 wide and 1024 tokens a
+    rank, 14 blocks hold 1.5 GiB); with ``ac=full`` only each block's input is kept and one block is
+    recomputed at a time: the same gradients, about a third more compute.  Judged with the smallest
+    offload buffers the run may pick (:func:`fit_buffers` then chooses among those that fit)."""
+    if not s.ac_auto:
+        return s, None
+    have = room()
+    if have is None:
+        return s, None
+    baseline = process_baseline()
+    smallest = s
+    if s.offload.params == "nvme" and _buffers_as_default(s):
+        count, pool, prefetch = BUFFER_CHOICES[-1]
+        smallest = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
+    without = _need(smallest, nproc, baseline)
+    if without <= CLOSE * have[0]:
+        return s, None
+    full = dataclasses.replace(s, engine=dataclasses.replace(s.engine, ac="full"))
+    with_full = _need(dataclasses.replace(smallest, engine=full.engine), nproc, baseline)
+    if with_full > have[0]:  # it would not fit either: check_memory refuses, naming every knob
+        return s, None
+    return full, (f"memory: picked ac=full (every block's activations recomputed in backward) for the "
+                  f"{_gib(have[0])} {have[1]} leaves: about {_gib(with_full)} needed with it, {_gib(without)} "
+                  "without; set ac=none (or full, every_2) to override")
+
+
+def _buffers_as_default(s: Settings) -> bool:
+    o = s.offload
+    return (o.buffer_count, o.param_buffer_count, o.param_prefetch) == BUFFER_CHOICES[0]
+
+
 def preflight_memory(s: Settings, nproc: int) -> Settings:
-    """The app's check before starting workers: the buffers chosen, then refuse (ValueError) or warn
-    on stderr; returns the settings the workers get."""
+    """The app's check before starting workers: activation checkpointing and the buffers chosen,
+    then refuse (ValueError) or warn on stderr; returns the settings the workers get."""
+    s, picked_ac = fit_ac(s, nproc)
+    if picked_ac:
+        print(picked_ac, file=sys.stderr)
     s, picked = fit_buffers(s, nproc)
     if picked:
         print(picked, file=sys.stderr)

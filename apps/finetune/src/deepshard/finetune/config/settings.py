@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 
 from deepshard.compat.resolve import host_dtype
 from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
-from deepshard.core.config import EngineConfig
+from deepshard.core.config import AC_MODES, EngineConfig
 from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.config.ds_config import resolve_batch_as_given
@@ -214,7 +214,9 @@ class AppSchema:
     profile: ProfileSchema = field(default_factory=ProfileSchema)  # type: ignore[valid-type]
     pipeline: PipelineSchema = field(default_factory=PipelineSchema)  # type: ignore[valid-type]
     peft: PeftSchema = field(default_factory=PeftSchema)
-    ac: str = "none"
+    # auto: none, unless the run's working set needs ac=full to fit the memory its workers will have
+    # (preflight picks it and says so); none | full | every_2 as given
+    ac: str = "auto"
     ac_offload: bool = False  # the checkpointed blocks' inputs kept in host memory (ac=full or every_2)
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)  # type: ignore[valid-type]
@@ -252,6 +254,7 @@ class Settings:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     peft: LoraConfig | None = None  # +peft=lora
+    ac_auto: bool = False  # ac=auto: engine.ac (none) may become full where memory needs it (preflight)
 
     @property
     def uses_pipeline(self) -> bool:
@@ -410,14 +413,21 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         optim = OptimConfig(**o)
     with named("scheduler"):
         scheduler = SchedulerConfig(**cfg["scheduler"])
+    ac_auto = cfg["ac"] == "auto"
+    if ac_auto:  # ac_offload asks for checkpointed blocks: auto means every block then
+        ac = "full" if cfg["ac_offload"] else "none"
+    elif cfg["ac"] not in AC_MODES:
+        raise ValueError(f"ac={cfg['ac']!r}: valid values are {['auto', *AC_MODES]}")
+    else:
+        ac = cfg["ac"]
     with named({"grad_accum": "train.grad_accum", "ac": "ac", "ac_offload": "ac_offload"}.__getitem__):
         engine = EngineConfig(zero=zero, precision=precision, optim=optim, scheduler=scheduler,
-                              grad_accum=train.grad_accum, ac=cfg["ac"], ac_offload=cfg["ac_offload"])
+                              grad_accum=train.grad_accum, ac=ac, ac_offload=cfg["ac_offload"])
     settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),
                         checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineConfig(**cfg["pipeline"]),
-                        launcher=launcher, peft=lora_settings(cfg["peft"]))
+                        launcher=launcher, peft=lora_settings(cfg["peft"]), ac_auto=ac_auto and not cfg["ac_offload"])
     if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
         check_lora_parallel(settings.peft, tp=parallel.tp)
         if settings.peft.init_from:  # a PEFT folder to start from: its settings must match the run's
