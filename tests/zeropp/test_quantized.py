@@ -3,7 +3,9 @@
 - The collectives alone: qwZ's all-gather and qgZ's reduce-scatter against the exact results
   computed here from every rank's seeded input, within the quantization error the blocks allow.
 - Training: the same small masked-data run, 100 steps, same seed, unquantized ZeRO-3 and qwZ + hpZ +
-  qgZ (int8, and int4 gradients as DeepSpeed sends them): final losses within 2%, printed side by side.
+  qgZ (int8, and int4 gradients as DeepSpeed sends them): final losses within 2%, printed side by side;
+  LoCo's error feedback (``zero.loco``) with int4 gradients, printed beside them (it does NOT end closer
+  to ZeRO-3 here: a strict xfail records it), its fp32 error buffers counted by the census.
 
 One launch (~60 s on 2 cores).
 """
@@ -19,7 +21,8 @@ from deepshard.launch.local import launch_local
 STEPS = 100
 SEG = 5000  # per-rank elements: one whole block of 4096 and a partial one
 ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True, quantized_gradients_node_size=2)
-RUNS = {"zero3": {}, "zero++": ZEROPP, "zero++ int4": dict(ZEROPP, quantized_gradients_bits=4)}
+RUNS = {"zero3": {}, "zero++": ZEROPP, "zero++ int4": dict(ZEROPP, quantized_gradients_bits=4),
+        "zero++ int4 loco": dict(ZEROPP, quantized_gradients_bits=4, loco=True)}
 
 
 def _rank_input(rank: int, numel: int) -> torch.Tensor:
@@ -59,7 +62,9 @@ def _worker():
     out = {"collectives": _collectives()}
     ids, labels = data(STEPS)
     for name, zero in RUNS.items():
-        out[name] = train(build_engine(1, **zero), ids, labels, range(STEPS))
+        engine = build_engine(1, **zero)
+        out[name] = train(engine, ids, labels, range(STEPS))
+        out[name + " census"] = engine.memory()["measured"].buffer_parts
     return out
 
 
@@ -108,3 +113,26 @@ def test_training_with_qwz_hpz_qgz_within_2_percent(runs):
     for name in ("zero++", "zero++ int4"):
         assert runs[0][name][-1] == pytest.approx(base[-1], rel=2e-2), name
         assert runs[0][name] != base  # quantization really changed the numbers
+
+
+@pytest.mark.xfail(strict=True, reason="measured here: LoCo (err_beta 0.8, DeepSpeed's default) ends farther from "
+                   "ZeRO-3 than plain int4 on this run (final 2.1293 vs 2.0963, ZeRO-3 2.0825; err_beta 0: 2.2457); "
+                   "strict: the day it holds, this flags it")
+def test_loco_int4_at_least_as_close_as_without(runs):
+    base, plain, loco = runs[0]["zero3"], runs[0]["zero++ int4"], runs[0]["zero++ int4 loco"]
+    print("\nstep  zero3     qwZ+hpZ+qgZ int4  + LoCo")
+    for s in (0, 9, 24, 49, 74, 99):
+        print(f"{s + 1:4d}  {base[s]:.5f}  {plain[s]:.5f}           {loco[s]:.5f}")
+    print(f"final |diff| to zero3: without LoCo {abs(plain[-1] - base[-1]):.5f}, with {abs(loco[-1] - base[-1]):.5f}")
+    assert loco != plain  # the feedback really changed what was sent
+    assert abs(loco[-1] - base[-1]) <= abs(plain[-1] - base[-1])
+
+
+def test_loco_buffers_in_the_census(runs):
+    from zeropp_harness import model
+
+    psi = sum(p.numel() for p in model().parameters())
+    for rank in range(4):
+        assert "loco_error_feedback" not in runs[rank]["zero++ int4 census"]
+        # at least one fp32 buffer of each unit's whole (unsharded, padded) gradient: DeepSpeed's intra-node one
+        assert runs[rank]["zero++ int4 loco census"]["loco_error_feedback"] >= 4 * psi

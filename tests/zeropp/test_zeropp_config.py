@@ -47,6 +47,11 @@ def test_hsdp_and_zeropp_keys_validate():
     (["+zero=stage3", "zero.hpz_partition_size=2", "zero.reshard_after_forward=false"], 4,
      r"^zero.hpz_partition_size=2: .*reshard_after_forward=false"),
     (["+zero=stage3", "zero.quantized_gradients_bits=2"], 4, r"^zero.quantized_gradients_bits=2: valid values are 8 and 4"),
+    (["+zero=stage3", "zero.loco=true"], 4, r"^zero.loco=True: LoCo's error feedback .* quantized_gradients=true"),
+    (["+zero=stage3", "zero.quantized_gradients=true", "zero.loco=true", "zero.loco_err_beta=1.5"], 4,
+     r"^zero.loco_err_beta=1.5: must be in \[0, 1\]"),
+    (["+zero=stage3", "zero.quantized_gradients=true", "zero.loco=true", "zero.loco_reset_t=0"], 4,
+     r"^zero.loco_reset_t=0: must be >= 1"),
 ])
 def test_bad_input_refused_before_start(overrides, world, message):
     with pytest.raises(ValueError, match=message) as err:
@@ -56,7 +61,14 @@ def test_bad_input_refused_before_start(overrides, world, message):
 
 def test_ds_config_zeropp_keys_map():
     t = translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-                                         "zero_hpz_partition_size": 1, "zeropp_loco_param": {"err_beta": 0.8}}})
+                                         "zero_hpz_partition_size": 1,
+                                         "zeropp_loco_param": {"err_beta": 0.7, "reset_T": 512}}})
     assert {"+zero=stage3", "zero.quantized_weights=true", "zero.quantized_gradients=true",
-            "zero.quantized_gradients_bits=4", "zero.hpz_partition_size=1"} <= set(t.overrides)
-    assert t.unsupported == ["zero_optimization.zeropp_loco_param"]  # LoCo's error feedback is not built
+            "zero.quantized_gradients_bits=4", "zero.hpz_partition_size=1", "zero.loco=true",
+            "zero.loco_err_beta=0.7", "zero.loco_reset_t=512"} <= set(t.overrides)
+    assert t.unsupported == []
+    z = _settings(t.overrides).engine.zero  # the app takes them
+    assert (z.loco, z.loco_err_beta, z.loco_reset_t) == (True, 0.7, 512)
+    t = translate({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {}}})
+    assert "zero.loco=true" in t.overrides  # DeepSpeed's defaults (0.8, 1024) are ZeroConfig's
+    assert _settings(t.overrides).engine.zero.loco_err_beta == 0.8

@@ -39,7 +39,7 @@ def data(num_steps: int, rows: int = ROWS, seed: int = 7, cfg: LlamaConfig = MIC
     return ids, labels
 
 
-def reference(num_steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(num_steps: int, rows: int = ROWS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, the whole global batch at once: summed token loss / valid count, AdamW with
     decay on matrices, clip_grad_norm_.  Shares no code with the engine."""
     m = model()
@@ -47,7 +47,7 @@ def reference(num_steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     no_decay = [p for p in m.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=BETAS, eps=EPS)
-    ids, labels = data(num_steps)
+    ids, labels = data(num_steps, rows)
     losses = []
     for s in range(num_steps):
         logits = m(ids[s])
@@ -61,20 +61,21 @@ def reference(num_steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
-def engine_config(**zero):
+def engine_config(grad_accum: int = 1, **zero):
     from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, ZeroConfig
 
     return EngineConfig(zero=ZeroConfig(stage=3, **zero), precision=PrecisionConfig(dtype="fp32"),
-                        optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=CLIP))
+                        optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=CLIP),
+                        grad_accum=grad_accum)
 
 
-def build_engine(dp_replicate: int, cfg: LlamaConfig = MICRO, **zero):
+def build_engine(dp_replicate: int, cfg: LlamaConfig = MICRO, grad_accum: int = 1, **zero):
     """The engine on a world-size mesh: flat dp (``dp_replicate=1``) or HSDP (dp_replicate x rest)."""
     from deepshard.core import ParallelDims, build_mesh, initialize
     from deepshard.core.mesh import local_device
 
     mesh = build_mesh(ParallelDims(dp_replicate=dp_replicate))
-    return initialize(model(cfg).to(local_device()), engine_config(**zero), mesh=mesh)
+    return initialize(model(cfg).to(local_device()), engine_config(grad_accum, **zero), mesh=mesh)
 
 
 def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range, census: dict | None = None) -> list[float]:
@@ -102,6 +103,67 @@ def train(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range, census:
         dist.all_reduce(total, group=dp.get_group())
         losses.append((total / count).item())
     return losses
+
+
+def train_accumulating(engine, ids: torch.Tensor, labels: torch.Tensor, steps: range) -> list[float]:
+    """As :func:`train`, each rank's rows as ``engine.config.grad_accum`` micro-batches of one row."""
+    import torch.distributed as dist
+
+    from deepshard.core.mesh import local_device
+
+    dp = engine.mesh["dp"]
+    rank, size = dp.get_local_rank(), dp.size()
+    per = ids.shape[1] // size
+    assert per == engine.config.grad_accum
+    losses = []
+    for s in steps:
+        x = ids[s, rank * per:(rank + 1) * per].to(local_device())
+        y = labels[s, rank * per:(rank + 1) * per].to(local_device())
+        count = engine.global_num_items((y != -100).sum())
+        total = torch.zeros((), device=local_device())
+        for m in range(per):
+            loss = engine(x[m:m + 1], y[m:m + 1], reduction="sum")
+            total += loss.detach()
+            engine.backward(loss, num_items=count)
+        engine.step()
+        dist.all_reduce(total, group=dp.get_group())
+        losses.append((total / count).item())
+    return losses
+
+
+class ByteCounter:
+    """Bytes this rank hands to ranks of another "node" (``node`` consecutive ranks) while ``on``, counted
+    at the torch.distributed call as a direct algorithm moves them: an all-reduce ``2 x size / G`` to
+    each peer, an all-to-all chunk ``j`` to peer ``j``, a broadcast its tensor to every peer."""
+
+    def __init__(self, node: int) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.node, self.on, self.cross = dist, node, False, 0
+        self.me = dist.get_rank()
+        for name in ("all_reduce", "all_to_all_single", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name: str, fn):
+        def counted(*args, **kwargs):
+            if self.on:
+                self._count(name, args, kwargs)
+            return fn(*args, **kwargs)
+        return counted
+
+    def _count(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.get("group")
+        peers = self.dist.get_process_group_ranks(group) if group is not None else list(range(self.dist.get_world_size()))
+        far = [p for p in peers if p // self.node != self.me // self.node]
+        if name == "all_reduce":
+            self.cross += len(far) * 2 * args[0].nbytes / len(peers)
+        elif name in ("all_to_all_single", "reduce_scatter_tensor"):
+            self.cross += len(far) * args[1].nbytes / len(peers)
+        elif name == "broadcast":
+            src = kwargs.get("src", args[1] if len(args) > 1 else None)
+            self.cross += len(far) * args[0].nbytes if src == self.me else 0
+        elif name == "all_gather_into_tensor":
+            self.cross += len(far) * args[1].nbytes
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:

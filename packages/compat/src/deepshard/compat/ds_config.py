@@ -360,11 +360,16 @@ def _zero(z: dict, tr: _Translator) -> None:
                                     "buffer_size": "offload.param_buffer_size", "max_in_cpu": "offload.max_in_cpu"}
                     if device == "nvme" else {})
     keys = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
-    # ZeRO++ (deepshard.core.zero.quantized; hpz_partition_size > 1 is refused by ZeroConfig, naming why;
-    # zeropp_loco_param, LoCo's error feedback, is not built: it stays unsupported)
+    # ZeRO++ (deepshard.core.zero.quantized, hsdp, replica_reduce; an hpZ partition that cannot work is refused
+    # by the app's checks, naming why); zeropp_loco_param is LoCo's error feedback (deepshard.core.zero.loco)
     zeropp = {f"zero_{k}": f"zero.{k}" for k in ("quantized_weights", "quantized_gradients", "hpz_partition_size")}
     if z.get("zero_quantized_gradients") is True:  # DeepSpeed's qgZ sends int4 blocks
         tr.set("zero.quantized_gradients_bits", 4, "zero_optimization.zero_quantized_gradients")
+    loco = z.pop("zeropp_loco_param", None)
+    if loco is not None:  # {"err_beta": 0.8, "reset_T": 1024}: DeepSpeed's defaults are ZeroConfig's
+        path = "zero_optimization.zeropp_loco_param"
+        tr.set("zero.loco", True, path)
+        tr.copy(_section(loco, path), path, {"err_beta": "zero.loco_err_beta", "reset_T": "zero.loco_reset_t"})
     tr.copy(z, "zero_optimization", {**{k: f"zero.{k}" for k in keys}, **zeropp})
 
 

@@ -46,6 +46,11 @@ class ZeroConfig:
     quantized_gradients_bits: int = 8
     quantized_gradients_node_size: int = 0
     hpz_partition_size: int = 1
+    # LoCo (DeepSpeed's zeropp_loco_param, deepshard.core.zero.loco): qgZ's quantizations add back what the
+    # last one rounded away, e = err_beta * e + (1 - err_beta) * error, buffers cleared every loco_reset_t uses
+    loco: bool = False
+    loco_err_beta: float = 0.8
+    loco_reset_t: int = 1024
 
     def __post_init__(self) -> None:
         if self.reduce_dtype not in REDUCE_DTYPES:
@@ -69,6 +74,13 @@ class ZeroConfig:
         if self.quantized_gradients_node_size < 0:
             raise ConfigError("quantized_gradients_node_size", self.quantized_gradients_node_size,
                               "must be >= 0 (0: LOCAL_WORLD_SIZE)")
+        if self.loco and not self.quantized_gradients:
+            raise ConfigError("loco", True, "LoCo's error feedback compensates qgZ's quantization: needs "
+                                            "quantized_gradients=true")
+        if not 0.0 <= self.loco_err_beta <= 1.0:
+            raise ConfigError("loco_err_beta", self.loco_err_beta, "must be in [0, 1] (DeepSpeed's err_beta)")
+        if self.loco_reset_t < 1:
+            raise ConfigError("loco_reset_t", self.loco_reset_t, "must be >= 1 (DeepSpeed's reset_T)")
         if self.hpz_partition_size < 1:
             raise ConfigError("hpz_partition_size", self.hpz_partition_size, "must be >= 1 (1: off)")
         if self.hpz_partition_size > 1 and (self.stage != 3 or not self.reshard_after_forward):

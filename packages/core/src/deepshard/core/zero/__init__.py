@@ -50,18 +50,25 @@ def apply_zero(
         raise ValueError(f"HSDP (parallel.dp_replicate > 1) needs zero.stage=3 (got zero.stage={config.stage})")
     if config.stage == 3:
         mesh = dp_mesh if shard_mesh is None else shard_mesh
-        gather = scatter = None
-        if config.quantized_weights or config.quantized_gradients:  # ZeRO++ (imports deepshard.kernels)
-            from deepshard.core.zero.quantized import zeropp_collectives
+        gather = None
+        if config.quantized_weights:  # ZeRO++ (imports deepshard.kernels)
+            from deepshard.core.zero.quantized import zeropp_all_gather
 
-            gather, scatter = zeropp_collectives(
-                mesh, quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients,
-                gradient_bits=config.quantized_gradients_bits, node_size=config.quantized_gradients_node_size)
+            gather = zeropp_all_gather(mesh)
         apply_fsdp(model, blocks, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=hpz_reshard(config, mesh, offload_params=bool(offload_params)),
                    offload_params=offload_params,
-                   prefetch=config.prefetch, all_gather=gather, reduce_scatter=scatter)
-        return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None)
+                   prefetch=config.prefetch, all_gather=gather)
+        feedback = None
+        if config.quantized_gradients:  # qgZ per unit, across HSDP's replicas too; LoCo's buffers (zero.loco)
+            from deepshard.core.zero.loco import ErrorFeedback
+            from deepshard.core.zero.replica_reduce import attach_qgz
+
+            feedback = ErrorFeedback(err_beta=config.loco_err_beta, reset_t=config.loco_reset_t) if config.loco else None
+            attach_qgz([*blocks, model], mesh, bits=config.quantized_gradients_bits,
+                       node_size=config.quantized_gradients_node_size, feedback=feedback)
+        return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None,
+                                 error_feedback=feedback)
     if offload_params:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
     group = dp_mesh.get_group()

@@ -90,10 +90,21 @@ class FullyShardedStage(ZeroStage):
 
     zero_stage = 3
 
-    def __init__(self, model: nn.Module, *, param_offload: ParamOffload | None = None) -> None:
+    def __init__(self, model: nn.Module, *, param_offload: ParamOffload | None = None,
+                 error_feedback: object | None = None) -> None:
         self.model = model
         self.names, self.params = trainable(model)
         self.param_offload = param_offload
+        self.error_feedback = error_feedback  # LoCo's buffers (zero.loco: core.zero.loco.ErrorFeedback)
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        # HSDP: the all-reduce across replicas only at the accumulation boundary (FSDP2 sums the
+        # micro-steps' reduce-scatter outputs meanwhile); flat FSDP2 has none, so this changes nothing
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_all_reduce(enabled)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {} if self.error_feedback is None else {"loco_error_feedback": self.error_feedback.nbytes()}
 
     def local_params(self) -> list[torch.Tensor]:
         return [local_tensor(p.data) for p in self.params]

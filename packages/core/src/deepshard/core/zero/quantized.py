@@ -12,7 +12,9 @@ scheme: inside each node first (each rank receives, for its local index, the chu
 and sums them in fp32), then the node partial sums are re-quantized and exchanged across nodes
 between ranks of the same local index, summed in fp32 on arrival.  One node (or one rank per node)
 is a single hop.  Quantization is symmetric and unbiased only on average, as DeepSpeed's: the error
-per element is at most half a step of its block.
+per element is at most half a step of its block.  With ``zero.loco`` every quantization adds back what
+the previous one rounded away (LoCo's error feedback, ``zero.loco``).  Under HSDP the all-reduce across
+the replicas is quantized too (``zero.replica_reduce``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from deepshard.core.zero.collectives import Works, all_gather_in_place
-from deepshard.kernels.quantize import DEFAULT_BLOCK, dequantize_blockwise, num_blocks, quantize_blockwise
+from deepshard.core.zero.loco import ErrorFeedback
+from deepshard.kernels.quantize import (
+    DEFAULT_BLOCK,
+    code_bytes,
+    dequantize_blockwise,
+    num_blocks,
+    quantize_blockwise,
+)
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "node_mesh"]
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "node_mesh", "trim_codes", "untrim_codes",
+           "zeropp_all_gather"]
 
 
 class _PlainAlloc:
@@ -113,11 +123,31 @@ def node_mesh(dp_mesh: DeviceMesh, node_size: int) -> DeviceMesh | None:
     return dp_mesh._unflatten(0, (size // node_size, node_size), ("qgz_inter", "qgz_intra"))
 
 
+def trim_codes(codes: torch.Tensor, rows: int, seg: int, seg_p: int, bits: int) -> torch.Tensor:
+    """What goes on the wire of ``rows`` rows quantized at ``seg_p`` (whole blocks) elements each, of
+    which ``seg`` are real: each row's codes without its padding (the scales are per block already)."""
+    if seg == seg_p:
+        return codes
+    return codes.view(rows, code_bytes(seg_p, bits))[:, :code_bytes(seg, bits)].reshape(-1)
+
+
+def untrim_codes(sent: torch.Tensor, rows: int, seg: int, seg_p: int, bits: int) -> torch.Tensor:
+    """The inverse of :func:`trim_codes`; the padding decodes to zeros (int4: 0x88, two zero nibbles),
+    so a sum that is quantized again keeps its last block's absmax."""
+    if seg == seg_p:
+        return sent
+    full = torch.full((rows, code_bytes(seg_p, bits)), 0 if bits == 8 else 0x88, dtype=sent.dtype, device=sent.device)
+    full[:, :code_bytes(seg, bits)] = sent.view(rows, -1)
+    return full.view(-1)
+
+
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     """qgZ: FSDP2's gradient reduce-scatter as quantized all-to-alls (within node, then across)."""
 
-    def __init__(self, *, bits: int = 8, block_size: int = DEFAULT_BLOCK, nodes: DeviceMesh | None = None) -> None:
+    def __init__(self, *, bits: int = 8, block_size: int = DEFAULT_BLOCK, nodes: DeviceMesh | None = None,
+                 feedback: ErrorFeedback | None = None, key: object = 0) -> None:
         self.bits, self.block_size, self.nodes = bits, block_size, nodes
+        self.feedback, self.key = feedback, key  # LoCo: error buffers under (key, hop)
 
     def _groups(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int]:
         """(intra-node group, inter-node group, ranks per node) for ``group``."""
@@ -125,16 +155,24 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             return group, None, group.size()
         return self.nodes.get_group("qgz_intra"), self.nodes.get_group("qgz_inter"), self.nodes.size(1)
 
-    def _exchange(self, parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """``parts`` [G, ..., seg_p] fp32: part g goes to rank g of ``group`` as int blocks; returns the
-        parts every rank sent here, dequantized, [G, ..., seg_p], to be summed by the caller."""
-        g = group.size()
-        codes, scales = quantize_blockwise(parts, block_size=self.block_size, bits=self.bits)
+    def _quantize(self, x: torch.Tensor, hop: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.feedback is None:
+            return quantize_blockwise(x, block_size=self.block_size, bits=self.bits)
+        return self.feedback.quantize((self.key, hop), x, block_size=self.block_size, bits=self.bits)
+
+    def _exchange(self, parts: torch.Tensor, group: dist.ProcessGroup, hop: str, seg: int) -> torch.Tensor:
+        """``parts`` [G, ..., seg_p] fp32 (``seg`` real elements per row): part g goes to rank g of
+        ``group`` as int blocks; returns the parts every rank sent here, dequantized, [G, ..., seg_p],
+        to be summed by the caller."""
+        g, seg_p = group.size(), parts.shape[-1]
+        rows = parts.numel() // seg_p
+        codes, scales = self._quantize(parts, hop)
         if g > 1:
-            recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-            dist.all_to_all_single(recv_codes, codes, group=group)
+            sent = trim_codes(codes, rows, seg, seg_p, self.bits)
+            recv, recv_scales = torch.empty_like(sent), torch.empty_like(scales)
+            dist.all_to_all_single(recv, sent, group=group)
             dist.all_to_all_single(recv_scales, scales, group=group)
-            codes, scales = recv_codes, recv_scales
+            codes, scales = untrim_codes(recv, rows, seg, seg_p, self.bits), recv_scales
         return dequantize_blockwise(codes, scales, parts.numel(), block_size=self.block_size,
                                     bits=self.bits).view(parts.shape)
 
@@ -150,9 +188,9 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         chunks = torch.zeros(nodes, local, seg_p, dtype=torch.float32, device=input_tensor.device)
         chunks[..., :seg] = input_tensor.view(nodes, local, seg)
         # hop 1, inside the node: local rank l gets chunk (n, l) of every node n from each node peer
-        partial = self._exchange(chunks.transpose(0, 1).contiguous(), intra).sum(dim=0)  # [nodes, seg_p]
+        partial = self._exchange(chunks.transpose(0, 1).contiguous(), intra, "intra", seg).sum(dim=0)  # [nodes, seg_p]
         if inter is not None:  # hop 2, across nodes: chunk n of the node sums goes to node n
-            partial = self._exchange(partial, inter).sum(dim=0, keepdim=True)
+            partial = self._exchange(partial, inter, "inter", seg).sum(dim=0, keepdim=True)
         out = partial.view(-1)[:seg]
         if op == dist.ReduceOp.AVG:
             out = out / world
@@ -160,15 +198,6 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         return None
 
 
-def zeropp_collectives(shard_mesh: DeviceMesh, *, quantized_weights: bool, quantized_gradients: bool,
-                       gradient_bits: int = 8, node_size: int = 0,
-                       ) -> tuple[QuantizedAllGather | None, QuantizedReduceScatter | None]:
-    """The (all-gather, reduce-scatter) hooks ZeRO++'s switches ask for (None: FSDP2's or the gloo
-    forms).  Under HSDP (a 2-D ``shard_mesh``) the reduce-scatter group is one node already: qgZ is
-    one hop there, and the all-reduce across the replicas stays FSDP2's own."""
-    gather = QuantizedAllGather(group_size=shard_mesh.size(shard_mesh.ndim - 1)) if quantized_weights else None
-    scatter = None
-    if quantized_gradients:
-        nodes = node_mesh(shard_mesh, node_size) if shard_mesh.ndim == 1 else None
-        scatter = QuantizedReduceScatter(bits=gradient_bits, nodes=nodes)
-    return gather, scatter
+def zeropp_all_gather(shard_mesh: DeviceMesh) -> QuantizedAllGather:
+    """qwZ's all-gather hook: gathers over the whole shard group quantized (hpZ's smaller ones exact)."""
+    return QuantizedAllGather(group_size=shard_mesh.size(shard_mesh.ndim - 1))
