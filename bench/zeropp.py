@@ -1,6 +1,7 @@
 """ZeRO++ at world 4 (gloo, "nodes" of 2 consecutive ranks): bytes each step sends, in total and
-across nodes, for flat ZeRO-3, HSDP (2 x 2), hpZ (2), qwZ, qgZ and qwZ + hpZ + qgZ, their ratios
-to flat ZeRO-3, and step times, all in one launch.
+across nodes, for flat ZeRO-3, HSDP (2 x 2), hpZ (2), qwZ, qgZ, qwZ + hpZ + qgZ, and HSDP with qgZ
+(its all-reduce across the replicas quantized too) and qwZ, their ratios to flat ZeRO-3, and step
+times, all in one launch.
 
 Bytes are counted at the collective: every ``torch.distributed`` call the step makes (FSDP2's,
 ours, the loss and norm all-reduces) is wrapped, and the bytes this rank sends to each peer are
@@ -40,6 +41,13 @@ CONFIGS = {
                          "quantized_gradients_node_size": NODE}),
     "qwz+hpz+qgz_int4": ({}, {"quantized_weights": True, "hpz_partition_size": NODE, "quantized_gradients": True,
                               "quantized_gradients_bits": 4, "quantized_gradients_node_size": NODE}),
+    # HSDP's shard group is the node (hpZ's role; hpZ itself is refused with HSDP): qgZ quantizes the
+    # reduce-scatter inside it and the all-reduce across the replicas (zero.replica_reduce)
+    "hsdp+qgz": ({"dp_replicate": 2}, {"quantized_gradients": True}),
+    "hsdp+qgz_int4": ({"dp_replicate": 2}, {"quantized_gradients": True, "quantized_gradients_bits": 4}),
+    "hsdp+qwz+qgz": ({"dp_replicate": 2}, {"quantized_weights": True, "quantized_gradients": True}),
+    "hsdp+qwz+qgz_int4": ({"dp_replicate": 2}, {"quantized_weights": True, "quantized_gradients": True,
+                                                "quantized_gradients_bits": 4}),
 }
 
 
