@@ -6,8 +6,9 @@ the all-reduce across the replicas is quantized too, not only the reduce-scatter
 - Bytes, counted at the torch.distributed calls (a wrapper in the harness): the cross-node bytes of a
   step of HSDP + qgZ fall to <= 0.35x HSDP's (int8 blocks for fp32); with gradient accumulation
   (2 micro-steps) the replicas all-reduce once per step, so the bytes per step stay the same.
-- Training: HSDP with 2 micro-steps equals the plain torch reference within 1e-5; HSDP + qgZ (int8,
-  int4) over 100 steps ends within 2% of the unquantized loss (the tolerance of the qgZ training test).
+- Training: HSDP with 2 micro-steps equals the plain torch reference within 1e-5 (with qgZ, and with
+  LoCo, within 2%); HSDP + qgZ (int8, int4) over 100 steps ends within 2% of the unquantized loss (the
+  tolerance of the qgZ training test).
 
 One launch (~60 s on 2 cores).
 """
@@ -74,9 +75,10 @@ def _worker():
                     "hsdp+qgz_ga1": _bytes(counter, ids[:, ::2], labels[:, ::2], 2, **QGZ),
                     "hsdp+qgz int4": _bytes(counter, ids, labels, 2, 2, **QGZ, quantized_gradients_bits=4)}
     ids, labels = data(ACCUM_STEPS, rows=8)
-    for name, zero in (("accum hsdp", {}), ("accum hsdp+qgz", QGZ)):
+    for name, zero in (("accum hsdp", {}), ("accum hsdp+qgz", QGZ), ("accum hsdp+qgz loco", dict(QGZ, loco=True))):
         engine = build_engine(2, grad_accum=2, **zero)
         out[name] = (train_accumulating(engine, ids, labels, range(ACCUM_STEPS)), full_params(engine))
+        out[name + " census"] = engine.memory()["measured"].buffer_parts
     ids, labels = data(STEPS)
     for name, zero in (("hsdp", {}), ("hsdp+qgz", QGZ), ("hsdp+qgz int4", dict(QGZ, quantized_gradients_bits=4))):
         out[name] = train(build_engine(2, **zero), ids, labels, range(STEPS))
@@ -115,9 +117,23 @@ def test_gradient_accumulation_matches_reference(runs):
         losses, params = runs[rank]["accum hsdp"]
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert max(rel(params[n], ref_params[n]) for n in ref_params) < 1e-5
-        q_losses, _ = runs[rank]["accum hsdp+qgz"]  # (Adam turns gradient noise into full-size steps: losses only)
-        assert q_losses == pytest.approx(ref_losses, rel=2e-2)
-        assert q_losses[1:] != ref_losses[1:]  # really quantized
+        for name in ("accum hsdp+qgz", "accum hsdp+qgz loco"):
+            q_losses, _ = runs[rank][name]  # (Adam turns gradient noise into full-size steps: losses only)
+            assert q_losses == pytest.approx(ref_losses, rel=2e-2), name
+            assert q_losses[1:] != ref_losses[1:], name  # really quantized
+        assert runs[rank]["accum hsdp+qgz loco"][0] != runs[rank]["accum hsdp+qgz"][0]  # the feedback changed it
+
+
+def test_loco_buffers_cover_the_replica_all_reduce(runs):
+    """Under HSDP LoCo keeps, per unit, the in-node hop's buffer (the unit's unsharded gradient, fp32) and
+    the replica all-reduce's two (the node's shard, 1/2 of it, and this replica's chunk of that, 1/4):
+    at least 4 bytes x (1 + 1/2 + 1/4) per parameter (more with the padding to whole blocks)."""
+    from zeropp_harness import model
+
+    psi = sum(p.numel() for p in model().parameters())
+    for rank in range(4):
+        assert "loco_error_feedback" not in runs[rank]["accum hsdp+qgz census"]
+        assert runs[rank]["accum hsdp+qgz loco census"]["loco_error_feedback"] >= 4 * psi * (1 + 1 / 2 + 1 / 4)
 
 
 def test_training_hsdp_qgz_within_2_percent(runs):
