@@ -26,6 +26,7 @@ from deepshard.launch.local import launch_local  # noqa: E402
 VOCAB, HID, TOKENS = 1001, 24, 29  # odd: rank 0 owns 501 rows, rank 1 500; tiles of 64 leave a partial one
 CFG = dataclasses.replace(MICRO, vocab_size=1001, vocab_tile_size=96)  # 48 rows per rank per tile
 STEPS = 3
+PIECE = 4096  # offload.sub_group_size: the deferred update's pieces (the head's 16k-element shard in 4)
 
 
 def _kernel_data(rank: int):
@@ -58,7 +59,7 @@ def _kernels(mesh) -> dict:
     return out
 
 
-def _app_run(nvme_path: str | None) -> dict:
+def _app_run(nvme_path: str | None, grad_accum: int = 1) -> dict:
     import torch.distributed as dist
 
     from deepshard.core import ParallelDims, build_mesh, initialize
@@ -67,11 +68,12 @@ def _app_run(nvme_path: str | None) -> dict:
     from deepshard.offload import OffloadConfig, make_store_factory, param_offload
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = engine_config(3, 1, 0.05)
+    cfg = engine_config(3, grad_accum, 0.05)
     mesh = build_mesh(ParallelDims())
     on = nvme_path is not None
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=nvme_path, params="nvme" if on else "none",
-                        buffer_count=2, param_buffer_count=3, param_prefetch=2)
+                        buffer_count=2, param_buffer_count=3, param_prefetch=2,
+                        sub_group_size=PIECE, buffer_size=PIECE)
     factory = make_store_factory(off, rank, "tiled")
     swap = getattr(factory, "param_swap", None)
     offload_params = param_offload(off, factory)
@@ -96,21 +98,43 @@ def _app_run(nvme_path: str | None) -> dict:
     engine = initialize(model, cfg, mesh=mesh, parallelize_fn=recipe, store_factory=factory,
                         offload_params=offload_params,
                         materialize=swap.materializer(init) if swap is not None else init)
-    data = batches(STEPS, world, 1, CFG)
+    census = {"tiled_resident": 0}
+    if swap is not None:  # every refill of a unit's shards: the tiled units' resident bytes after it
+        tiled = [u for u in swap.units if u.name.endswith(("embed_tokens", "lm_head"))]
+        assert len(tiled) == 2, [u.name for u in swap.units]
+
+        def counted(fill):
+            def wrapped(unit, *a, **k):
+                fill(unit, *a, **k)
+                if "pool" in census:  # training is over (resident() below fills them whole on purpose)
+                    return
+                census["tiled_resident"] = max(census["tiled_resident"], sum(
+                    s.data.untyped_storage().nbytes() for u in tiled for s in u.slots))
+            return wrapped
+
+        swap.fill, swap.fill_range = counted(swap.fill), counted(swap.fill_range)
+    data = batches(STEPS, world, grad_accum, CFG)
     losses = []
     for step in range(STEPS):
-        tokens = data[step, 0, rank]
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
+        total = torch.zeros(())
+        for micro in range(grad_accum):
+            tokens = data[step, micro, rank]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            total += loss.detach()
         engine.step()
-        total = loss.detach().clone()
         dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(total.item() / (world * grad_accum))
+    if swap is not None:
+        census.update(pool=swap.pool_bytes(), tile_bytes=max(t.tile_bytes() for t in swap.tiled_shards),
+                      gathered=max(u.nbytes for u in swap.units if u not in tiled),
+                      tiled=max(u.nbytes for u in tiled))
     ctx = swap.resident() if swap is not None else contextlib.nullcontext()
     with ctx:
         full = {n: p.data.full_tensor().clone() for n, p in engine.model.named_parameters()}
     engine.store.close()
-    return {"losses": losses, "params": full, "unshards": unshards, "num_params": engine.num_params}
+    return {"losses": losses, "params": full, "unshards": unshards, "num_params": engine.num_params,
+            "census": census}
 
 
 def _worker(nvme_path: str) -> dict:
@@ -122,6 +146,7 @@ def _worker(nvme_path: str) -> dict:
     out = {"kernels": _kernels(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))}
     out["zero3"] = _app_run(None)
     out["infinity"] = _app_run(nvme_path)
+    out["infinity_accum"] = _app_run(nvme_path, grad_accum=2)
     return out
 
 
@@ -159,9 +184,10 @@ def test_tiled_ops_on_a_sharded_weight_match_torch(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["zero3", "infinity"])
+@pytest.mark.parametrize("layout", ["zero3", "infinity", "infinity_accum"])
 def test_tiled_zero3_trains_as_one_process(runs, layout):
-    ref_losses, ref_params = reference(STEPS, 2, 1, engine_config(3, 1, 0.05).optim, CFG)
+    accum = 2 if layout.endswith("accum") else 1
+    ref_losses, ref_params = reference(STEPS, 2, accum, engine_config(3, accum, 0.05).optim, CFG)
     for rank in (0, 1):
         got = runs[rank][layout]
         assert got["unshards"] == {"embed_tokens": 0, "lm_head": 0}, "a tiled unit was gathered whole"
@@ -169,3 +195,17 @@ def test_tiled_zero3_trains_as_one_process(runs, layout):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
         for name, ref in ref_params.items():
             torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["infinity", "infinity_accum"])
+def test_tiled_units_never_whole_under_nvme_params(runs, layout):
+    """With the params on NVMe the embedding's and the head's shards are never refilled whole: each tile
+    reads its rows of the param file into a tile buffer (48 rows x 32 of fp32 plus the 4 KiB alignment),
+    and the param pool is sized by the largest unit that is gathered (a block), not the head."""
+    for rank in (0, 1):
+        c = runs[rank][layout]["census"]
+        assert c["tiled_resident"] == 0, c
+        assert c["tile_bytes"] <= 2 * (48 * 32 * 4 + 2 * 4096), c  # a param and a gradient tile buffer
+        assert c["tiled"] > c["gathered"], c
+        assert c["pool"] == 3 * c["gathered"], c

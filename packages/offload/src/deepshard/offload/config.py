@@ -47,9 +47,10 @@ class OffloadConfig:
     (validated here, applied by core's ``initialize(offload_params=...)``): ``cpu`` rests the
     sharded params in host memory, ``nvme`` (needs ``device='nvme'``) in swap files beside the
     optimizer state (ZeRO-Infinity, :mod:`deepshard.offload.param_swap`); there the deferred AdamW
-    update streams each unit through ``buffer_count`` buffers in pieces of ``sub_group_size``
-    elements (rounded down to 1024, at least 1024), so its buffers (16 bytes per element) follow
-    ``sub_group_size``, not the largest unit (:mod:`deepshard.offload.deferred_step`).
+    update streams each unit through ``buffer_count`` buffers in pieces of
+    ``min(sub_group_size, buffer_size)`` elements (rounded down to 1024, at least 1024), so its
+    buffers (16 bytes per element) follow the piece, not the largest unit
+    (:mod:`deepshard.offload.deferred_step`).
 
     Parameter swap (``params='nvme'``), DeepSpeed's ``offload_param`` keys: each FSDP unit (a
     block, or the root's embeddings + head) is read from NVMe into one of ``param_buffer_count``
@@ -151,18 +152,15 @@ def validate_param_swap(config: OffloadConfig, bytes_needed: int, largest_unit: 
     """Before a parameter swap starts: pool buffers hold the largest unit; the disk holds it all.
 
     ``bytes_needed`` covers params, gradients and both Adam moments (16 bytes per element);
-    ``largest_unit`` is the largest FSDP unit's shard in elements, ``largest_unit_name`` names it.
+    ``largest_unit`` is the largest gathered FSDP unit's shard in elements (a tiled embedding or
+    head is read in rows, never whole), ``largest_unit_name`` names it.  ``buffer_size`` needs no
+    check here: it caps the deferred update's pieces.
     """
     validate_config(config)
     if config.param_buffer_size < largest_unit:
         raise _bad("param_buffer_size", config.param_buffer_size,
                    f"must be >= the largest block shard ({largest_unit} elements, {largest_unit_name!r}): "
                    "one buffer holds one block's shard")
-    piece = min(config.sub_group_size, largest_unit)  # the deferred update's pieces (sub-groups)
-    if config.buffer_size < piece:
-        raise _bad("buffer_size", config.buffer_size,
-                   f"must be >= the optimizer's pieces ({piece} elements: sub_group_size="
-                   f"{config.sub_group_size}, the largest unit {largest_unit_name!r} has {largest_unit})")
     free = shutil.disk_usage(config.nvme_path).free
     if bytes_needed > free:
         raise _bad("nvme_path", config.nvme_path,

@@ -240,6 +240,11 @@ class DeferredStep:
         if not self.overlap:
             self.drain()
 
+    def flush_writes(self) -> None:
+        """Wait for every write-back in flight (before the param file is read directly)."""
+        while self.writes:
+            retire_write(self.writes, wait=True)
+
     def run_all(self) -> None:
         """Every owed update, now, without landing (before the files are read or a new step)."""
         for k in sorted(self.owed):

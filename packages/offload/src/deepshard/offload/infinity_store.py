@@ -2,7 +2,7 @@
 
 With ``offload.params=nvme`` the sharded fp32 params *are* the master weights and live in the
 param swap file (:mod:`.param_swap`), beside the gradient and both Adam moment files.  The update
-streams each unit in pieces of at most ``sub_group_size`` elements through ``buffer_count``
+streams each unit in pieces of at most ``min(sub_group_size, buffer_size)`` elements through ``buffer_count``
 buffers of 16 bytes per piece element (param, exp_avg, exp_avg_sq, grad), allocated once per
 step: each shard is read once and written once per step, no model-sized host tensor ever exists,
 and the buffers follow the piece size, not the largest unit.  The gradients given to
@@ -49,7 +49,7 @@ class InfinityStore(StateStore):
         self.swap = swap
         swap.open(params)
         self.numel = sum(p.numel() for p in params)
-        self.piece_numel = piece_size(swap.config.sub_group_size, swap.units)
+        self.piece_numel = piece_size(min(swap.config.sub_group_size, swap.config.buffer_size), swap.units)
         self.pieces: list[Piece] = cut_pieces(swap.units, self.piece_numel)
         self.buffers: list[_Buffer] = []  # while a step's updates are owed (see DeferredStep.idle)
         self.deferred = DeferredStep(self)

@@ -22,9 +22,8 @@ forward.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from .config import OffloadConfig
 from .param_init import fixed_mmap_threshold
+from .tiled_shard import TiledShard
 from .unit_swap import Unit, UnitSwap
 
 
@@ -88,6 +88,7 @@ class ParamSwap(UnitSwap):
         super().__init__(config, rank=rank, run_id=run_id)
         self.num_params = 0
         self._norms: list[torch.Tensor] = []
+        self.tiled_shards: list[TiledShard] = []
 
     # -- wiring ---------------------------------------------------------------------------------
 
@@ -106,8 +107,10 @@ class ParamSwap(UnitSwap):
             _wrap(group, "unshard", before=functools.partial(self._before_unshard, unit))
             _wrap(group, "wait_for_unshard", after=functools.partial(self._after_unshard, unit))
             _wrap(group, "post_backward", after=functools.partial(self._after_post_backward, unit))
-            if getattr(module, "vocab_tiling", None) is not None:  # read shard by shard, never all-gathered
-                module.shard_acquire = functools.partial(self._acquire, unit)
+            if getattr(module, "vocab_tiling", None) is not None:  # read in rows, never all-gathered
+                unit.tiled = True
+                module.shard_io = TiledShard(self, unit)
+                self.tiled_shards.append(module.shard_io)
         for p in model.parameters():
             if not p.requires_grad:
                 raise ValueError("offload.params='nvme' does not support frozen parameters yet (+peft=lora): "
@@ -139,19 +142,6 @@ class ParamSwap(UnitSwap):
         from .param_init import unit_by_unit
 
         return unit_by_unit(self, init_fn)
-
-    @contextlib.contextmanager
-    def _acquire(self, unit: Unit) -> Iterator[None]:
-        """Around a tiled op's use of a unit that is never all-gathered (the vocabulary tiling's
-        embedding and head): its shards refilled (and its owed update applied) first, released after."""
-        if self.engine is None:
-            yield
-            return
-        self._ensure(unit)
-        try:
-            yield
-        finally:
-            self._release(unit)
 
     # -- FSDP hooks -----------------------------------------------------------------------------
 

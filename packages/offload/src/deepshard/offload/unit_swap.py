@@ -46,6 +46,7 @@ class Deferred(Protocol):
     def read_ahead(self, unit: Unit) -> bool: ...
     def apply(self, unit: Unit, *, land: bool) -> None: ...
     def drain(self) -> None: ...
+    def flush_writes(self) -> None: ...
     def idle(self) -> None: ...
 
 
@@ -87,6 +88,7 @@ class Unit:
     pending: tuple[torch.Tensor, list[AioRequest]] | None = None  # a read in flight into a pool buffer
     grad_written: bool = False  # this step's gradient (so far) is in the grad file
     written: set[int] = field(default_factory=set)  # slots the materializer saw written
+    tiled: bool = False  # never all-gathered (vocabulary tiling): read and written in rows, not whole
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +131,8 @@ class UnitSwap:
             unit.offset = offset
             offset += unit.nbytes
         self._by_storage = {s.data.untyped_storage()._cdata: (u, s) for u in self.units for s in u.slots}
-        largest = max(self.units, key=lambda u: u.numel)
+        # the pool holds gathered units whole; a tiled unit goes through it in pool-sized chunks
+        largest = max((u for u in self.units if not u.tiled), key=lambda u: u.numel)
         validate_param_swap(self.config, len(FILES) * max(offset, 1), largest.numel, largest.name)
         self.dir = scratch.make_store_dir(self.config.nvme_path, self.run_id, self.rank)
         try:
@@ -148,21 +151,34 @@ class UnitSwap:
         """The unit's shards -> the param file (through a pool buffer); then free them if ``release``."""
         buf = self._free_buffer(wait=True)
         assert buf is not None
-        f32 = buf[:unit.nbytes].view(torch.float32)
-        f32.zero_()
-        for s in unit.slots:
-            f32[s.offset:s.offset + s.numel].copy_(s.data)
-        self._io(unit, "param", buf, write=True).wait()
+        for lo, hi in self._chunks(unit, buf):
+            f32 = buf[:hi - lo].view(torch.float32)
+            f32.zero_()
+            first = lo // 4
+            for s in unit.slots:
+                a, b = max(first, s.offset), min(first + f32.numel(), s.offset + s.numel)
+                if a < b:
+                    f32[a - first:b - first].copy_(s.data[a - s.offset:b - s.offset])
+            self._io(unit, "param", buf, write=True, span=(lo, hi)).wait()
         if release:
             self._release(unit, force=True)
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
-    def _io(self, unit: Unit, key: str, buf: torch.Tensor, *, write: bool) -> AioRequest:
+    def _io(self, unit: Unit, key: str, buf: torch.Tensor, *, write: bool,
+            span: tuple[int, int] | None = None) -> AioRequest:
+        """The unit's bytes (or ``span``: bytes ``lo ... hi`` of it) between ``buf`` and a file."""
         assert self.engine is not None
-        view = as_buffer(buf[:unit.nbytes])
+        lo, hi = span if span is not None else (0, unit.nbytes)
+        view = as_buffer(buf[:hi - lo])
         op = self.engine.write if write else self.engine.read
-        return op(self.files[key].fd, view, unit.offset)
+        return op(self.files[key].fd, view, unit.offset + lo)
+
+    @staticmethod
+    def _chunks(unit: Unit, buf: torch.Tensor) -> list[tuple[int, int]]:
+        """The unit's bytes in ranges that fit ``buf`` (one range for a unit the pool holds whole)."""
+        step = buf.numel() - buf.numel() % 4096
+        return [(lo, min(lo + step, unit.nbytes)) for lo in range(0, unit.nbytes, step)]
 
     def _free_buffer(self, *, wait: bool) -> torch.Tensor | None:
         """A pool buffer no read or write targets; retires finished (or, with ``wait``, the oldest)
@@ -185,8 +201,8 @@ class UnitSwap:
         return None if self.deferred is None else self.deferred.held(unit)
 
     def _read_ahead(self, unit: Unit, *, wait: bool) -> bool:
-        if unit.resident or unit.pending is not None or self._held(unit) is not None:
-            return True
+        if unit.resident or unit.pending is not None or self._held(unit) is not None or unit.tiled:
+            return True  # (a tiled unit is read in rows by its op, or in chunks by _ensure)
         buf = self._free_buffer(wait=wait)
         if buf is None:
             return False
@@ -247,6 +263,14 @@ class UnitSwap:
             unit.resident = True
             return
         self.reads["prefetched" if unit.pending is not None else "demand"] += 1
+        if unit.tiled:  # whole only for inspection (resident()): chunk by chunk through a pool buffer
+            buf = self._free_buffer(wait=True)
+            assert buf is not None
+            for lo, hi in self._chunks(unit, buf):
+                self._io(unit, "param", buf, write=False, span=(lo, hi)).wait()
+                self.fill_range(unit, lo // 4, buf[:hi - lo].view(torch.float32))
+            unit.resident = True
+            return
         self._read_ahead(unit, wait=True)
         self._land(unit)
 

@@ -59,10 +59,10 @@ def check_param_swap(settings: Settings, world: int) -> None:
     per_rank = -(-count_params(settings.model) // world)
     par = settings.parallel  # ZeRO-3's vocabulary tiling makes the embedding and the head units of their own
     tiled = bool(tile_rows(settings.model, zero_stage=3, tp=par.tp, pp=par.pp, sp=getattr(par, "sp", 1)))
-    unit = max(unit_shards(settings.model, world, tiled=tiled))
+    unit = max(unit_shards(settings.model, world, tiled=tiled, gathered=True))  # tiled ones are read in rows
     # 16 B per element (param, grad, two moments), plus alignment slack per unit
     validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit,
-                        "the largest unit: a block, the root" + (", the embedding or the head" if tiled else ""))
+                        "the largest gathered unit: a block or the root")
 
 
 def validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:

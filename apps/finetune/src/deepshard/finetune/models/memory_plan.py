@@ -60,11 +60,12 @@ def largest_unit(model_cfg, *, tiled: bool = False) -> int:
     return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block - vocab)
 
 
-def unit_shards(model_cfg, world: int, *, tiled: bool = False) -> list[int]:
+def unit_shards(model_cfg, world: int, *, tiled: bool = False, gathered: bool = False) -> list[int]:
     """Elements of each ZeRO-3 unit's shard on one rank (the root, then each block; ``tiled``: the
     embedding and the head are units of their own) as ``offload.params=nvme`` lays them out: FSDP2
     pads every param's dim 0 to a multiple of ``world``, and the swap places the padded shards
-    (``slot_offsets``)."""
+    (``slot_offsets``).  ``gathered``: only the units all-gathered whole (not a tiled embedding or
+    head, which are read in rows): those the parameter pool holds."""
     from deepshard.finetune.models.llama import Llama
     from deepshard.offload.unit_swap import slot_offsets
 
@@ -72,8 +73,8 @@ def unit_shards(model_cfg, world: int, *, tiled: bool = False) -> list[int]:
         model = Llama(model_cfg)
     own = [list(m.parameters()) for m in (model.embed_tokens, model.lm_head)] if tiled else []
     in_blocks = {id(p) for block in model.layers for p in block.parameters()} | {id(p) for u in own for p in u}
-    units = [[p for p in model.parameters() if id(p) not in in_blocks]] + own + [list(b.parameters())
-                                                                                for b in model.layers]
+    units = [[p for p in model.parameters() if id(p) not in in_blocks]] + ([] if gathered else own) + [
+        list(b.parameters()) for b in model.layers]
     out = []
     for params in units:
         rows = [p.shape[0] if p.dim() else 1 for p in params]
@@ -87,27 +88,38 @@ class InfinityBuffers(NamedTuple):
     """Host buffers of ``offload.params=nvme`` per rank, in bytes, as allocated (untouched pages of a
     pool buffer may never become resident: an upper bound on what they cost)."""
 
-    pool: int  # param_buffer_count buffers of 4 B per element of the largest unit: read-aheads, grad writes
-    deferred: int  # the deferred AdamW step's min(buffer_count, units) buffers of 16 B per element
+    pool: int  # param_buffer_count buffers of 4 B per element of the largest gathered unit
+    deferred: int  # the deferred AdamW step's min(buffer_count, pieces) buffers of 16 B per piece element
+    tiles: int = 0  # a tiled embedding/head's param and gradient tile buffers (rows of the shard)
 
     @property
     def peak(self) -> int:
-        """Both at once: the step's updates are owed from ``step()`` through the next forward (each runs
+        """All at once: the step's updates are owed from ``step()`` through the next forward (each runs
         at its unit's unshard), so the forward holds the deferred buffers beside the pool; they are
-        freed at the first unit's backward (kept throughout when ``buffer_count >= units``)."""
-        return self.pool + self.deferred
+        freed at the first unit's backward (kept throughout when ``buffer_count >= pieces``)."""
+        return self.pool + self.deferred + self.tiles
 
 
 def infinity_buffers(model_cfg, *, world: int, param_buffer_count: int, buffer_count: int,
-                     tiled: bool = False) -> InfinityBuffers:
-    """What ``ParamSwap`` (pool) and ``InfinityStore``/``DeferredStep`` (param, exp_avg, exp_avg_sq
-    and grad regions per buffer) allocate: every buffer is sized by the largest unit's shard, each
-    region rounded up to the O_DIRECT alignment."""
+                     tiled: bool = False, sub_group_size: int = 2**24, buffer_size: int = 2**24,
+                     tile_rows: int = 0) -> InfinityBuffers:
+    """What ``ParamSwap`` (pool: the largest gathered unit's shard), ``InfinityStore``/``DeferredStep``
+    (param, exp_avg, exp_avg_sq and grad regions per buffer, each a piece of ``min(sub_group_size,
+    buffer_size)`` elements) and the tiled units' row buffers (``tile_rows`` gathered rows per tile)
+    allocate, each region rounded up to the O_DIRECT alignment."""
     from deepshard.offload.aio import align_up
+    from deepshard.offload.deferred_step import PIECE_ALIGN
 
     shards = unit_shards(model_cfg, world, tiled=tiled)
-    region = align_up(max(shards, default=1) * 4)
-    return InfinityBuffers(param_buffer_count * region, min(buffer_count, len(shards)) * 4 * region)
+    gathered = unit_shards(model_cfg, world, tiled=tiled, gathered=True)
+    size = max(PIECE_ALIGN, min(sub_group_size, buffer_size) // PIECE_ALIGN * PIECE_ALIGN)
+    piece = min(size, -(-max(shards, default=1) // PIECE_ALIGN) * PIECE_ALIGN)  # deferred_step.piece_size
+    pieces = sum(-(-n // piece) for n in shards)
+    tiles = 0
+    if tiled and tile_rows:  # a param and a gradient buffer of one tile's rows plus the alignment
+        tiles = 2 * (align_up(4 * -(-tile_rows // world) * model_cfg.dim) + 4096)
+    return InfinityBuffers(param_buffer_count * align_up(max(gathered, default=1) * 4),
+                           min(buffer_count, pieces) * 4 * align_up(piece * 4), tiles)
 
 
 def count_frozen(model_cfg, lora) -> int:

@@ -8,7 +8,7 @@ reads their ``Shard(0)`` weights and runs ``deepshard.kernels.tiled_vocab`` on t
 ``tile_size`` vocabulary rows gathered, used and freed; the tile's gradient reduce-scattered into
 the shard), so FSDP2 never gathers them.  Their gradients land on the sharded params' ``.grad``
 as FSDP2's own do, averaged over the same group; a parameter swap (``offload.params=nvme``) treats
-them as units it refills around each use (``shard_acquire``).
+them as units read and written in rows, tile by tile (``shard_io``: their shard is never whole in memory).
 
 ``model.vocab_tile_size``: -1 (auto: on under ZeRO-3 where it applies, 4096 rows per tile), 0 (off:
 the root unit gathers them as before), or rows per gathered tile.  It applies without tensor or
@@ -79,8 +79,8 @@ def sharded_numel(model: nn.Module) -> int:
                for p in m.parameters() if p.requires_grad)
 
 
-def _acquire(module: nn.Module):
-    return getattr(module, "shard_acquire", None)
+def _shard_io(module: nn.Module):
+    return getattr(module, "shard_io", None)
 
 
 def embed(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def embed(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     if tiling is None:
         return module(input_ids)
     return tiled_embedding(input_ids, module.weight, tile_size=tiling.rows_per_rank, dtype=tiling.dtype,
-                           acquire=_acquire(module))
+                           shard_io=_shard_io(module))
 
 
 def head_loss(module: nn.Module, h: torch.Tensor, labels: torch.Tensor, *, reduction: str,
@@ -101,4 +101,4 @@ def head_loss(module: nn.Module, h: torch.Tensor, labels: torch.Tensor, *, reduc
     return tiled_linear_cross_entropy(h.flatten(0, 1).to(tiling.dtype), module.weight, labels.flatten(),
                                       ignore_index=IGNORE_INDEX, reduction=reduction,
                                       tile_size=tiling.rows_per_rank, chunk_size=chunk_size or 1024,
-                                      acquire=_acquire(module))
+                                      shard_io=_shard_io(module))
