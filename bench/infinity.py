@@ -159,7 +159,8 @@ def worker(spec: dict) -> dict:
     off = OffloadConfig(device="nvme" if on else "none", nvme_path=spec.get("nvme_path") if on else None,
                         params="nvme" if on else "none", buffer_count=spec.get("buffer_count", 3),
                         param_buffer_count=spec.get("param_buffer_count", 4),
-                        param_prefetch=spec.get("param_prefetch", 2), aio=AioConfig(**aio))
+                        param_prefetch=spec.get("param_prefetch", 2), aio=AioConfig(**aio),
+                        sub_group_size=spec.get("sub_group_size", 2**24), buffer_size=spec.get("sub_group_size", 2**24))
     factory = make_store_factory(off, 0, f"infinity{os.getpid()}")
     swap = getattr(factory, "param_swap", None)
     with torch.device("meta"):

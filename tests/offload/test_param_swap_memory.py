@@ -50,3 +50,26 @@ def test_model_states_twice_the_limit_train_in_it(tmp_path):
     free = run_worker({**spec, "offload": False}, limit_bytes=None)
     assert free["rss_anon"]["after_backward"] > LIMIT  # the same run without offload would not fit
     assert confined["losses"] == pytest.approx(free["losses"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
+def test_deferred_step_buffers_follow_the_piece_not_the_unit(tmp_path):
+    """``offload.sub_group_size`` below a block's shard: the deferred AdamW step streams each unit in
+    pieces of that many elements, so its buffers (measured: the host buffers mapped after the forward,
+    beside the param pool) are buffer_count x 16 B x the piece, a tenth of a block's here, as the estimate
+    says; it trains in the same limit with the losses of the run with whole-unit buffers."""
+    piece = 2**16
+    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(52, dim=256), "ac": "full",
+            "buffer_count": 2, "param_buffer_count": 3, "param_prefetch": 2}
+    cfg = LlamaConfig(**spec["model"])
+    assert largest_unit(cfg) > 10 * piece
+    confined = run_worker({**spec, "offload": True, "sub_group_size": piece}, limit_bytes=LIMIT)
+    assert confined["ok"], confined.get("stderr_tail")
+    est = infinity_buffers(cfg, world=1, param_buffer_count=3, buffer_count=2, sub_group_size=piece, buffer_size=piece)
+    assert est.deferred == 2 * 16 * piece
+    mapped = confined["buffers_mapped"]
+    assert mapped["after_forward"] == est.peak, (mapped, est)
+    assert mapped["after_backward"] == est.pool, (mapped, est)
+    whole = run_worker({**spec, "offload": True}, limit_bytes=LIMIT)
+    assert confined["losses"] == whole["losses"]  # the same arithmetic, bit for bit

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepshard.finetune.models.memory_plan import estimate, largest_unit, unit_shards
+from deepshard.finetune.models.memory_plan import estimate, infinity_buffers, largest_unit
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -136,12 +136,12 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
 
     ws = WorkingSet()
     b = BYTES[s.dtype]
-    shards = unit_shards(cfg, s.dp, tiled=bool(s.tile_rows))
-    largest = max(shards, default=0)
     infinity = 0
-    if s.params == "nvme":  # what ParamSwap (pool) and the deferred step (4 regions each) allocate
-        region = align_up(largest * 4)
-        infinity = s.param_buffer_count * region + min(s.buffer_count, len(shards)) * 4 * region
+    if s.params == "nvme":  # what ParamSwap (pool), the deferred step (4 regions a piece) and the tiles allocate
+        infinity = infinity_buffers(cfg, world=s.dp, param_buffer_count=s.param_buffer_count,
+                                    buffer_count=s.buffer_count, tiled=bool(s.tile_rows),
+                                    sub_group_size=s.sub_group_size, buffer_size=s.buffer_size,
+                                    tile_rows=s.tile_rows).peak
     groups = min(s.sub_group_size, max(num_params // s.dp, 1))
     nvme_buffers = min(s.buffer_count, -(-max(num_params // s.dp, 1) // groups)) * 4 * align_up(groups * 4) \
         if s.offload == "nvme" and s.params != "nvme" else 0
@@ -192,6 +192,8 @@ def knobs_to_fit(s: RunShape) -> list[str]:
         out.append("offload.params=nvme")
     if s.params == "nvme" and (s.buffer_count > 1 or s.param_buffer_count > 2):
         out.append("offload.buffer_count=1 offload.param_buffer_count=2 offload.param_prefetch=1")
+    if s.params == "nvme" and min(s.sub_group_size, s.buffer_size) > 2**22:
+        out.append("offload.sub_group_size=4194304 (the deferred update's pieces: 16 B x that per buffer)")
     if s.ac == "none":
         out.append("ac=full")
     if s.micro_batch_size > 1:
