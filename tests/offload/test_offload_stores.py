@@ -173,3 +173,37 @@ def test_buffered_fallback_when_o_direct_refused(tmp_path, monkeypatch, caplog):
         assert_same(ref, store)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_store_one_pass_adam_writes_the_params(monkeypatch, dtype):
+    """Low-precision params: the host Adam pass writes them itself (no cast pass after), bitwise equal to
+    plain torch.optim.AdamW(fused=True) on fp32 masters, rounded; runs threshold lowered to reach it."""
+    from deepshard.core import state_store
+    from deepshard.kernels import host_adam
+
+    monkeypatch.setattr(state_store, "HOST_ADAM_MIN_NUMEL", 1)
+    shapes = [(64, 48), (48,), (1000,), (129, 31), (16,), (3,)]  # one ragged size ends a run
+    decays = [0.1, 0.1, 0.1, 0.0, 0.0, 0.1]
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [torch.nn.Parameter(b.clone()) for b in base]
+    groups = [{"params": [p for p, d in zip(ref, decays) if d == wd], "weight_decay": wd} for wd in (0.1, 0.0)]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=ADAMW.betas, eps=ADAMW.eps, fused=True)
+    params = [b.to(dtype) for b in base]
+    store = CpuStateStore(params, decays, ADAMW, masters=base)
+    before = host_adam.calls["compiled"]
+    for step in range(1, STEPS + 1):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]  # copied into one flat fp32 buffer
+        scale = 1.0 if step % 2 else 0.37
+        for p, g in zip(ref, grads):
+            p.grad = g.float()
+        opt.grad_scale = None if scale == 1.0 else torch.tensor(1.0 / scale)
+        opt.step()
+        with torch.no_grad():
+            store.step(grads, lr=1e-2, step=step, grad_scale=scale)
+    for r, p, m in zip(ref, params, store.masters):
+        assert torch.equal(m, r.detach()) and torch.equal(p, r.detach().to(dtype))
+    if host_adam.compiled_available():
+        assert host_adam.calls["compiled"] > before, "the one-pass kernel never served the store"
+    store.close()

@@ -15,6 +15,15 @@ from typing import Protocol
 import torch
 from torch.optim.adamw import adamw
 
+try:  # optional (design.md: core -> kernels for fused AdamW); torch's fused kernel serves without it
+    from deepshard.kernels.host_adam import host_adamw_runs_
+except ImportError:  # pragma: no cover - kernels not installed
+    host_adamw_runs_ = None
+
+# a flat host run this long goes through the one-pass kernel when that saves a pass (see adamw_update);
+# shorter, its fixed cost (~30 us more than torch's call) outweighs the pass it saves
+HOST_ADAM_MIN_NUMEL = 1 << 19
+
 
 @dataclass(frozen=True)
 class AdamWConfig:
@@ -98,12 +107,18 @@ def adamw_update(
     lr: float,
     step: int,
     grad_scale: float = 1.0,
+    outs: list[torch.Tensor | None] | None = None,
 ) -> None:
     """One AdamW update of fp32 ``masters`` in place with torch's own math (``step`` is 1-based).
 
     Grouped by weight decay; fused on CPU and CUDA (5x faster than foreach on CPU, measured with torch 2.13).
     ``grad_scale`` multiplies the grads inside the fused kernel (which rescales them in place),
-    so clipping and loss-scale removal cost no extra gradient copy.
+    so clipping and loss-scale removal cost no extra gradient copy.  ``outs[i]``, where given,
+    receives the new ``masters[i]`` cast to its dtype (the compute-dtype copy offload uploads).
+
+    On the host, runs of tensors lying back to back in flat buffers (offload's stores) go through
+    :func:`deepshard.kernels.host_adam.host_adamw_` when it saves a memory pass (a cast copy to
+    write, or a gradient scale that torch's kernel would store back): bitwise the same numbers.
     """
     groups: dict[float, list[int]] = {}
     for i, wd in enumerate(weight_decays):
@@ -113,6 +128,12 @@ def adamw_update(
         if not idx:
             continue
         device = masters[idx[0]].device
+        if host_adamw_runs_ is not None and device.type == "cpu" and (outs is not None or grad_scale != 1.0):
+            idx = host_adamw_runs_((masters, grads, exp_avgs, exp_avg_sqs), outs, idx,
+                                   min_numel=HOST_ADAM_MIN_NUMEL, lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1],
+                                   eps=cfg.eps, weight_decay=wd, step=step, grad_scale=grad_scale)
+            if not idx:
+                continue
         fused = device.type in ("cpu", "cuda")
         steps = [torch.tensor(float(step - 1), device=device if fused else "cpu") for _ in idx]
         group_grads = [grads[i] for i in idx]
@@ -140,6 +161,9 @@ def adamw_update(
             eps=cfg.eps,
             maximize=False,
         )
+        for i in idx if outs is not None else ():
+            if outs[i] is not None:
+                outs[i].copy_(masters[i])
 
 
 class DeviceStateStore(StateStore):

@@ -4,7 +4,9 @@ The fp32 master and both AdamW moments live in (pinned, when an accelerator exis
 gradients stream device->host as backward produces them (``grad_ready``) on a side stream, the
 update runs on the CPU with torch's fused AdamW (measured here at 50M params: fused 25 ms,
 foreach 154 ms, for-loop 176 ms), and the new masters go back host->device without blocking:
-cast to the compute dtype on the host into the (then dead) gradient buffer, so each upload is a
+cast to the compute dtype on the host into the (then dead) gradient buffer, written by the Adam pass
+itself for flat runs of 512K+ elements (:func:`deepshard.kernels.host_adam.host_adamw_`, one pass
+instead of Adam then a cast that reads the masters again), so each upload is a
 same-dtype copy from pinned memory, a true asynchronous DMA (a cross-dtype host->device copy
 would cast into a pageable temporary first and block).  The flat buffers are pinned at their
 exact size (:func:`pinned_empty`), not at the caching host allocator's next power of two.
@@ -65,6 +67,11 @@ class CpuStateStore(StateStore):
         staging = self._flat["grad"].view(torch.uint8).view(low.pop()) if low else None
         self._staging = [None if p.dtype == torch.float32 else staging[o:o + p.numel()].view(p.shape)
                          for p, o in zip(params, _offsets(shapes))]
+        # where Adam writes the compute-dtype copy in its own pass (no second read of the masters):
+        # host params directly, device params through the staging
+        self._outs = None if self.aliased else [
+            None if stage is None else p.detach() if p.device.type == "cpu" and p.is_contiguous() else stage
+            for p, stage in zip(params, self._staging)]
         assert masters is None or not self.aliased, "fp32 host params are their own masters"
         if not self.aliased:  # the masters start from the fp32 values taken before the cast (or the params)
             for m, src in zip(self.masters, params if masters is None else masters, strict=True):
@@ -112,17 +119,23 @@ class CpuStateStore(StateStore):
         g32 = self._gather_grads(grads, grad_scale)  # (the staging is the grad buffer it fills)
         with torch.no_grad():  # aliased masters are leaf params
             adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
-                         lr=lr, step=step, grad_scale=grad_scale)
-        self._upload()
+                         lr=lr, step=step, grad_scale=grad_scale, outs=self._outs)
+        self._upload(cast_done=True)
 
-    def _upload(self) -> None:
-        """Masters -> params (cast to compute dtype); asynchronous on CUDA from pinned memory."""
+    def _upload(self, cast_done: bool = False) -> None:
+        """Masters -> params (cast to compute dtype); asynchronous on CUDA from pinned memory.
+
+        ``cast_done``: Adam already wrote the compute-dtype copy (``self._outs``) in its pass.
+        """
         if self.aliased:
             return
         with torch.no_grad():
-            for p, m, stage in zip(self.params, self.masters, self._staging):
+            for p, m, stage, out in zip(self.params, self.masters, self._staging, self._outs):
                 if stage is not None:
-                    stage.copy_(m)  # the cast, on the host: the copy below is then a plain DMA
+                    if cast_done and out is not stage:
+                        continue  # a host param Adam wrote itself
+                    if not cast_done:
+                        stage.copy_(m)  # the cast, on the host: the copy below is then a plain DMA
                     m = stage
                 p.copy_(m, non_blocking=p.is_cuda)
         if self._stream is not None:
