@@ -217,7 +217,8 @@ def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) 
     change nothing."""
     _quiet_resource_tracker()  # the server starts the tracker: before it, with the leak warning off
     multiprocessing.set_forkserver_preload(["deepshard.launch.forkserver_guard", "torch", "torch._dynamo",
-                                            "torch.distributed.tensor", __name__, fn.__module__, *preload])
+                                            "torch.distributed.tensor", __name__, fn.__module__, *preload,
+                                            "deepshard.launch.forkserver_trim"])  # last: see its docstring
     os.environ[SERVER_PARENT_ENV] = str(os.getpid())  # the server dies with this process (forkserver_guard)
     try:
         multiprocessing.forkserver.ensure_running()
