@@ -65,13 +65,16 @@ import json, sys
 from deepshard.finetune.config import validate
 from deepshard.finetune.tools.estimate import compose
 from deepshard.finetune import preflight as pf
+from deepshard.finetune.process_memory import job_baseline
 base = sys.argv[1:]
 s = validate(compose(base))
-chosen, line = pf.fit_buffers(s, 2)
+job = job_baseline(2)  # the processes' baseline, read once as the preflight does
+chosen, line = pf.fit_buffers(s, 2, job)
 o = chosen.offload
 room = pf.room()
 needs = {str(c): 2 * pf.working_set_of(pf.with_offload(s, buffer_count=c[0], param_buffer_count=c[1],
-                                                      param_prefetch=c[2])).ram(False) for c in pf.BUFFER_CHOICES}
+                                                      param_prefetch=c[2]), baseline=job.per_rank).ram(False)
+         + job.shared_total for c in pf.BUFFER_CHOICES}
 try:
     pf.check_memory(validate(compose(base + ["offload.buffer_count=4", "offload.param_buffer_count=6"])), 2)
     refused = None
@@ -85,18 +88,18 @@ print(json.dumps({"chosen": [o.buffer_count, o.param_buffer_count, o.param_prefe
 @pytest.mark.slow
 @pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
 def test_infinity_buffers_chosen_for_the_cgroup(tmp_path):
-    """ZeRO-Infinity's buffers at their defaults are taken as not given: inside a 3.75 GiB cgroup the 358M
+    """ZeRO-Infinity's buffers at their defaults are taken as not given: inside a 3.25 GiB cgroup the 358M
     Llama at world 2 gets the most buffers that fit (said in one line); explicit ones that cannot
     fit are refused."""
     args = ["model.dim=1536", "model.n_layers=14", "model.n_heads=12", "model.n_kv_heads=4", "model.ffn_hidden=4096",
             "+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}", "ac=full"]
-    with memory_cgroup(15 * 2**28) as group:  # 3.75 GiB: the defaults (3.3 GiB for two ranks) do not fit in 90%
+    with memory_cgroup(13 * 2**28) as group:  # 3.25 GiB: the defaults (3.0 GiB for two ranks) do not fit in 90%
         out = subprocess.run([sys.executable, "-c", _PICK, *args], capture_output=True, text=True, timeout=300,
                              cwd=ROOT, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     room, where = got["room"]
-    assert "memory cgroup" in where and room < 15 * 2**28
+    assert "memory cgroup" in where and room < 13 * 2**28
     choices = list(got["needs"])
     k = choices.index(str(tuple(got["chosen"])))
     assert k > 0, got  # the defaults do not fit here

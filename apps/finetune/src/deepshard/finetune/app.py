@@ -25,6 +25,7 @@ from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs
 from deepshard.launch.local import JobFailed, launch_local, start_worker_server
+from deepshard.launch.process_trim import trim_heap
 from deepshard.offload import remove_scratch
 
 
@@ -84,13 +85,15 @@ def _run(settings: Settings, run_dir: str) -> dict:
     local_workers = not under_torchrun() and settings.world_size > 1
     # the working set of this host's ranks against the memory they will have: refused or warned here
     settings = preflight_memory(settings, settings.world_size if local_workers else
-                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # and offload buffers chosen to fit
+                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # and offload buffers chosen to fit
+                                forked=local_workers)
     if local_workers:  # their imports, in the background, while the checks below read the inputs
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
     check_inputs(settings)  # user data read through once, model=hf's files
     if not local_workers:
         return _inline(settings, run_dir)
     datasets = check_data_fits(settings)  # tokenizer, documents, batch: fail here, not in every worker
+    trim_heap()  # what the checks parsed and dropped goes back: this process only waits from here on
     if settings.launcher.malloc_mmap_threshold:  # read by glibc at the workers' start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(settings.launcher.malloc_mmap_threshold)
     run_id = f"run{os.getpid()}"

@@ -1,9 +1,11 @@
 """Before any worker starts: will the run fit in the memory its workers will have?
 
 The working set of one rank (``models/working_set.py``: model states, swap buffers, gathered units,
-activations, the process baseline) times the ranks on this host is compared with the memory they
-will have: the memory cgroup's limit less what the group already uses (v2 ``memory.max``, v1
-``memory.limit_in_bytes``), else the host's ``MemAvailable``.  A run that cannot fit is refused with
+activations, the worker's own pages) times the ranks on this host, plus what the job's processes
+share once (``process_memory``: the forkserver's image, the launcher's growth after this check), is
+compared with the memory they will have: the memory cgroup's limit less what the group already uses
+(v2 ``memory.max``, v1 ``memory.limit_in_bytes``: this launcher is in it), else the host's
+``MemAvailable``.  A run that cannot fit is refused with
 one line naming the estimate, the limit and the knobs that would make it fit; one within 10% of
 the limit gets one warning line.
 """
@@ -19,9 +21,9 @@ from deepshard.finetune.models.working_set import (
     RunShape,
     WorkingSet,
     knobs_to_fit,
-    process_baseline,
     working_set,
 )
+from deepshard.finetune.process_memory import JobBaseline, job_baseline
 
 if TYPE_CHECKING:
     from deepshard.finetune.config import Settings
@@ -48,11 +50,12 @@ def run_shape(s: Settings) -> RunShape:
 
 
 def working_set_of(s: Settings, *, baseline: int | None = None, shape: RunShape | None = None) -> WorkingSet:
-    """One rank's working set for these settings (``baseline`` None: this process's resident size)."""
+    """One rank's working set for these settings (``baseline`` None: a forked worker's own pages)."""
     from deepshard.finetune.models.memory_plan import count_frozen, count_params
 
     par = s.parallel
     num = count_params(s.model, s.peft) // (par.tp * par.pp)
+    baseline = job_baseline(1, image=0).per_rank if baseline is None else baseline
     return working_set(s.model, num, shape or run_shape(s), baseline=baseline, frozen=count_frozen(s.model, s.peft))
 
 
@@ -101,19 +104,22 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_memory(s: Settings, nproc: int) -> str | None:
+def check_memory(s: Settings, nproc: int, base: JobBaseline | None = None) -> str | None:
     """ValueError (one line) when ``nproc`` ranks of ``s`` cannot fit in the memory they will have;
-    the warning line when they come close; None otherwise.  Each rank counts one process baseline
-    (this process's resident size now: it has torch and the app imported, as a worker will)."""
+    the warning line when they come close; None otherwise.  Each rank counts a worker's own pages,
+    the job once what its processes share (``base``: ``process_memory.job_baseline``, read now)."""
+    base = base or job_baseline(nproc)
     shape = run_shape(s)
-    ws = working_set_of(s, baseline=process_baseline(), shape=shape)
+    ws = working_set_of(s, baseline=base.per_rank, shape=shape)
     per_rank = ws.ram(shape.on_device)
-    need = nproc * per_rank
+    need = nproc * per_rank + base.shared_total
     have = room()
     if have is None:
         return None
     limit, where = have
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in {**ws.host, **ws.device}.items() if v)
+    shared = ", ".join(f"{k} {_gib(v)}" for k, v in base.shared.items() if v)
+    parts += f"; once: {shared}" if shared else ""
     if need > limit:
         raise ValueError(f"memory: this run needs about {_gib(need)} ({nproc} rank(s) x {_gib(per_rank)}: {parts}) "
                          f"but {where} leaves {_gib(limit)}; to fit, try: {'; '.join(knobs_to_fit(shape))}")
@@ -127,7 +133,7 @@ def check_memory(s: Settings, nproc: int) -> str | None:
 BUFFER_CHOICES = ((3, 4, 2), (2, 3, 2), (2, 3, 1), (1, 3, 2), (1, 2, 1))
 
 
-def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
+def fit_buffers(s: Settings, nproc: int, base: JobBaseline | None = None) -> tuple[Settings, str | None]:
     """ZeRO-Infinity's buffers chosen for the memory the run has: where ``offload.buffer_count``,
     ``param_buffer_count`` and ``param_prefetch`` are at their defaults (taken as not given), the
     most buffers that fit; the choice said in one line.  Explicit values are kept (and refused by
@@ -137,11 +143,10 @@ def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
     have = room()
     if have is None:
         return s, None
-    baseline = process_baseline()
+    base = base or job_baseline(nproc)
     for i, (count, pool, prefetch) in enumerate(BUFFER_CHOICES):
         tried = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
-        shape = run_shape(tried)
-        need = nproc * working_set_of(tried, baseline=baseline, shape=shape).ram(shape.on_device)
+        need = _need(tried, nproc, base)
         if i == len(BUFFER_CHOICES) - 1 and need > CLOSE * have[0]:
             return tried, None  # the smallest buffers; check_memory says the rest (refused or close)
         if need <= CLOSE * have[0]:
@@ -153,12 +158,12 @@ def fit_buffers(s: Settings, nproc: int) -> tuple[Settings, str | None]:
     return s, None  # not reached
 
 
-def _need(s: Settings, nproc: int, baseline: int) -> int:
+def _need(s: Settings, nproc: int, base: JobBaseline) -> int:
     shape = run_shape(s)
-    return nproc * working_set_of(s, baseline=baseline, shape=shape).ram(shape.on_device)
+    return nproc * working_set_of(s, baseline=base.per_rank, shape=shape).ram(shape.on_device) + base.shared_total
 
 
-def fit_ac(s: Settings, nproc: int) -> tuple[Settings, str | None]:
+def fit_ac(s: Settings, nproc: int, base: JobBaseline | None = None) -> tuple[Settings, str | None]:
     """``ac=auto``: activation checkpointing of every block where the run fits only with it.
 
     Without it a block keeps all its activations until backward (at 1536 wide and 1024 tokens a
@@ -170,16 +175,16 @@ def fit_ac(s: Settings, nproc: int) -> tuple[Settings, str | None]:
     have = room()
     if have is None:
         return s, None
-    baseline = process_baseline()
+    base = base or job_baseline(nproc)
     smallest = s
     if s.offload.params == "nvme" and _buffers_as_default(s):
         count, pool, prefetch = BUFFER_CHOICES[-1]
         smallest = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
-    without = _need(smallest, nproc, baseline)
+    without = _need(smallest, nproc, base)
     if without <= CLOSE * have[0]:
         return s, None
     full = dataclasses.replace(s, engine=dataclasses.replace(s.engine, ac="full"))
-    with_full = _need(dataclasses.replace(smallest, engine=full.engine), nproc, baseline)
+    with_full = _need(dataclasses.replace(smallest, engine=full.engine), nproc, base)
     if with_full > have[0]:  # it would not fit either: check_memory refuses, naming every knob
         return s, None
     return full, (f"memory: picked ac=full (every block's activations recomputed in backward) for the "
@@ -192,16 +197,18 @@ def _buffers_as_default(s: Settings) -> bool:
     return (o.buffer_count, o.param_buffer_count, o.param_prefetch) == BUFFER_CHOICES[0]
 
 
-def preflight_memory(s: Settings, nproc: int) -> Settings:
+def preflight_memory(s: Settings, nproc: int, *, forked: bool = True) -> Settings:
     """The app's check before starting workers: activation checkpointing and the buffers chosen,
-    then refuse (ValueError) or warn on stderr; returns the settings the workers get."""
-    s, picked_ac = fit_ac(s, nproc)
+    then refuse (ValueError) or warn on stderr; returns the settings the workers get.  ``forked``:
+    the workers will fork from this launcher's forkserver (else this process is one of the ranks)."""
+    base = job_baseline(nproc, forked=forked)  # read once, before the checks import more
+    s, picked_ac = fit_ac(s, nproc, base)
     if picked_ac:
         print(picked_ac, file=sys.stderr)
-    s, picked = fit_buffers(s, nproc)
+    s, picked = fit_buffers(s, nproc, base)
     if picked:
         print(picked, file=sys.stderr)
-    line = check_memory(s, nproc)
+    line = check_memory(s, nproc, base)
     if line:
         print(line, file=sys.stderr)
     return s

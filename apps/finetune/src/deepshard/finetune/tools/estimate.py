@@ -95,6 +95,19 @@ def working_set_lines(settings) -> list[str]:
     out += [f"{_fmt(ws.host.get(k, 0)):>10} {_fmt(ws.device.get(k, 0)):>10}   {k}" for k in {**ws.host, **ws.device}]
     out.append(f"{_fmt(ws.host_total):>10} {_fmt(ws.device_total):>10}   total"
                + ("" if shape.on_device else f" ({_fmt(ws.ram(False))} of RAM per rank)"))
+    return out + shared_lines(settings, ws.ram(shape.on_device))
+
+
+def shared_lines(settings, per_rank: int) -> list[str]:
+    """What a local run's processes hold once for the host (``process_memory``), and the host's total."""
+    from deepshard.finetune.process_memory import job_baseline
+
+    nproc = settings.world_size
+    base = job_baseline(nproc)
+    out = [f"Once for the host's {nproc} local rank(s) (the launcher itself is not counted: it is in the "
+           "memory's usage when the app checks):"]
+    out += [f"{_fmt(v):>10} {'':>10}   {k}" for k, v in base.shared.items()]
+    out.append(f"{_fmt(nproc * per_rank + base.shared_total):>10} {'':>10}   host total ({nproc} x per rank + once)")
     return out
 
 
