@@ -3,10 +3,14 @@
 - swap: read/write bandwidth of the NVMe optimizer step vs a plain sequential O_DIRECT write and
   read of the same bytes on the same path (goal: step I/O >= 0.8 of sequential).
 - adam: host AdamW step time, CpuStateStore vs torch.optim.AdamW (for-loop, foreach, fused).
-- host_adam: CpuStateStore vs DeepSpeedCPUAdam (where DeepSpeed is installed) on 1 and 2 threads, flat
-  and 50-tensor layouts, as bytes/s (28 B per element: reads p, g, m, v; writes p, m, v) against the
-  floor, a plain in-place stream of the same kind (``p += g; m += v``: 24 B/element, writes to lines it
-  read) on the same buffers.
+- host_adam: CpuStateStore vs DeepSpeedCPUAdam (where DeepSpeed is installed) on 1 and 2 threads (one
+  child process each, OMP_NUM_THREADS and torch's pool set; cpu_over_wall shows the threads really
+  used), flat and 50-tensor layouts, each also with a gradient scale (clipping: DeepSpeed scales the
+  grads in a pass of its own), plus bf16 params with fp32 host masters (ZeRO-Offload's case: ours
+  writes the bf16 copy in the Adam pass, torch's fused AdamW and DeepSpeed cast after).  Interleaved
+  rounds, median and min; bytes/s (28 B per element: reads p, g, m, v; writes p, m, v; 30 with the
+  bf16 copy) against the floor, a plain in-place stream (``p += g; m += v``: 24 B/element, writes to
+  lines it read) on the same buffers.
 - rss: peak RSS of a fresh process stepping ~100M fp32 params with NvmeStateStore vs
   DeviceStateStore; the drop should be most of the optimizer-state bytes (goal >= 0.8).
 
@@ -18,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+from torch.optim.adamw import adamw
 
 from deepshard.core.state_store import AdamWConfig, DeviceStateStore
 from deepshard.offload import AioConfig, CpuStateStore, NvmeStateStore, OffloadConfig
@@ -130,48 +136,126 @@ def bench_adam(numel: int, repeats: int) -> dict:
     return out
 
 
-def _host_adam_row(numel: int, pieces: int, repeats: int, ds_cls) -> dict:
-    params = make_params(numel, pieces)
-    grads = [torch.rand_like(p) * 1e-3 for p in params]
-    store = CpuStateStore(params, [0.01] * pieces, CFG)
+def _interleaved(fns: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """Each fn once per round, rounds repeated (drift and neighbours hit all alike); min, median and
+    process-CPU/wall per fn (the threads it really used: DeepSpeed's OpenMP and torch's pool alike)."""
+    for fn in fns.values():
+        fn()  # warm-up: first touch, thread pools, compiled kernels
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, float] = dict.fromkeys(fns, 0.0)
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            c, t = time.process_time(), time.perf_counter()
+            fn()
+            wall[k].append(time.perf_counter() - t)
+            cpu[k] += time.process_time() - c
+    return {k: {"min_s": min(w), "median_s": statistics.median(w), "cpu_over_wall": cpu[k] / sum(w)}
+            for k, w in wall.items()}
+
+
+def _host_adam_rows(numel: int, repeats: int) -> list[dict]:
+    """One thread count (this process's): fp32 rows per layout, then the bf16-params row."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        DeepSpeedCPUAdam = None  # noqa: N806
+    rows = []
+    for layout, pieces in (("flat", 1), ("50_tensors", 50)):
+        for scaled in (False, True):
+            params = make_params(numel, pieces)
+            grads = [torch.rand_like(p) * 1e-3 for p in params]
+            store = CpuStateStore(params, [0.01] * pieces, CFG)
+            # grad_scale (clipping / loss-scale removal): torch's fused kernel stores the scaled grads
+            # back, DeepSpeed's ZeRO-Offload scales them in a pass of their own before its step
+            scale = 0.5 if scaled else 1.0
+            k = [1]
+
+            def ours(store=store, grads=grads, scale=scale, k=k) -> None:
+                k[0] += 1
+                store.step(grads, lr=1e-3, step=k[0], grad_scale=scale)
+
+            def stream(params=params, grads=grads, store=store) -> None:  # p += g; m += v: 24 B/element
+                torch._foreach_add_(params, grads)
+                torch._foreach_add_(store.exp_avgs, store.exp_avg_sqs)
+
+            fns = {"ours": ours, "stream": stream}
+            if DeepSpeedCPUAdam is not None:
+                ds_params = [torch.nn.Parameter(torch.rand_like(p)) for p in params]
+                for p, g in zip(ds_params, grads):
+                    p.grad = g.clone()
+                ds = DeepSpeedCPUAdam(ds_params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+                ds_grads = [p.grad for p in ds_params]
+                fns["deepspeed"] = (lambda ds=ds, gs=ds_grads: (torch._foreach_mul_(gs, 0.5), ds.step())) \
+                    if scaled else ds.step
+            rows.append(_host_adam_summary(f"{layout}{'_grad_scale' if scaled else ''}", numel, 28, fns, repeats))
+            del store, fns
+    for layout, pieces in (("flat", 1), ("50_tensors", 50)):
+        rows.append(_bf16_row(numel, pieces, f"{layout}_bf16_params", repeats, DeepSpeedCPUAdam))
+    return rows
+
+
+def _bf16_row(numel: int, pieces: int, layout: str, repeats: int, ds_cls) -> dict:
+    """ZeRO-Offload's real case: bf16 compute params, fp32 masters on the host.  Ours writes the bf16
+    params in the Adam pass (runs of 4M+ elements; 50 tensors of 1M stay on torch's kernel + cast);
+    torch's fused AdamW and DeepSpeedCPUAdam each need a cast pass after (DeepSpeed 0.19.8's stage
+    1-2: ``bit16_partition_buffer.copy_(fp32_partition)``)."""
+    masters = make_params(numel, pieces)
+    params = [m.to(torch.bfloat16) for m in masters]
+    grads = [torch.rand_like(m) * 1e-3 for m in masters]
+    store = CpuStateStore(params, [0.01] * pieces, CFG, masters=masters)
     k = [1]
 
     def ours() -> None:
         k[0] += 1
         store.step(grads, lr=1e-3, step=k[0])
 
-    def stream() -> None:  # the floor: reads p, g, m, v and writes p, m in place (24 B/element)
-        torch._foreach_add_(params, grads)
+    ref_m = [m.clone() for m in masters]
+    ref_state = ([torch.zeros_like(m) for m in masters], [torch.zeros_like(m) for m in masters])
+
+    def fused_then_cast() -> None:  # our previous path
+        adamw(ref_m, grads, *ref_state, [], [torch.tensor(float(k[0])) for _ in masters], fused=True, foreach=False,
+              amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.01, eps=1e-8, maximize=False)
+        torch._foreach_copy_(params, ref_m)
+
+    def stream() -> None:
+        torch._foreach_add_(masters, grads)
         torch._foreach_add_(store.exp_avgs, store.exp_avg_sqs)
 
-    row = {"ours_s": best_of(ours, repeats), "stream_s": best_of(stream, repeats)}
-    row["ours_GBps"] = 28 * numel / row["ours_s"] / 1e9
-    row["stream_GBps"] = 24 * numel / row["stream_s"] / 1e9
-    row["ours_vs_floor"] = row["ours_GBps"] / row["stream_GBps"]
+    fns = {"ours": ours, "torch_fused_then_cast": fused_then_cast, "stream": stream}
     if ds_cls is not None:
-        ds_params = [torch.nn.Parameter(p) for p in params]
+        ds_params = [torch.nn.Parameter(m.clone()) for m in masters]
         for p, g in zip(ds_params, grads):
             p.grad = g
         ds = ds_cls(ds_params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
-        row["deepspeed_s"] = best_of(ds.step, repeats)
-        row["deepspeed_GBps"] = 28 * numel / row["deepspeed_s"] / 1e9
-        row["ours_over_deepspeed_time"] = row["ours_s"] / row["deepspeed_s"]
+        fns["deepspeed"] = lambda: (ds.step(), torch._foreach_copy_(params, [p.detach() for p in ds_params]))
+    return _host_adam_summary(layout, numel, 30, fns, repeats)
+
+
+def _host_adam_summary(layout: str, numel: int, nbytes: int, fns: dict, repeats: int) -> dict:
+    """GB/s from the median (``nbytes``/element: what the one-pass update must move; the stream moves 24)."""
+    t = _interleaved(fns, repeats)
+    row: dict = {"threads": torch.get_num_threads(), "layout": layout, "bytes_per_element": nbytes}
+    for name, r in t.items():
+        per = 24 if name == "stream" else nbytes
+        row[name] = {"median_s": r["median_s"], "min_s": r["min_s"], "GBps": per * numel / r["median_s"] / 1e9,
+                     "cpu_over_wall": r["cpu_over_wall"]}
+    row["ours_vs_floor_GBps"] = row["ours"]["GBps"] / row["stream"]["GBps"]
+    for base in ("deepspeed", "torch_fused_then_cast"):
+        if base in row:
+            row[f"ours_over_{base}_time"] = row["ours"]["median_s"] / row[base]["median_s"]
+            row[f"ours_over_{base}_time_min"] = row["ours"]["min_s"] / row[base]["min_s"]
     return row
 
 
 def bench_host_adam(numel: int, repeats: int) -> list[dict]:
-    """Ours vs DeepSpeedCPUAdam vs the stream floor, per thread count and layout (see the docstring)."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError:
-        DeepSpeedCPUAdam = None  # noqa: N806
-    rows, threads = [], torch.get_num_threads()
+    """Ours vs DeepSpeedCPUAdam vs the stream floor, one child process per thread count (see the docstring)."""
+    rows = []
     for n_threads in (1, 2):
-        torch.set_num_threads(n_threads)
-        for layout, pieces in (("flat", 1), ("50_tensors", 50)):
-            rows.append({"threads": n_threads, "layout": layout,
-                         **_host_adam_row(numel, pieces, repeats, DeepSpeedCPUAdam)})
-    torch.set_num_threads(threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(n_threads)}
+        cmd = [sys.executable, __file__, "--host-adam-child", str(n_threads), "--host-adam-params",
+               str(numel / M), "--host-adam-repeats", str(repeats)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        rows += json.loads(out.strip().splitlines()[-1])
     return rows
 
 
@@ -271,8 +355,15 @@ def main() -> None:
     ap.add_argument("--only", default="swap,adam,host_adam,rss,zero3")
     ap.add_argument("--host-adam-params", type=float, default=50, help="host_adam size, millions of params")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--host-adam-repeats", type=int, default=11, help="interleaved rounds per host_adam row")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--host-adam-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.host_adam_child:
+        torch.manual_seed(0)
+        torch.set_num_threads(args.host_adam_child)
+        print(json.dumps(_host_adam_rows(int(args.host_adam_params * M), args.host_adam_repeats)))
+        return
     if args.rss_child:
         rss_child(args.rss_child, int(args.rss_params * M), args.nvme_path)
         return
@@ -285,7 +376,7 @@ def main() -> None:
         if "adam" in only:
             result["adam"] = [bench_adam(int(float(s) * M), args.repeats) for s in args.sizes.split(",")]
         if "host_adam" in only:
-            result["host_adam"] = bench_host_adam(int(args.host_adam_params * M), args.repeats + 1)
+            result["host_adam"] = bench_host_adam(int(args.host_adam_params * M), args.host_adam_repeats)
         if "rss" in only:
             result["rss"] = bench_rss(int(args.rss_params * M), path)
         if "zero3" in only:
