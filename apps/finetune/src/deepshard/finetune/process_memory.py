@@ -86,5 +86,6 @@ def job_baseline(nproc: int, *, forked: bool = True, image: int | None = None) -
         return JobBaseline(per_rank=WORKER_OWN, shared={"forkserver image": image + SERVER_IMPORTS,
                                                         "launcher after checks": LAUNCHER_CHECKS,
                                                         "rank 0 logger": RANK0_LOGGER})
-    others = max(nproc - 1, 0)
-    return JobBaseline(per_rank=0, shared={"other ranks' images": others * image} if others else {})
+    others = max(nproc - 1, 0)  # this rank also loads the tokenizer and its data after the check
+    return JobBaseline(per_rank=0, shared={"this rank's tokenizer and data": LAUNCHER_CHECKS,
+                                           "other local ranks' images": others * image})

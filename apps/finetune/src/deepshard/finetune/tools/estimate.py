@@ -87,26 +87,24 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
 def working_set_lines(settings) -> list[str]:
     """One rank's whole working set for the composed layout: host and device columns by part."""
     from deepshard.finetune.preflight import run_shape, working_set_of
+    from deepshard.finetune.process_memory import job_baseline
 
     shape = run_shape(settings)
-    ws = working_set_of(settings, shape=shape)
+    base = job_baseline(settings.world_size, forked=settings.world_size > 1)  # as the app's preflight reads it
+    ws = working_set_of(settings, baseline=base.per_rank, shape=shape)
     out = [f"Working set per rank for this run ({'device: the accelerator' if shape.on_device else 'host = device: RAM'}):",
            f"{'host':>10} {'device':>10}   part"]
     out += [f"{_fmt(ws.host.get(k, 0)):>10} {_fmt(ws.device.get(k, 0)):>10}   {k}" for k in {**ws.host, **ws.device}]
     out.append(f"{_fmt(ws.host_total):>10} {_fmt(ws.device_total):>10}   total"
                + ("" if shape.on_device else f" ({_fmt(ws.ram(False))} of RAM per rank)"))
-    return out + shared_lines(settings, ws.ram(shape.on_device))
+    return out + shared_lines(base, settings.world_size, ws.ram(shape.on_device))
 
 
-def shared_lines(settings, per_rank: int) -> list[str]:
-    """What a local run's processes hold once for the host (``process_memory``), and the host's total."""
-    from deepshard.finetune.process_memory import job_baseline
-
-    nproc = settings.world_size
-    base = job_baseline(nproc)
-    out = [f"Once for the host's {nproc} local rank(s) (the launcher itself is not counted: it is in the "
+def shared_lines(base, nproc: int, per_rank: int) -> list[str]:
+    """What a local run's processes hold once for the host (``process_memory.JobBaseline``), and the host's total."""
+    out = [f"Once for the host's {nproc} local rank(s) (the app's own process is not counted: it is in the "
            "memory's usage when the app checks):"]
-    out += [f"{_fmt(v):>10} {'':>10}   {k}" for k, v in base.shared.items()]
+    out += [f"{_fmt(v):>10} {'':>10}   {k}" for k, v in base.shared.items() if v]
     out.append(f"{_fmt(nproc * per_rank + base.shared_total):>10} {'':>10}   host total ({nproc} x per rank + once)")
     return out
 
