@@ -16,6 +16,8 @@ beta2)``, the contraction GCC makes in torch's vectorised loop.  Torch's scalar 
 ``numel % 16`` elements) rounds ``exp_avg_sq`` without that contraction, so the tail is handed to
 torch's fused kernel itself.  Without a working C++ compiler (or when compiling fails for any
 reason) every call falls back to torch's fused kernel plus a cast copy: same results, two passes.
+Inductor fixes the kernel's parallelism from ``torch.get_num_threads()`` when it first compiles in a
+process (a serial loop when that is 1): set the thread count before the first step, as runs do.
 """
 
 from __future__ import annotations
