@@ -11,8 +11,8 @@ to every peer, an all-gather this rank's input, a reduce-scatter or all-to-all c
 A peer in another node makes those bytes cross-node.  (gloo's own algorithms may route differently;
 the counts are what each rank hands over, the quantity ZeRO++ reduces.)
 
-DeepSpeed's ZeRO++ does not run here: its qwZ/qgZ quantizers are CUDA kernels (op_builder's
-QuantizerBuilder, loaded by CUDAQuantizer and all_to_all_quant_reduce), and this host has no GPU.
+DeepSpeed's ZeRO++ on the same model and counts: bench/zeropp_deepspeed.py (its ZeRO-3 and hpZ run here;
+its qwZ/qgZ quantizers are CUDA ops, QuantizerBuilder, with no CPU fallback).
 
     python bench/zeropp.py [--steps 6] [--warmup 2] [--layers 6]
 """
@@ -176,8 +176,8 @@ def main() -> None:
                       "last_loss": round(ranks[0][name]["last_loss"], 4)}
     print(json.dumps({"world": 4, "ranks_per_node": NODE, "model": f"README tiny Llama, {a.layers} layers, fp32",
                       "tokens_per_rank_step": MBS * SEQ, "measured_steps": a.steps, "configs": rows,
-                      "deepspeed": "not run: DeepSpeed's qwZ/qgZ quantizers are CUDA kernels (QuantizerBuilder); "
-                                   "no GPU on this host"}, indent=1))
+                      "deepspeed": "bench/zeropp_deepspeed.py (its ZeRO-3 and hpZ run here; qwZ/qgZ need "
+                                   "QuantizerBuilder, a CUDA op)"}, indent=1))
 
 
 if __name__ == "__main__":
