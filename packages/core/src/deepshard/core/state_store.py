@@ -109,6 +109,7 @@ def adamw_update(
     step: int,
     grad_scale: float = 1.0,
     outs: list[torch.Tensor | None] | None = None,
+    one_pass: bool = False,
 ) -> None:
     """One AdamW update of fp32 ``masters`` in place with torch's own math (``step`` is 1-based).
 
@@ -117,9 +118,12 @@ def adamw_update(
     so clipping and loss-scale removal cost no extra gradient copy.  ``outs[i]``, where given,
     receives the new ``masters[i]`` cast to its dtype (the compute-dtype copy offload uploads).
 
-    On the host, runs of tensors lying back to back in flat buffers (offload's stores) go through
-    :func:`deepshard.kernels.host_adam.host_adamw_` when it saves a memory pass (a cast copy to
-    write, or a gradient scale that torch's kernel would store back): bitwise the same numbers.
+    With ``one_pass`` (ZeRO-Offload's host store asks for it), runs of tensors lying back to back in
+    flat host buffers go through :func:`deepshard.kernels.host_adam.host_adamw_` when it saves a memory
+    pass (a cast copy to write, or a gradient scale that torch's kernel would store back): bitwise the
+    same numbers.  Not by default: it compiles with inductor on first use (seconds, and well over
+    100 MB of imports and compiler in each process), which the NVMe stores, run in memory sized to
+    their buffers, must not pay for a 4-byte-per-element saving.
     """
     groups: dict[float, list[int]] = {}
     for i, wd in enumerate(weight_decays):
@@ -129,7 +133,8 @@ def adamw_update(
         if not idx:
             continue
         device = masters[idx[0]].device
-        if host_adamw_runs_ is not None and device.type == "cpu" and (outs is not None or grad_scale != 1.0):
+        if one_pass and host_adamw_runs_ is not None and device.type == "cpu" and (
+                outs is not None or grad_scale != 1.0):
             idx = host_adamw_runs_((masters, grads, exp_avgs, exp_avg_sqs), outs, idx,
                                    min_numel=HOST_ADAM_MIN_NUMEL, lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1],
                                    eps=cfg.eps, weight_decay=wd, step=step, grad_scale=grad_scale)

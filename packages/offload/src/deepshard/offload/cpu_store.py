@@ -119,7 +119,7 @@ class CpuStateStore(StateStore):
         g32 = self._gather_grads(grads, grad_scale)  # (the staging is the grad buffer it fills)
         with torch.no_grad():  # aliased masters are leaf params
             adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
-                         lr=lr, step=step, grad_scale=grad_scale, outs=self._outs)
+                         lr=lr, step=step, grad_scale=grad_scale, outs=self._outs, one_pass=True)
         self._upload(cast_done=True)
 
     def _upload(self, cast_done: bool = False) -> None:
