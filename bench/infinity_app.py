@@ -31,6 +31,8 @@ from app_run import _series  # noqa: E402
 # Llama-like: head_dim 128, dim/ffn in Llama's ratio, vocabulary >= 32000 (the embedded tokenizer uses
 # its first 8192 ids; the rest of the rows train as any unused row does)
 SHAPES = {
+    # TinyLlama-1.1B's shape (dim 2048, 22 layers, 32 heads, 4 kv heads, ffn 5632, vocabulary 32000)
+    "1.1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632, vocab_size=32000),
     "1b": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_hidden=5632, vocab_size=32000),
     "450m": dict(dim=1536, n_layers=14, n_heads=12, n_kv_heads=4, ffn_hidden=4096, vocab_size=32000),
     "358m": dict(dim=1536, n_layers=14, n_heads=12, n_kv_heads=4, ffn_hidden=4096, vocab_size=8192),
@@ -54,11 +56,6 @@ def run_app(shape: dict, *, world: int, steps: int, offload: bool, limit: int | 
         f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.resume=none", *extra]
     if offload:
         args += ["+offload=nvme", "offload.params=nvme", f"offload.nvme_path={nvme}"]
-        # the swap's buffers hold the largest unit's shard (the tiled head's, vocab x dim / world) and the
-        # app does not size them itself yet: 450M at world 2 needs 24.6M elements, over the 2**24 default
-        unit = -(-shape["vocab_size"] * shape["dim"] // world)
-        if unit > 2**24 and not any(x.startswith(("offload.param_buffer_size=", "offload.buffer_size=")) for x in extra):
-            args += [f"offload.param_buffer_size={unit}", f"offload.buffer_size={unit}"]
     cmd = [sys.executable, str(ROOT / "apps/finetune/main.py"), *args]
     out: dict = {"offload": offload, "limit_gib": None if limit is None else limit / 2**30}
     try:

@@ -104,3 +104,19 @@ def test_estimate_counts_the_deferred_steps_buffers(tmp_path):
     assert _infinity_host(tmp_path, *two, "offload.buffer_count=5") == _infinity_host(tmp_path, *two, "offload.buffer_count=2")
     assert _infinity_host(tmp_path, *two, "offload.buffer_count=2") - _infinity_host(tmp_path, *two, "offload.buffer_count=1") \
         >= 16 * shard
+
+
+def test_default_param_buffer_size_follows_the_largest_block(tmp_path):
+    """TinyLlama's shape at world 2: a block's shard is 22M elements, over ``param_buffer_size``'s 2**24
+    default, which the app takes as not given (the pool allocates the block's size anyway); a smaller
+    value given is a cap the block breaks, refused before any worker starts."""
+    from deepshard.finetune.config import validate
+    from deepshard.finetune.tools.estimate import compose
+
+    base = ["model.dim=2048", "model.n_layers=22", "model.n_heads=32", "model.n_kv_heads=4", "model.ffn_hidden=5632",
+            "model.vocab_size=32000", "launcher.nproc_per_node=2", "+zero=stage3", "+offload=nvme",
+            "offload.params=nvme", f"offload.nvme_path={tmp_path}"]
+    block = 2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048  # q,o + k,v + MLP + two norms
+    assert validate(compose(base)).offload.param_buffer_size == block // 2
+    with pytest.raises(ValueError, match=rf"offload.param_buffer_size=16000000 .*largest block shard \({block // 2} "):
+        validate(compose([*base, "offload.param_buffer_size=16000000"]))

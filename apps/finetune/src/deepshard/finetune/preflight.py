@@ -129,31 +129,46 @@ def check_memory(s: Settings, nproc: int, base: JobBaseline | None = None) -> st
     return None
 
 
-# offload.params=nvme's buffers, most first: (buffer_count, param_buffer_count, param_prefetch)
-BUFFER_CHOICES = ((3, 4, 2), (2, 3, 2), (2, 3, 1), (1, 3, 2), (1, 2, 1))
+# offload.params=nvme's buffers, most first: (buffer_count, param_buffer_count, param_prefetch,
+# sub_group_size): the last, the deferred update's piece in elements, None where it stays as set
+BUFFER_CHOICES = ((3, 4, 2, None), (2, 3, 2, None), (2, 3, 1, None), (2, 3, 1, 2**22), (1, 3, 2, 2**22),
+                  (1, 2, 1, 2**22), (1, 2, 1, 2**21))
+DEFAULT_PIECE = 2**24  # offload.sub_group_size's default (deepshard.offload.OffloadConfig)
+
+
+def with_buffers(s: Settings, choice: tuple[int, int, int, int | None]) -> Settings:
+    """``s`` with one of :data:`BUFFER_CHOICES` (a piece size only where ``sub_group_size`` was not given)."""
+    count, pool, prefetch, piece = choice
+    changes = dict(buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
+    if piece is not None and s.offload.sub_group_size == DEFAULT_PIECE:
+        changes["sub_group_size"] = piece
+    return with_offload(s, **changes)
 
 
 def fit_buffers(s: Settings, nproc: int, base: JobBaseline | None = None) -> tuple[Settings, str | None]:
     """ZeRO-Infinity's buffers chosen for the memory the run has: where ``offload.buffer_count``,
     ``param_buffer_count`` and ``param_prefetch`` are at their defaults (taken as not given), the
-    most buffers that fit; the choice said in one line.  Explicit values are kept (and refused by
-    :func:`check_memory` if they cannot fit)."""
+    most buffers that fit, then smaller pieces for the deferred update (``sub_group_size``, where it
+    too is at its default: the same bytes move, in more requests); the choice said in one line.
+    Explicit values are kept (and refused by :func:`check_memory` if they cannot fit)."""
     if s.offload.params != "nvme" or not _buffers_as_default(s):
         return s, None
     have = room()
     if have is None:
         return s, None
     base = base or job_baseline(nproc)
-    for i, (count, pool, prefetch) in enumerate(BUFFER_CHOICES):
-        tried = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
+    for i, choice in enumerate(BUFFER_CHOICES):
+        tried = with_buffers(s, choice)
         need = _need(tried, nproc, base)
         if i == len(BUFFER_CHOICES) - 1 and need > CLOSE * have[0]:
             return tried, None  # the smallest buffers; check_memory says the rest (refused or close)
         if need <= CLOSE * have[0]:
+            o = tried.offload
+            piece = f" offload.sub_group_size={o.sub_group_size}" if o.sub_group_size != s.offload.sub_group_size else ""
             line = None if i == 0 else (
-                f"offload: picked offload.buffer_count={count} offload.param_buffer_count={pool} "
-                f"offload.param_prefetch={prefetch} for the {_gib(have[0])} {have[1]} leaves (about {_gib(need)} "
-                "needed); set them to override")
+                f"offload: picked offload.buffer_count={o.buffer_count} offload.param_buffer_count="
+                f"{o.param_buffer_count} offload.param_prefetch={o.param_prefetch}{piece} for the {_gib(have[0])} "
+                f"{have[1]} leaves (about {_gib(need)} needed); set them to override")
             return tried, line
     return s, None  # not reached
 
@@ -178,8 +193,7 @@ def fit_ac(s: Settings, nproc: int, base: JobBaseline | None = None) -> tuple[Se
     base = base or job_baseline(nproc)
     smallest = s
     if s.offload.params == "nvme" and _buffers_as_default(s):
-        count, pool, prefetch = BUFFER_CHOICES[-1]
-        smallest = with_offload(s, buffer_count=count, param_buffer_count=pool, param_prefetch=prefetch)
+        smallest = with_buffers(s, BUFFER_CHOICES[-1])
     without = _need(smallest, nproc, base)
     if without <= CLOSE * have[0]:
         return s, None
@@ -194,7 +208,7 @@ def fit_ac(s: Settings, nproc: int, base: JobBaseline | None = None) -> tuple[Se
 
 def _buffers_as_default(s: Settings) -> bool:
     o = s.offload
-    return (o.buffer_count, o.param_buffer_count, o.param_prefetch) == BUFFER_CHOICES[0]
+    return (o.buffer_count, o.param_buffer_count, o.param_prefetch) == BUFFER_CHOICES[0][:3]
 
 
 def preflight_memory(s: Settings, nproc: int, *, forked: bool = True) -> Settings:

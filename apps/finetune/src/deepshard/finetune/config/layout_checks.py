@@ -4,12 +4,14 @@ ValueError naming the keys, before any worker starts.  ``settings.validate`` cal
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from deepshard.core.mesh import ParallelDims
 
 if TYPE_CHECKING:
     from deepshard.finetune.config.settings import Settings
+    from deepshard.offload.config import OffloadConfig
 
 
 def validate_pipeline_layout(settings: Settings) -> None:
@@ -51,18 +53,25 @@ def check_mlp_tiles(settings: Settings) -> None:
                          "takes plain parameters, tp's are DTensors); use mlp_tiles=1 with tp")
 
 
-def check_param_swap(settings: Settings, world: int) -> None:
+def check_param_swap(settings: Settings, world: int) -> OffloadConfig:
+    """Space and buffers for the parameter swap; returns the offload config the run uses: at its
+    default, ``param_buffer_size`` (DeepSpeed's cap on a swapped shard) follows the largest gathered
+    unit's shard, the size the pool allocates anyway (a TinyLlama block is 22M elements a rank at
+    world 2, over the 2**24 default); a given value must hold it."""
     from deepshard.finetune.models.memory_plan import count_params, unit_shards
     from deepshard.finetune.models.vocab_tiling import tile_rows
-    from deepshard.offload.config import validate_param_swap
+    from deepshard.offload.config import OffloadConfig, validate_param_swap
 
     per_rank = -(-count_params(settings.model) // world)
     par = settings.parallel  # ZeRO-3's vocabulary tiling makes the embedding and the head units of their own
     tiled = bool(tile_rows(settings.model, zero_stage=3, tp=par.tp, pp=par.pp, sp=getattr(par, "sp", 1)))
     unit = max(unit_shards(settings.model, world, tiled=tiled, gathered=True))  # tiled ones are read in rows
+    offload = settings.offload
+    if offload.param_buffer_size == OffloadConfig.param_buffer_size and unit > offload.param_buffer_size:
+        offload = dataclasses.replace(offload, param_buffer_size=unit)
     # 16 B per element (param, grad, two moments), plus alignment slack per unit
-    validate_param_swap(settings.offload, 16 * per_rank + 2**20, unit,
-                        "the largest gathered unit: a block or the root")
+    validate_param_swap(offload, 16 * per_rank + 2**20, unit, "the largest gathered unit: a block or the root")
+    return offload
 
 
 def validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:

@@ -439,7 +439,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                          "parameters, whole blocks of one model: not with parallel.pp/tp > 1 or +peft=lora "
                          "(use offload.params=cpu or none there)")
     if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
-        check_param_swap(settings, world)
+        settings = dataclasses.replace(settings, offload=check_param_swap(settings, world))
     if parallel.tp > 1:
         from deepshard.finetune.models.parallelize import check_tp
 
