@@ -44,6 +44,16 @@ ALLOWED = {
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
     f"{OFFLOAD}/param_swap.py:ParamSwap.zero_grad":
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
+    f"{OFFLOAD}/param_swap.py:_slot_parts":
+        "an empty view standing for no bytes of the host staging buffers a gradient is copied into",
+    f"{OFFLOAD}/tiled_shard.py:TiledShard.rows":
+        "an empty tile for a rank that owns none of its rows, host like the file's rows (the kernel moves "
+        "every tile to the compute device before its all-gather)",
+    f"{OFFLOAD}/tiled_shard.py:TiledShard.grads_done":
+        "the tiled unit's gradient norm, like ParamSwap's per-shard norms (the optimizer's total moves to the "
+        "compute device)",
+    "packages/kernels/src/deepshard/kernels/host_adam.py:*":
+        "the host AdamW pass: its scalars go with the host buffers it updates (ZeRO-Offload's CPU step)",
     "packages/core/src/deepshard/core/checkpoint/consolidate.py:load_full_tensor":
         "export consolidates one tensor at a time into a plain host tensor (no GPU needed)",
     "packages/core/src/deepshard/core/checkpoint/json_state.py:set_rng_state":

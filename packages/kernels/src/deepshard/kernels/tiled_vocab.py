@@ -132,7 +132,7 @@ def _tile(local: torch.Tensor, shard_io: ShardIO | None, start: int, rows: int) 
         yield local[start:start + rows]
         return
     with shard_io.rows(start, max(0, min(rows, local.shape[0] - start))) as piece:
-        yield piece
+        yield piece.to(local.device)  # a swap file's rows land in host memory; the tile's all-gather runs here
 
 
 class _TiledLinearCE(torch.autograd.Function):

@@ -108,6 +108,7 @@ class TiledShard:
         if rows == 0:
             return
         buf, view, span = self._read("grad", start, rows)  # read-modify-write: neighbours' rows share pages
+        grad = grad.to(view.device)  # the kernel reduces on the compute device; the file's rows are host
         with torch.no_grad():
             if unit.grad_written:
                 view.add_(grad.reshape(view.shape))

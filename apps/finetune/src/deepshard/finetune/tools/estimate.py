@@ -68,8 +68,13 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     dtype = settings.engine.precision.dtype
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
+    from deepshard.finetune.models.vocab_tiling import tile_rows
+
+    rows_tiled = tile_rows(settings.model, zero_stage=3, tp=dims.tp, pp=dims.pp, sp=dims.sp)  # the row's layout
     param_buffers = infinity_buffers(settings.model, world=dims.dp, param_buffer_count=off.param_buffer_count,
-                                     buffer_count=off.buffer_count).peak
+                                     buffer_count=off.buffer_count, tiled=bool(rows_tiled),
+                                     sub_group_size=off.sub_group_size, buffer_size=off.buffer_size,
+                                     tile_rows=rows_tiled).peak
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
                          param_buffer_bytes=param_buffers)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
@@ -125,11 +130,14 @@ def parse_size(text: str) -> int:
 def fit_seq_len(settings, memory: int) -> tuple[int, int]:
     """The largest ``data.seq_len`` (a multiple of parallel.sp, at least sp x model.mlp_tiles) whose
     working set fits ``memory`` per rank, and that working set's size; (0, size at the smallest) when
-    none does.  Counted against the device column on an accelerator, else the RAM (host + device)."""
-    from deepshard.finetune.models.working_set import process_baseline
+    none does.  Counted against the device column on an accelerator, else the RAM (host + device);
+    each rank carries its share of the processes' once-per-host baseline (``process_memory``)."""
     from deepshard.finetune.preflight import run_shape, working_set_of
+    from deepshard.finetune.process_memory import job_baseline
 
-    shape, base = run_shape(settings), process_baseline()
+    nproc = settings.world_size  # the ranks of one host, as the app starts them: each its share of the once-items
+    job = job_baseline(nproc)
+    shape, base = run_shape(settings), job.per_rank + job.shared_total // nproc
     sp = shape.sp
 
     def need(k: int) -> int:  # seq_len = k x sp: each rank holds k tokens of a row
