@@ -75,9 +75,9 @@ def exit_without_teardown(code: int | str | None) -> None:
     if isinstance(code, str):  # sys.exit("message")
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # the interpreter's own first step: thread pools' exit hooks wake their idle workers (an offload
+    # store's aio pool), then every non-daemon thread is joined; joining first waits on them forever
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
