@@ -67,7 +67,7 @@ def run_app(shape: dict, *, world: int, steps: int, offload: bool, limit: int | 
             if group:
                 out["peak_gib"] = round(int((group / "memory.max_usage_in_bytes").read_text()) / 2**30, 3)
         out["rc"] = proc.returncode
-        lines = [x for x in proc.stderr.splitlines() if x.startswith(("error:", "warning:", "offload:"))]
+        lines = [x for x in proc.stderr.splitlines() if x.startswith(("error:", "warning:", "offload:", "memory:"))]
         out["said"] = lines[-3:]
         try:
             loss = _series(run_dir / "tensorboard").get("train/loss", [])
