@@ -12,8 +12,8 @@ a CPU-only host is the same RAM):
   its unsharded gradient; stages 0-2 their gradient buckets,
 - activations for ``data.seq_len`` x ``train.micro_batch_size`` under ``ac``, and the loss's
   logits chunk and gradient accumulators (a vocabulary tile under tiling),
-- the process's own baseline (the interpreter, torch and the app imported: measured once, as this
-  process's resident size, or given).
+- a worker's own pages before training (``process_memory``: what the host's processes hold once,
+  the forkserver's image among them, is counted by the caller, once per host).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepshard.finetune.models.memory_plan import estimate, infinity_buffers, largest_unit
+from deepshard.finetune.process_memory import WORKER_OWN
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -67,18 +68,6 @@ class WorkingSet:
     def ram(self, on_device: bool) -> int:
         """What the host's RAM must hold: the host column, plus the device column on a CPU-only host."""
         return self.host_total + (0 if on_device else self.device_total)
-
-
-def process_baseline() -> int:
-    """This process's resident bytes now (torch and the app imported): a worker starts from about as much."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _block(cfg, s: RunShape, tokens: int) -> tuple[int, int]:
@@ -166,7 +155,7 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
     if offloaded:
         ws.host["activations (offloaded inputs)"] = offloaded
     ws.device["loss"] = max(0, _loss(cfg, s) - transient)  # beyond the backward transient it never meets
-    ws.host["process baseline"] = process_baseline() if baseline is None else baseline
+    ws.host["process baseline"] = WORKER_OWN if baseline is None else baseline
     return ws
 
 
