@@ -68,13 +68,8 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     dtype = settings.engine.precision.dtype
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
-    from deepshard.finetune.models.vocab_tiling import tile_rows
-
-    rows_tiled = tile_rows(settings.model, zero_stage=3, tp=dims.tp, pp=dims.pp, sp=dims.sp)  # the row's layout
     param_buffers = infinity_buffers(settings.model, world=dims.dp, param_buffer_count=off.param_buffer_count,
-                                     buffer_count=off.buffer_count, tiled=bool(rows_tiled),
-                                     sub_group_size=off.sub_group_size, buffer_size=off.buffer_size,
-                                     tile_rows=rows_tiled).peak
+                                     buffer_count=off.buffer_count).peak
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
                          param_buffer_bytes=param_buffers)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
