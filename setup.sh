@@ -3,8 +3,17 @@
 #  1. OpenSSH's sshd and ssh client, for the launcher's tests over real ssh (tests/launch/test_cli_ssh.py
 #     starts its own sshd on the loopback): installed with apt-get where this runs as root on
 #     Debian/Ubuntu and they are missing; elsewhere those tests skip, naming what to install.
-#  2. pip install -r requirements.txt: torch==2.13.0 (CPU), our packages (editable), dev tools.
+#  2. pip install -r requirements.txt -c constraints.txt: torch==2.13.0 (CPU), our packages (editable),
+#     dev tools, every other package at the version the suite and the fixtures were tested with.
+#     `sh setup.sh --latest` leaves constraints.txt out: the newest versions the ranges allow (.ci/latest).
 set -eu
+lock="-c constraints.txt"
+if [ "${1:-}" = "--latest" ]; then
+    lock="--upgrade --upgrade-strategy eager"
+elif [ -n "${1:-}" ]; then
+    echo "setup: unknown option $1 (valid: --latest)" >&2
+    exit 2
+fi
 if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing openssh-server and openssh-client (apt-get) for the launcher's ssh tests"
@@ -17,4 +26,5 @@ if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] || ! command -v 
         echo "       install openssh-server to run them"
     fi
 fi
-python -m pip install -r requirements.txt
+# shellcheck disable=SC2086
+python -m pip install -r requirements.txt $lock

@@ -10,8 +10,8 @@
 #   2. kernels_tests.*    pytest tests/kernels -m triton, natively on CUDA tensors
 #   3. train/*.json       the app, model=small in bf16 for 30 steps at ZeRO 0-3 with offload
 #                         none / cpu / nvme (offload needs stage >= 1) and stage 3 with offload.params=cpu:
-#                         step time, tokens/s, MFU, device peak memory (bench/app_run.py)
-#   4. kernels_bench.json bench/kernels.py --llama8b (hidden 4096, ffn 14336, vocab 128256; triton,
+#                         step time, tokens/s, MFU, device peak memory (bench/bench_app_run.py)
+#   4. kernels_bench.json bench/bench_kernels.py --llama8b (hidden 4096, ffn 14336, vocab 128256; triton,
 #                         eager and torch.compile providers), with whatever time is left (<= 150 s)
 #   5. gpu_check.json     every part's status, seconds and figures together
 set -u
@@ -94,17 +94,17 @@ for run in "${RUNS[@]}"; do
   read -r -a extra <<< "${run#*:}"
   [[ $name == *nvme* ]] && extra+=("offload.nvme_path=$SWAP")
   t=$(( $(left) - 10 )); (( t > RUN_S )) && t=$RUN_S  # the run's own timeout, inside the part's
-  part "train_$name" $(( t + 10 )) "$PY" bench/app_run.py --name "$name" --out "$OUT/train" --timeout "$t" \
+  part "train_$name" $(( t + 10 )) "$PY" bench/bench_app_run.py --name "$name" --out "$OUT/train" --timeout "$t" \
     --warmup "$WARMUP" -- "${COMMON[@]}" "${extra[@]}" profile.enabled=true
 done
 rm -rf "$SWAP"
 
 # 4. kernel benchmark at Llama-3-8B shapes against eager and torch.compile
 if (( SMOKE )); then
-  part kernels_bench 120 sh -c '"$0" bench/kernels.py --quick --only rms_norm,swiglu --repeat 1 --no-compile \
+  part kernels_bench 120 sh -c '"$0" bench/bench_kernels.py --quick --only rms_norm,swiglu --repeat 1 --no-compile \
     --out "$1" > /dev/null' "$PY" "$OUT/kernels_bench.json"
 else
-  part kernels_bench 150 sh -c '"$0" bench/kernels.py --llama8b --repeat 5 --compile --out "$1" > /dev/null' \
+  part kernels_bench 150 sh -c '"$0" bench/bench_kernels.py --llama8b --repeat 5 --compile --out "$1" > /dev/null' \
     "$PY" "$OUT/kernels_bench.json"
 fi
 

@@ -22,9 +22,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps  # noqa: E402
+from tests.compat.ds_fixture_model import (  # noqa: E402
+    SAVE_STEP,
+    TOTAL_STEPS,
+    ds_config,
+    param_groups,
+    tiny_model,
+    train_steps,
+)
 
 
 def _losses(engine, steps: range) -> list[float]:

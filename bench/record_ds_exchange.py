@@ -26,9 +26,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps  # noqa: E402
+from tests.compat.ds_fixture_model import (  # noqa: E402
+    SAVE_STEP,
+    TOTAL_STEPS,
+    ds_config,
+    param_groups,
+    tiny_model,
+    train_steps,
+)
 
 STAGE = 2
 CLIENT_STATE = {"step": SAVE_STEP, "epoch": 0, "best_loss": 3.5, "note": "tied"}
@@ -68,7 +75,8 @@ def bf16_worker(out_dir: str, aligned: bool = False) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if aligned:
         import torch.nn.functional as F  # noqa: N812
-        from ds_zero3_patterns_harness import TinyLM, batch
+
+        from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
         torch.manual_seed(0)
         model = TinyLM()

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 FIXTURES = ROOT / "tests" / "compat" / "fixtures"
 HELLO_TAG = "global_step6"  # the first invocation's last save (steps 1-6; re-saved at its exit as step 7)
 
@@ -42,7 +42,7 @@ def worker(root: str) -> dict:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    from ds_more_scripts_harness import run_more
+    from tests.compat.ds_more_scripts_harness import run_more
 
     out = run_more(root, deepspeed)
     out["deepspeed"] = deepspeed.__version__

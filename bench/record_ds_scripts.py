@@ -56,7 +56,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
 KEEP_CHECKPOINTS = (3,)  # ZeRO stages whose DeepSpeed-written CIFAR checkpoint the fixtures keep (~1 MB each)
 
@@ -75,8 +75,9 @@ def one_process_weights(model) -> None:
     """DeepSpeed's stage-local build given the weights a one-process build makes (ds_pipe_harness.tied_layers:
     layer 0/4 the tied Embedding, 1 and 3 Linears, 2 torch.tanh)."""
     import torch
-    from ds_pipe_harness import HIDDEN, VOCAB
     from torch import nn
+
+    from tests.compat.ds_pipe_harness import HIDDEN, VOCAB
 
     torch.manual_seed(0)
     embed, l1, l2 = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
@@ -97,7 +98,7 @@ def _guard(fn, *args, **kwargs):
 
 def cifar_worker(ckpt_root: str) -> dict:
     deepspeed = _deepspeed()
-    from ds_script_harness import CIFAR_STAGES, add_argument, cifar_argv, cifar_main
+    from tests.compat.ds_script_harness import CIFAR_STAGES, add_argument, cifar_argv, cifar_main
 
     out = {"deepspeed": deepspeed.__version__}
     for stage in CIFAR_STAGES:
@@ -108,7 +109,7 @@ def cifar_worker(ckpt_root: str) -> dict:
 
 def pipe_worker() -> dict:
     deepspeed = _deepspeed()
-    from ds_pipe_harness import pipeline_example_style, run_pipe
+    from tests.compat.ds_pipe_harness import pipeline_example_style, run_pipe
 
     out = {"deepspeed": deepspeed.__version__}
     out["pp2"] = _guard(run_pipe, 2, 0, steps=3, gas=4, clip=0.5, deepspeed=deepspeed, init=one_process_weights)
@@ -138,7 +139,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures" / "ds_scripts.json"))
     args = ap.parse_args()
     import torch
-    from ds_script_harness import CIFAR_STAGES, cifar_argv
+
+    from tests.compat.ds_script_harness import CIFAR_STAGES, cifar_argv
 
     with tempfile.TemporaryDirectory() as tmp:
         cifar = _launch(cifar_worker, tmp)

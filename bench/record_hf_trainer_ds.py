@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
 # name -> (zero stage, offload_optimizer cpu); micro-batch 2 x accumulation 2 on each of 2 ranks
 RUNS = {"zero2": (2, False), "zero3_offload": (3, True)}
@@ -45,7 +45,7 @@ def accelerate_gloo_on_cpu() -> None:
     off): its PartialState then reports one process while DeepSpeed's engine runs at world 2, and
     the ds_config's train_batch_size comes out wrong.  Under a launcher (LOCAL_RANK set) without
     CUDA, hand it gloo and MULTI_CPU, which then becomes DEEPSPEED as on GPUs.  Only this recorder
-    and bench/hf_trainer.py do this; nothing in deepshard needs it."""
+    and bench/bench_hf_trainer.py do this; nothing in deepshard needs it."""
     import torch
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -80,7 +80,8 @@ def worker(stage: int, offload: bool, out_dir: str) -> dict:
     import deepspeed
     import torch
     import transformers
-    from hf_trainer_harness import arguments, collate, ds_config, logged, rows, tiny_llama
+
+    from tests.compat.hf_trainer_harness import arguments, collate, ds_config, logged, rows, tiny_llama
 
     config = ds_config(stage, offload=offload)
     args = arguments(transformers.TrainingArguments, Path(out_dir), micro=MICRO, accum=ACCUM,

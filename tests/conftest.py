@@ -3,7 +3,8 @@
 import os
 
 import pytest
-from tmpfs import tmpfs_mounter
+
+from tests.checkpoint.tmpfs import tmpfs_mounter
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

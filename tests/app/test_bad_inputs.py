@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from prelaunch import prelaunch_error
 from safetensors.torch import save_file
+
+from tests.app.prelaunch import prelaunch_error
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from prelaunch import prelaunch_error
 
 from deepshard.finetune.config import register, validate
+from tests.app.prelaunch import prelaunch_error
 
 ROOT = Path(__file__).resolve().parents[2]
 # a ~0.3M-parameter Llama, one layer per pipeline stage: the schedule and the logging are what is checked

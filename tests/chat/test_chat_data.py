@@ -125,7 +125,7 @@ def test_chat_dataset_builds_through_the_app_config(tmp_path):
 
 def test_app_stops_before_any_work_on_a_bad_chat_row_or_template(tmp_path, monkeypatch):
     """The launcher's own checks, in this process (tests/app/prelaunch.py: no worker may start)."""
-    from prelaunch import prelaunch_error
+    from tests.app.prelaunch import prelaunch_error
 
     bad = _write(tmp_path, [{"messages": TWO_TURNS}, {"messages": [{"role": "robot", "content": "beep"}]}])
     line = prelaunch_error(["data=chat", f"data.path={bad}", "+peft=lora"], tmp_path / "run", monkeypatch)

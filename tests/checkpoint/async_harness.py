@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ckpt_harness import MICRO, load, make_engine, run_steps, save
 
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.checkpoint.manifest import read_manifest, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
 from deepshard.core.checkpoint.state import save_request, training_state
 from deepshard.core.mesh import local_device
+from tests.checkpoint.ckpt_harness import MICRO, load, make_engine, run_steps, save
 
 
 class SlowWriter(AsyncCheckpointer):

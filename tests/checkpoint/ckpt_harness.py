@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from zero_harness import MICRO, SEQ, build_model, engine_config
 
 from deepshard.core import SchedulerConfig, initialize
 from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint, training_state
 from deepshard.core.mesh import local_device
+from tests.core.zero_harness import MICRO, SEQ, build_model, engine_config
 
 GLOBAL_BATCH = 8
 STEPS = 10

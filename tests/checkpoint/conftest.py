@@ -8,9 +8,8 @@ import pytest
 @pytest.fixture(scope="session")
 def world2(tmp_path_factory):
     """``(results, root)``: resume runs for stages 0-3 at world 2 and the checkpoints they left."""
-    from ckpt_harness import resume_worker
-
     from deepshard.launch.local import launch_local
+    from tests.checkpoint.ckpt_harness import resume_worker
 
     root = tmp_path_factory.mktemp("ckpt")
     return launch_local(resume_worker, 2, str(root))[0], root

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-from ckpt_harness import make_engine, run_steps, save
 
 from deepshard.core.checkpoint.manifest import CheckpointError, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
+from tests.checkpoint.ckpt_harness import make_engine, run_steps, save
 
 
 def _outcome(fn) -> str | None:

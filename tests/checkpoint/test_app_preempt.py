@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
-from hf_fixtures import save_tiny_hf_llama
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.tools.export import main as export_main
+from tests.checkpoint.hf_fixtures import save_tiny_hf_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from async_harness import TIMEOUT_S, async_worker, reshard_worker
-from tmpfs import tmpfs_mounter
 
 from deepshard.launch.local import launch_local
+from tests.checkpoint.async_harness import TIMEOUT_S, async_worker, reshard_worker
+from tests.checkpoint.tmpfs import tmpfs_mounter
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_harness import MICRO, SPLIT
-from hf_fixtures import save_tiny_hf_llama
 
 from deepshard.core.checkpoint.consolidate import iter_full_tensors
 from deepshard.finetune.models.hf import llama_config_from_hf, load_hf_weights
 from deepshard.finetune.models.llama import Llama
 from deepshard.finetune.tools.export import main
 from deepshard.finetune.tools.hf_export import export_checkpoint
+from tests.checkpoint.ckpt_harness import MICRO, SPLIT
+from tests.checkpoint.hf_fixtures import save_tiny_hf_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,9 +79,8 @@ def test_unsupported_hf_configs_are_refused_by_key(tmp_path):
 
 
 def test_model_hf_composes_and_validates(tmp_path):
-    from test_config import _compose
-
     from deepshard.finetune.config import validate
+    from tests.app.test_config import _compose
 
     save_tiny_hf_llama(tmp_path)
     settings = validate(_compose(["model=hf", f"model.path={tmp_path}"]))

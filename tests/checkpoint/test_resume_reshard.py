@@ -4,9 +4,9 @@ stage 2, activation checkpointing on) resumes at (world 1, stage 3) and (world 4
 from __future__ import annotations
 
 import pytest
-from ckpt_harness import SPLIT, STEPS, reshard_worker
 
 from deepshard.launch.local import launch_local
+from tests.checkpoint.ckpt_harness import SPLIT, STEPS, reshard_worker
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

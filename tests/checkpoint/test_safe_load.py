@@ -7,14 +7,14 @@ import json
 import shutil
 
 import pytest
-from ckpt_harness import SPLIT
-from malicious import add_pickled_item, poison_metadata
 
 from deepshard.core.checkpoint.consolidate import tensor_infos
 from deepshard.core.checkpoint.manifest import MANIFEST, CheckpointError, verify_checkpoint
 from deepshard.core.checkpoint.safe_load import read_metadata_safely
 from deepshard.core.checkpoint.state import load_checkpoint
 from deepshard.finetune.tools.export import main as export_main
+from tests.checkpoint.ckpt_harness import SPLIT
+from tests.checkpoint.malicious import add_pickled_item, poison_metadata
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_extra_state_is_json(ckpt):
 
 def test_a_damaged_json_state_file_is_named(ckpt):
     (ckpt / "trainer.json").write_text("{not json")
-    from malicious import reseal
+    from tests.checkpoint.malicious import reseal
 
     reseal(ckpt)
     with pytest.raises(CheckpointError, match=r"trainer\.json is not valid JSON"):

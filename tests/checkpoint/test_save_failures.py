@@ -6,9 +6,9 @@ cannot see is named before training."""
 from __future__ import annotations
 
 import pytest
-from failure_harness import disk_worker
 
 from deepshard.launch.local import launch_local
+from tests.checkpoint.failure_harness import disk_worker
 
 
 @pytest.fixture

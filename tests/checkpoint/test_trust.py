@@ -13,9 +13,6 @@ import shutil
 
 import pytest
 import torch
-from ckpt_harness import SPLIT
-from malicious import RunsCode, reseal
-from trust_harness import craft_shard, mismatch_worker, redirect_first_shard
 
 from deepshard.core.checkpoint.consolidate import tensor_infos
 from deepshard.core.checkpoint.failures import one_line
@@ -24,6 +21,9 @@ from deepshard.core.checkpoint.state import load_checkpoint
 from deepshard.finetune.tools.export import main as export_main
 from deepshard.finetune.tools.hf_export import export_checkpoint
 from deepshard.launch.local import launch_local
+from tests.checkpoint.ckpt_harness import SPLIT
+from tests.checkpoint.malicious import RunsCode, reseal
+from tests.checkpoint.trust_harness import craft_shard, mismatch_worker, redirect_first_shard
 
 pytestmark = pytest.mark.slow
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ckpt_harness import run_steps
-from malicious import RunsCode, reseal
-from zero_harness import MICRO, build_model, engine_config
 
 from deepshard.core import initialize
 from deepshard.core.checkpoint.manifest import CheckpointError
 from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
 from deepshard.core.mesh import local_device
+from tests.checkpoint.ckpt_harness import run_steps
+from tests.checkpoint.malicious import RunsCode, reseal
+from tests.core.zero_harness import MICRO, build_model, engine_config
 
 THREE = dataclasses.replace(MICRO, n_layers=3)
 NARROW = dataclasses.replace(MICRO, ffn_hidden=64)

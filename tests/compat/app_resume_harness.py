@@ -12,7 +12,8 @@ import logging
 from pathlib import Path
 
 import torch
-from ds_fixture_model import MICRO, SEQ, TOTAL_STEPS, VOCAB, global_batch
+
+from tests.compat.ds_fixture_model import MICRO, SEQ, TOTAL_STEPS, VOCAB, global_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL = 2 * MICRO

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from compat_harness import batches, tiny_llama, tokenizer
+
+from tests.compat.compat_harness import batches, tiny_llama, tokenizer
 
 LR_CASE = 3  # tests/core/fixtures/ds_lr_schedules.json: the WarmupDecayLR DeepSpeed saved and resumed
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "core" / "fixtures" / "ds_lr_schedules.json").read_text())

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_zero3_patterns_harness import TinyLM, batch
 
 import deepshard.compat.deepspeed as deepspeed
 from deepshard.core.checkpoint.manifest import read_manifest
+from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
 LR, BETAS, WD = 5e-2, (0.9, 0.95), 0.1
 

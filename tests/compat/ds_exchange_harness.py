@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import torch
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
+
+from tests.compat.ds_fixture_model import (
+    SAVE_STEP,
+    TOTAL_STEPS,
+    ds_config,
+    param_groups,
+    tiny_model,
+    train_steps,
+)
 
 
 def resume_tied_worker(imported: str, stages: list[int]) -> dict[int, dict]:
@@ -44,9 +52,9 @@ def group_decay_worker(stages: list[int], steps: int) -> dict:
     """``initialize(optimizer=torch.optim.AdamW(groups))`` at each ZeRO stage; the full weights after ``steps``."""
     import torch
     import torch.nn.functional as F  # noqa: N812
-    from ds_zero3_patterns_harness import TinyLM, batch
 
     import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
     deepspeed.init_distributed()
     rank = deepspeed.comm.get_rank()
@@ -74,9 +82,9 @@ def per_rank_tag_worker(save_dir: str) -> dict:
 
     import torch
     import torch.nn.functional as F  # noqa: N812
-    from ds_zero3_patterns_harness import TinyLM, batch
 
     import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
     deepspeed.init_distributed()
     rank = deepspeed.comm.get_rank()
@@ -147,10 +155,10 @@ def aligned_to_deepspeed_worker(root: str) -> dict:
 
     import torch
     import torch.nn.functional as F  # noqa: N812
-    from ds_zero3_patterns_harness import TinyLM, batch
 
     import deepshard.compat.deepspeed as ours
     from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+    from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
     ours.init_distributed()
     rank, world = ours.comm.get_rank(), ours.comm.get_world_size()

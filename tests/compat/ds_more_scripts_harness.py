@@ -14,9 +14,9 @@ import deepshard.compat.deepspeed as ours
 def run_more(root: str, deepspeed=ours, hello_load_dir: str | None = None) -> dict:
     """``root``: a directory every rank sees.  Returns this rank's losses (and rank 0's saved SFT model path).
     ``hello_load_dir``: HelloDeepSpeed's second invocation resumes from there (DeepSpeed's checkpoint, imported)."""
-    import ds_chat_sft_script as sft
-    import ds_gan_script as gan
-    import ds_hello_script as hello
+    from tests.compat import ds_chat_sft_script as sft
+    from tests.compat import ds_gan_script as gan
+    from tests.compat import ds_hello_script as hello
 
     deepspeed.init_distributed()  # the scripts' own first call (the recorder's DeepSpeed already has the group)
     rank = torch.distributed.get_rank()

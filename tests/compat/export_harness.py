@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 import torch
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
+
+from tests.compat.ds_fixture_model import (
+    SAVE_STEP,
+    TOTAL_STEPS,
+    ds_config,
+    param_groups,
+    tiny_model,
+    train_steps,
+)
 
 
 def export_worker(root: str, imported: str, stage: int) -> dict[str, list[float]]:

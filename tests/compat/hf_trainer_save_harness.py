@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_trainer_harness import collate, rows
+
+from tests.compat.hf_trainer_harness import collate, rows
 
 HIDDEN, FFN, LAYERS = 1024, 4096, 2
 
@@ -59,12 +60,12 @@ def peak_growth(fn: Any) -> tuple[Any, int]:
 
 def census(tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
-    from hf_trainer_harness import ds_config
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from deepshard.compat.transformers import Trainer, TrainingArguments
     from deepshard.compat.transformers.save import plan, write_streaming
+    from tests.compat.hf_trainer_harness import ds_config
 
     exact_resident_memory()
     out = Path(tmp)

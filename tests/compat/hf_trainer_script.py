@@ -7,13 +7,17 @@ transformers' example scripts), ``deepspeed=`` a ds_config path, one import chan
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
-from hf_trainer_harness import collate, logged, rows, tiny_llama
 from transformers import HfArgumentParser
 
 from deepshard.compat.transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path: the repo root, for tests.*
+from tests.compat.hf_trainer_harness import collate, logged, rows, tiny_llama  # noqa: E402
 
 
 @dataclass

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ds_fixture_model import SAVE_STEP, TOTAL_STEPS, ds_config, param_groups, tiny_model, train_steps
+from tests.compat.ds_fixture_model import (
+    SAVE_STEP,
+    TOTAL_STEPS,
+    ds_config,
+    param_groups,
+    tiny_model,
+    train_steps,
+)
 
 
 def resume_worker(imported: dict[int, str], stages: dict[int, int]) -> dict[int, list[float]]:

@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-from app_resume_harness import app_resume_worker
-from ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
 
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
 from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
+from tests.compat.app_resume_harness import app_resume_worker
+from tests.compat.ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OUR_STAGE = {2: {1: 1, 2: 2, 3: 3}, 1: {1: 0, 2: 3, 3: 2}}  # world -> DeepSpeed's stage -> ours

@@ -6,9 +6,9 @@ save_16bit_model, on a real 2-rank gloo group at ZeRO-3."""
 from __future__ import annotations
 
 import pytest
-from compat_ckpt_harness import FIXTURE, LR_CASE, checkpoint_worker
 
 from deepshard.launch.local import launch_local
+from tests.compat.compat_ckpt_harness import FIXTURE, LR_CASE, checkpoint_worker
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from compat_harness import all_loops
 
 from deepshard.launch.local import launch_local
+from tests.compat.compat_harness import all_loops
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # find, not import: it prints a banner
 CONFIGS = ("ds_zero2_fp16", "ds_zero3_offload")

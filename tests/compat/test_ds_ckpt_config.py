@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_ckpt_config_harness import BETAS, LR, WD, exit_worker, worker
-from ds_zero3_patterns_harness import TinyLM, batch
 
 from deepshard.compat.ds_config import translate
 from deepshard.core.checkpoint.manifest import latest_good
 from deepshard.launch.local import launch_local
+from tests.compat.ds_ckpt_config_harness import BETAS, LR, WD, exit_worker, worker
+from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ds_exchange_harness import resume_tied_worker
 
 from deepshard.compat.deepspeed.ds_files import load_ds_file
 from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.finetune.tools.to_deepspeed import export_checkpoint
 from deepshard.launch.local import launch_local
+from tests.compat.ds_exchange_harness import resume_tied_worker
 
 TIED = Path(__file__).parent / "fixtures" / "ds_tied_zero2"
 BF16 = Path(__file__).parent / "fixtures" / "ds_bf16_onegroup_zero2" / "checkpoint" / "global_step3"
@@ -67,8 +67,9 @@ def test_per_group_weight_decay_through_optimizer_is_honoured():
     """``initialize(optimizer=AdamW(groups with their own weight_decay))`` at ZeRO 2 and 3 equals torch's
     AdamW over the same groups (each rank's mean loss averaged), 3 steps."""
     import torch.nn.functional as F  # noqa: N812
-    from ds_exchange_harness import decay_groups, group_decay_worker
-    from ds_zero3_patterns_harness import TinyLM, batch
+
+    from tests.compat.ds_exchange_harness import decay_groups, group_decay_worker
+    from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
     torch.manual_seed(0)
     model = TinyLM()
@@ -87,7 +88,7 @@ def test_per_group_weight_decay_through_optimizer_is_honoured():
 
 @pytest.mark.slow
 def test_a_tag_that_differs_per_rank_warns_and_saves_under_rank_0s(tmp_path):
-    from ds_exchange_harness import per_rank_tag_worker
+    from tests.compat.ds_exchange_harness import per_rank_tag_worker
 
     outs = launch_local(per_rank_tag_worker, 2, str(tmp_path))
     tags = [o["tag"] for o in outs]
@@ -104,7 +105,7 @@ def test_deepspeed_resumes_our_tied_one_group_checkpoint_with_client_state(tmp_p
     """Ours -> DeepSpeed (skipped without DeepSpeed): DeepSpeed 0.19.8 resumes our export of a tied-embedding
     one-group ZeRO-2 run, hands back its client_state and continues with our losses."""
     pytest.importorskip("deepspeed")
-    from ds_exchange_harness import CLIENT_STATE, ours_to_deepspeed_worker
+    from tests.compat.ds_exchange_harness import CLIENT_STATE, ours_to_deepspeed_worker
 
     for out in launch_local(ours_to_deepspeed_worker, 2, str(tmp_path), 2):
         assert out["client_state"] == CLIENT_STATE
@@ -161,7 +162,7 @@ def test_deepspeed_resumes_our_parameter_aligned_export(tmp_path):
     0.19.8 loads our ``--parameter-alignment`` export of a two-group run with odd parameter sizes (fp32: 4
     elements to 16 bytes; it refuses a layout that differs from its own) and continues with our losses."""
     pytest.importorskip("deepspeed")
-    from ds_exchange_harness import aligned_to_deepspeed_worker
+    from tests.compat.ds_exchange_harness import aligned_to_deepspeed_worker
 
     for out in launch_local(aligned_to_deepspeed_worker, 2, str(tmp_path)):
         assert any(any(g) for g in out["paddings"])  # the case exists: parameters padded inside the groups

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_pipe_harness import HIDDEN, VOCAB, micro_batch, run_all
 from torch import nn
 
 from deepshard.launch.local import launch_local
+from tests.compat.ds_pipe_harness import HIDDEN, VOCAB, micro_batch, run_all
 
 _RUN: list = []
 

@@ -22,10 +22,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_script_harness import CIFAR_STAGES, Blocks, Net, cifar_like, probe_data, run_all, warmup_linear
 
 from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
+from tests.compat.ds_script_harness import (
+    CIFAR_STAGES,
+    Blocks,
+    Net,
+    cifar_like,
+    probe_data,
+    run_all,
+    warmup_linear,
+)
 
 _RUN: list = []
 

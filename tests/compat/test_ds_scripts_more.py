@@ -32,7 +32,7 @@ _RUN: list = []
 
 
 def _worker(root: str, hello_load_dir: str) -> dict:
-    from ds_more_scripts_harness import run_more
+    from tests.compat.ds_more_scripts_harness import run_more
 
     out = run_more(root, hello_load_dir=hello_load_dir)
     if torch.distributed.get_rank() == 0:  # the saved SFT model, read before the directory goes
@@ -76,7 +76,7 @@ def test_chat_sft_script_equals_deepspeed():
 def _hello_reference() -> tuple[list[float], list[float]]:
     """HelloDeepSpeed as a plain torch loop: AdamW(lr 1e-4), every rank the same batches (no sampler);
     the second invocation reseeds and restarts the data iterator, keeping weights and Adam moments."""
-    import ds_hello_script as hello
+    from tests.compat import ds_hello_script as hello
 
     def seeded_iterator():
         torch.manual_seed(42)
@@ -132,7 +132,7 @@ def test_deepspeeds_hello_checkpoint_resumed_by_ours():
 
 def _gan_reference() -> list[list[float]]:
     """The GAN loop in plain torch (both ranks read the same batches and noise: the same numbers)."""
-    import ds_gan_script as gan
+    from tests.compat import ds_gan_script as gan
 
     args = gan.get_argument_parser().parse_args(["--batchSize", "8", "--nz", "8", "--ngf", "4", "--ndf", "4"])
     gan.set_seed(args.manualSeed)

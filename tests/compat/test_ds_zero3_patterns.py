@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from ds_zero3_patterns_harness import TinyLM, batch, pretrained_state, run_all
 
 from deepshard.launch.local import launch_local
+from tests.compat.ds_zero3_patterns_harness import TinyLM, batch, pretrained_state, run_all
 
 _RUN: list = []
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from import_harness import resume_worker
 
 from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
+from tests.compat.import_harness import resume_worker
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STAGES = (1, 2, 3)
@@ -121,7 +121,7 @@ def test_deepspeed_resumes_our_checkpoints(imported, tmp_path, stage):
     """to_deepspeed: DeepSpeed resumes a checkpoint we wrote and continues with our losses; and an
     imported-then-exported fixture continues as DeepSpeed did from its own file (skipped without DeepSpeed)."""
     pytest.importorskip("deepspeed")
-    from export_harness import export_worker
+    from tests.compat.export_harness import export_worker
 
     outs = launch_local(export_worker, 2, str(tmp_path), imported[stage], stage)
     for out in outs:

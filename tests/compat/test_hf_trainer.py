@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_trainer_harness import world1, world2
 
 from deepshard.compat.transformers.auto import AutoFill
 from deepshard.launch.local import launch_local
+from tests.compat.hf_trainer_harness import world1, world2
 
 _RUNS: dict[str, object] = {}
 
@@ -191,7 +191,7 @@ def test_script_under_torchrun_and_our_launcher(tmp_path_factory, tmp_path, laun
     ``torchrun --nproc_per_node 2`` and by ``deepshard --num_gpus 2`` (which passes ``--local_rank=N``,
     taken by TrainingArguments' own field) logs exactly what world 2's ZeRO-2 run logged under the
     tests' launcher.  ~15 s each."""
-    from hf_trainer_harness import ds_config
+    from tests.compat.hf_trainer_harness import ds_config
 
     (tmp_path / "ds_config.json").write_text(json.dumps(ds_config(2)))
     bindir = Path(sys.executable).parent
@@ -298,9 +298,8 @@ def test_mismatch_error_names_every_argument_and_key(tmp_path):
 
 def test_refused_before_training(tmp_path):
     """What does not combine with the engine fails at construction, one line naming the argument."""
-    from hf_trainer_harness import collate, rows, tiny_llama
-
     from deepshard.compat.transformers import Trainer, TrainingArguments
+    from tests.compat.hf_trainer_harness import collate, rows, tiny_llama
 
     ds = {"zero_optimization": {"stage": 2}}
     with pytest.raises(ValueError, match=r"^TrainingArguments\(torch_compile=True\)"):

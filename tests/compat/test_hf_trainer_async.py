@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_trainer_harness import collate, ds_config, logged, rows, tiny_llama
-
 from deepshard.compat.transformers import checkpoints
+from tests.compat.hf_trainer_harness import collate, ds_config, logged, rows, tiny_llama
 
 
 def test_asynchronous_saves_are_sealed_before_rotation_and_at_the_end(tmp_path):

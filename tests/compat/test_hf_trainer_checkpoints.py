@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from hf_trainer_harness import collate, ds_config, logged, rows, tiny_llama
 from transformers import TrainerCallback
 
 from deepshard.compat.transformers import checkpoints
+from tests.compat.hf_trainer_harness import collate, ds_config, logged, rows, tiny_llama
 
 
 def _flip_a_byte(checkpoint: Path) -> None:
@@ -112,7 +112,8 @@ def test_train_called_twice_continues_as_transformers_does(tmp_path):
     and step count carry over, the step count and the rate's schedule restart.  Against transformers'
     own Trainer, one process, no DeepSpeed, called twice the same way; ours at ZeRO-3."""
     import transformers
-    from hf_trainer_harness import arguments, our_trainer
+
+    from tests.compat.hf_trainer_harness import arguments, our_trainer
 
     # no weight decay: which parameters decay (transformers' rule or DeepSpeed's) is not what this is about
     args = arguments(transformers.TrainingArguments, tmp_path / "ref", micro=4, accum=2, weight_decay=0.0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_trainer_harness import (
+
+from tests.compat.hf_trainer_harness import (
     arguments,
     collate,
     ds_config,

@@ -8,9 +8,9 @@ the engine's logits, and hold exactly the full-gather state dict's tensors."""
 from __future__ import annotations
 
 import pytest
-from hf_trainer_save_harness import census
 
 from deepshard.launch.local import launch_local
+from tests.compat.hf_trainer_save_harness import census
 
 MiB = 1 << 20
 SLACK = 8 * MiB  # the allocator's and the writer's own small buffers

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 
-from zero_harness import distributed_run, engine_config
-
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import distributed_run, engine_config
 
 INJECT_AT = 2
 KNOBS = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}

@@ -13,9 +13,9 @@ import gc
 
 import pytest
 import torch
-from zero_harness import MICRO, build_model, engine_config
 
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import MICRO, build_model, engine_config
 
 
 def _storages() -> dict[int, int]:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from zero_harness import distributed_run, engine_config, reference
 
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import distributed_run, engine_config, reference
 
 STEPS = 3
 STAGES = (0, 1, 2, 3)

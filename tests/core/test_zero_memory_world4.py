@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from zero_harness import build_model, engine_config
-
 from deepshard.finetune.models.llama import LlamaConfig
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import build_model, engine_config
 
 # large enough that Shard(0) padding and the per-parameter rounding stay small
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=160, max_seq_len=32)

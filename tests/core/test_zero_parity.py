@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zero_harness import distributed_run, engine_config, reference
 
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import distributed_run, engine_config, reference
 
 STEPS = 5
 CASES = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, 0.0), (2, 0.05))]
@@ -37,9 +37,8 @@ def _worker(cases):
 def _grad_ready_timing():
     """Stage 2 hands each final gradient shard to the store while backward runs (offload copies it
     early), only on the accumulation boundary; returns the store's calls seen after each backward."""
-    from zero_harness import build_model
-
     from deepshard.core import DeviceStateStore, initialize
+    from tests.core.zero_harness import build_model
 
     class Recording(DeviceStateStore):
         def __init__(self, *args, **kwargs):

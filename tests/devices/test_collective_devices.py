@@ -13,11 +13,11 @@ from unittest import mock
 
 import pytest
 import torch
-from device_recorder import CollectiveRecorder, fake_world
-from zero_harness import MICRO, build_model, engine_config
 
 from deepshard.core.mesh import ParallelDims, build_mesh, use_local_device
 from deepshard.core.optim import ZeroOptimizer, global_grad_sq_norm
+from tests.core.zero_harness import MICRO, build_model, engine_config
+from tests.devices.device_recorder import CollectiveRecorder, fake_world
 
 META = torch.device("meta")
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from device_recorder import fake_world
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepshard.core.mesh import cuda_index, local_device, use_local_device
 from deepshard.core.optim import global_grad_sq_norm
+from tests.devices.device_recorder import fake_world
 
 
 @pytest.mark.parametrize(("env", "count", "expected"), [

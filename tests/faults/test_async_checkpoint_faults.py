@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
-from app_harness import MAIN, TINY, scalars
 
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
+from tests.finetune_app.app_harness import MAIN, TINY, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_async_saves_into_a_filling_disk_keep_the_sealed_ones(tmp_path, mount_tm
 def test_sigterm_with_an_async_save_in_flight_seals_it_then_saves_the_final_one(tmp_path):
     """The writer of step 4 pauses with its shards written (training goes on); SIGTERM then: the run waits
     for step 4 to be sealed, writes the final checkpoint of the step it stopped at, and exits 0."""
-    from test_checkpoint_faults import PAUSED, Live
+    from tests.faults.test_checkpoint_faults import PAUSED, Live
 
     run = tmp_path / "run"
     app = Live(tmp_path, run, "checkpoint.every_steps=2", "checkpoint.async_save=true", "checkpoint.keep_last=0",
@@ -74,7 +74,7 @@ def test_sigkill_of_a_worker_mid_shard_keeps_the_previous_and_the_next_run_resum
     file open, its first tensor written), training goes on; rank 1 is then killed with SIGKILL.  The job
     ends with the launcher's one line; step 2 stays the newest good checkpoint; step 4 is a partial temp
     dir that no resume takes, and the next run (resume=auto) removes it, saying so, and resumes from 2."""
-    from test_checkpoint_faults import PAUSED, Live, _run
+    from tests.faults.test_checkpoint_faults import PAUSED, Live, _run
 
     run = tmp_path / "run"
     root = run / "checkpoints"

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from app_harness import MAIN, TINY
-from malicious import poison_metadata
 
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
 from deepshard.finetune.tools.export import main as export_main
+from tests.checkpoint.malicious import poison_metadata
+from tests.finetune_app.app_harness import MAIN, TINY
 
 pytestmark = pytest.mark.slow
 PAUSED = "pausing this save for a fault-injection test"

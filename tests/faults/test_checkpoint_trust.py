@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from app_harness import MAIN, TINY
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
+from tests.finetune_app.app_harness import MAIN, TINY
 
 pytestmark = pytest.mark.slow
 USER_DIRS = ("project.tmp-notes", "photos.old-2023", "build.init-cache", "plain", "step-00000009.tmp-0123abcd")

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from run_harness import MAIN, ROOT, TINY, wait_for_step
+
+from tests.faults.run_harness import MAIN, ROOT, TINY, wait_for_step
 
 LOCK = ".deepshard.lock"  # deepshard.launch.run_lock.LOCK_NAME, spelled out: the test must run on code without it
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from run_harness import MAIN, TINY, wait_for_step
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
+from tests.faults.run_harness import MAIN, TINY, wait_for_step
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from app_harness import prompt_response_rows, write_jsonl, write_save_to_disk
 
 from deepshard.finetune.config import DataConfig
 from deepshard.finetune.data.build import build_datasets
@@ -15,6 +14,7 @@ from deepshard.finetune.data.records import hf_disk_records, jsonl_records, text
 from deepshard.finetune.data.sources import check_records
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.models.llama import Llama, LlamaConfig
+from tests.finetune_app.app_harness import prompt_response_rows, write_jsonl, write_save_to_disk
 
 TOK = load_tokenizer()
 SMALL = LlamaConfig(vocab_size=2048, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=128)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from app_harness import FIXTURES
 
 from deepshard.compat.resolve import fp16_fallback, resolve_batch
 from deepshard.finetune.config.ds_config import main, merge_argv, translate
+from tests.finetune_app.app_harness import FIXTURES
 
 
 def _load(name: str) -> dict:

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from app_harness import MAIN
+from tests.finetune_app.app_harness import MAIN
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
         "data.seq_len=64"]

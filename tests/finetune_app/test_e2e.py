@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from app_harness import (
+
+from deepshard.finetune.data.corpus import generate
+from tests.finetune_app.app_harness import (
     FIXTURES,
     TINY,
     prompt_response_rows,
@@ -12,8 +14,6 @@ from app_harness import (
     write_jsonl,
     write_save_to_disk,
 )
-
-from deepshard.finetune.data.corpus import generate
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_deepspeed_zero3_cpu_offload_config_trains(tmp_path):
 
 def test_bad_data_and_contradictory_batch_fail_before_any_work(tmp_path, monkeypatch):
     """The launcher's checks in this process (tests/app/prelaunch.py: no worker may start)."""
-    from prelaunch import prelaunch_error
+    from tests.app.prelaunch import prelaunch_error
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": \n')

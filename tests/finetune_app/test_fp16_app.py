@@ -5,7 +5,8 @@ skipped steps, and the scale trajectory and the skips are logged."""
 from __future__ import annotations
 
 import pytest
-from app_harness import TINY, prompt_response_rows, run_app, scalars, write_jsonl
+
+from tests.finetune_app.app_harness import TINY, prompt_response_rows, run_app, scalars, write_jsonl
 
 pytestmark = pytest.mark.slow
 

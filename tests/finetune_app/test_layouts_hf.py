@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from app_harness import prompt_response_rows, run_app, scalars, write_jsonl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
-from hf_fixtures import save_tiny_hf_llama  # noqa: E402
+from tests.checkpoint.hf_fixtures import save_tiny_hf_llama  # noqa: E402
+from tests.finetune_app.app_harness import prompt_response_rows, run_app, scalars, write_jsonl
 
 pytestmark = pytest.mark.slow
 

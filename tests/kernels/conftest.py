@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernels_testutil import HERE, INTERPRETING
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
+
+from tests.kernels.kernels_testutil import HERE, INTERPRETING
 
 NATIVE_GPU = torch.cuda.is_available() and not INTERPRETING
 

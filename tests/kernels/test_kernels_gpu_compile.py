@@ -11,7 +11,8 @@ import importlib
 import importlib.util
 
 import pytest
-from kernels_testutil import INTERPRETING
+
+from tests.kernels.kernels_testutil import INTERPRETING
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testutil import assert_fp32_close, check_kernel
 
 from deepshard.kernels import linear_cross_entropy, linear_cross_entropy_reference
+from tests.kernels.kernels_testutil import assert_fp32_close, check_kernel
 
 # (tokens, hidden, vocab, chunk): vocab not a multiple of the chunk, a chunk larger than N, chunk 1
 CASES = [(37, 24, 123, 16), (5, 33, 517, 64), (9, 8, 50, 1)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testutil import check_kernel
 
 from deepshard.kernels import RMSNorm, rms_norm, rms_norm_reference
+from tests.kernels.kernels_testutil import check_kernel
 
 SHAPES = [(3, 37, 123), (5, 64), (2, 1, 1000)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testutil import check_kernel
 
 from deepshard.kernels import apply_rotary, apply_rotary_reference
+from tests.kernels.kernels_testutil import check_kernel
 
 
 def hf_tables(seq: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

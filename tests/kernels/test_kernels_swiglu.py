@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testutil import check_kernel
 
 from deepshard.kernels import SwiGLU, swiglu, swiglu_reference
+from tests.kernels.kernels_testutil import check_kernel
 
 SHAPES = [(3, 37, 123), (1, 1025), (7,)]
 

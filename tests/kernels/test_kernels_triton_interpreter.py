@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from kernels_testutil import HERE, INTERPRETING
+
+from tests.kernels.kernels_testutil import HERE, INTERPRETING
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the Triton tests run in this process already")

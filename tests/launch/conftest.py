@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from compat_runs import final_losses, run_loop
+
+from tests.launch.compat_runs import final_losses, run_loop
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,12 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.* by package path
 
-from hf_trainer_harness import our_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from tests.compat.hf_trainer_harness import our_trainer  # noqa: E402
 
 
 class DieAt(TrainerCallback):

@@ -216,7 +216,7 @@ def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):
 DS_SCRIPT = """
 import json, math, os, sys
 sys.path.insert(0, {harness!r})
-from ds_script_harness import add_argument, cifar_main  # DeepSpeedExamples' CIFAR script on deepshard.compat
+from tests.compat.ds_script_harness import add_argument, cifar_main  # DeepSpeedExamples' CIFAR script on deepshard.compat
 args = add_argument(sys.argv[1:])  # argparse with --local_rank and DeepSpeed's config arguments
 assert args.local_rank == int(os.environ["LOCAL_RANK"]), (args.local_rank, os.environ["LOCAL_RANK"])
 losses = cifar_main(args)
@@ -226,7 +226,7 @@ os.write(1, f"RESULT {{json.dumps(dict(argv=sys.argv[1:], env=dict(RANK=os.envir
 
 
 def test_a_deepspeed_script_on_deepshard_compat(tmp_path):
-    harness = str(Path(__file__).resolve().parents[1] / "compat")
+    harness = str(Path(__file__).resolve().parents[2])  # the repo root: tests.* by package path
     (tmp_path / "cifar.py").write_text(DS_SCRIPT.format(harness=harness))
     code, out, err = launch([*DEEPSHARD, "--num_gpus", "2", "cifar.py", "--epochs", "1", "--dtype", "fp32",
                              "--stage", "3"], tmp_path)

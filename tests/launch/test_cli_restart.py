@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from compat_runs import final_losses, run_loop
+
+from tests.launch.compat_runs import final_losses, run_loop
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +118,8 @@ HF_LOOP = Path(__file__).resolve().with_name("hf_trainer_loop.py")
 
 
 def test_an_hf_trainer_script_resumes_from_its_checkpoint_after_a_restart(tmp_path):
-    from compat_runs import DEEPSHARD
-    from compat_runs import launch as run
+    from tests.launch.compat_runs import DEEPSHARD
+    from tests.launch.compat_runs import launch as run
 
     def job(name: str, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[str, dict]:
         out = tmp_path / f"{name}.json"

@@ -12,11 +12,11 @@ import subprocess
 import time
 
 import pytest
-from compat_runs import DEEPSHARD, final_losses, run_loop
-from loopback_sshd import loopback_sshd
-from test_orphans import LOOP, _start_time, _workers
 
 from deepshard.core.mesh import free_port
+from tests.launch.compat_runs import DEEPSHARD, final_losses, run_loop
+from tests.launch.loopback_sshd import loopback_sshd
+from tests.launch.test_orphans import LOOP, _start_time, _workers
 
 pytestmark = pytest.mark.slow
 

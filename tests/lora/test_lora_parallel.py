@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lora_parity import (
+
+from deepshard.launch.local import launch_local
+from tests.lora.test_lora_parity import (
     ALPHA,
     BETAS,
     CFG,
@@ -41,8 +43,6 @@ from test_lora_parity import (
     data,
     reference,
 )
-
-from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.* by package path
 
 
 def main(spec: dict) -> dict:
-    from infinity import llama_spec
-
+    from bench.bench_infinity import llama_spec
     from deepshard.core import (
         EngineConfig,
         OptimConfig,

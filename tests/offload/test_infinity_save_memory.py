@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from infinity import cgroup_available, memory_cgroup  # noqa: E402
-
+from bench.bench_infinity import cgroup_available, memory_cgroup  # noqa: E402
 from deepshard.core.checkpoint.manifest import verify_checkpoint  # noqa: E402
 
 LIMIT = 352 * 2**20

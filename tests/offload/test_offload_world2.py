@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zero_harness import distributed_run, engine_config
 
 from deepshard.launch.local import launch_local
+from tests.core.zero_harness import distributed_run, engine_config
 
 STEPS = 4
 

@@ -8,14 +8,9 @@ peak); the backward has given those back, and the process's anonymous memory dro
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
-
+from bench.bench_infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
 from deepshard.finetune.models.llama import LlamaConfig  # noqa: E402
 from deepshard.finetune.models.memory_plan import infinity_buffers, largest_unit  # noqa: E402
 

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from zero_harness import MICRO, batches, engine_config  # noqa: E402
-
 from deepshard.launch.local import launch_local  # noqa: E402
+from tests.core.zero_harness import MICRO, batches, engine_config  # noqa: E402
 
 STEPS = 5
 # grad_accum, ac, reshard_after_forward, init through the swap's materializer (unit by unit to NVMe),

@@ -11,7 +11,6 @@ what the memory cgroup charges, and the trims that keep them small.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,8 @@ import pytest
 from deepshard.launch.local import launch_local
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from infinity import cgroup_available  # noqa: E402
-from process_baseline import estimate, measure  # noqa: E402
+from bench.bench_infinity import cgroup_available  # noqa: E402
+from bench.bench_process_baseline import estimate, measure  # noqa: E402
 
 MiB = 2**20
 

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from zero_harness import MICRO, batches, engine_config, reference  # noqa: E402
-
 from deepshard.launch.local import launch_local  # noqa: E402
+from tests.core.zero_harness import MICRO, batches, engine_config, reference  # noqa: E402
 
 VOCAB, HID, TOKENS = 1001, 24, 29  # odd: rank 0 owns 501 rows, rank 1 500; tiles of 64 leave a partial one
 CFG = dataclasses.replace(MICRO, vocab_size=1001, vocab_tile_size=96)  # 48 rows per rank per tile

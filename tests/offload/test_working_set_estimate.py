@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from infinity import cgroup_available, memory_cgroup  # noqa: E402
+from bench.bench_infinity import cgroup_available, memory_cgroup  # noqa: E402
 
 SHAPE = ["model.dim=256", "model.n_layers=8", "model.vocab_size=4096", "data.seq_len=64",
          "train.micro_batch_size=2", "launcher.nproc_per_node=1"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_harness import Case, build_model, engine_config, reference, run_case
 
 from deepshard.launch.local import launch_local
+from tests.pipeline.pipeline_harness import Case, build_model, engine_config, reference, run_case
 
 WORLD2 = [
     Case(pp=2, schedule="gpipe", microbatches=4),

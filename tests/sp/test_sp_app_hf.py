@@ -9,8 +9,9 @@ it shares no code with the app.  One launch of 2 ranks (~20 s).
 from __future__ import annotations
 
 import pytest
-from app_harness import run_app, scalars
-from test_layouts_hf import EVAL_FRACTION, LR, SEED, SEQ, STEPS, WD, reference, user_files  # noqa: F401
+
+from tests.finetune_app.app_harness import run_app, scalars
+from tests.finetune_app.test_layouts_hf import EVAL_FRACTION, LR, SEED, SEQ, STEPS, WD, reference, user_files  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

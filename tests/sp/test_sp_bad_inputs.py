@@ -4,7 +4,8 @@ the values and what is valid (the launcher's checks, run in this process: no lau
 from __future__ import annotations
 
 import pytest
-from prelaunch import prelaunch_error
+
+from tests.app.prelaunch import prelaunch_error
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
         "data.seq_len=64", "launcher.nproc_per_node=4"]
@@ -36,9 +37,9 @@ def test_good_sp_passes_the_checks():
     """sp=4 over 4 ranks with 2 kv heads (replicated to line up) is accepted; dp is what sp leaves."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from prelaunch import CONF
 
     from deepshard.finetune.config import register, validate
+    from tests.app.prelaunch import CONF
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):

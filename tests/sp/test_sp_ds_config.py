@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from prelaunch import prelaunch_error
 
 from deepshard.compat.ds_config import translate
+from tests.app.prelaunch import prelaunch_error
 
 
 def test_sequence_parallel_size_maps_to_parallel_sp():

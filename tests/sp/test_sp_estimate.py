@@ -1,6 +1,6 @@
 """The estimator's activations under sequence parallelism, MLP tiling and AC offload (issue 28): one
 rank's working set for a training step (``working_set.step_growth``) against the peak RSS growth a
-world-2 run measures over that step (bench/long_context.py's measurement: ``clear_refs`` and VmHWM,
+world-2 run measures over that step (bench/bench_long_context.py's measurement: ``clear_refs`` and VmHWM,
 large tensors unmapped on free), within 15%, at sp=1, sp=2 and sp=2 + ``mlp_tiles=8`` + ``ac=full``
 + ``ac_offload``; and ``tools/estimate --fit-memory``: the seq_len it names fits and the next does
 not, sp=2 with tiling and offloaded checkpoints fits several times sp=1's, bad sizes one line.
@@ -23,7 +23,7 @@ LAYOUTS = {"sp1": (1, 1, "none", False, 2048), "sp2": (2, 1, "none", False, 4096
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("long_context", ROOT / "bench" / "long_context.py")
+    spec = importlib.util.spec_from_file_location("bench_long_context", ROOT / "bench" / "bench_long_context.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -6,7 +6,8 @@ same losses.  Three app launches of 2 ranks (~30 s)."""
 from __future__ import annotations
 
 import pytest
-from app_harness import run_app, scalars
+
+from tests.finetune_app.app_harness import run_app, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ One world-4 launch (~30 s on 2 cores) runs every case; each test checks its slic
 from __future__ import annotations
 
 import pytest
-from zeropp_harness import build_engine, data, full_params, reference, rel, train
 
 from deepshard.launch.local import launch_local
+from tests.zeropp.zeropp_harness import build_engine, data, full_params, reference, rel, train
 
 STEPS, SAVE_AT = 5, 3
 
@@ -85,7 +85,7 @@ def test_model_state_bytes_follow_the_formula(runs, layout, shards):
     across: all 4 flat and under hpZ (its secondary partition is gone after backward), dp_shard=2 under
     HSDP.  Ψ counted here from the model; the measured side is the engine's census after backward, and
     the engine's own expectation (``engine.memory()['expected']``) must say the same."""
-    from zeropp_harness import model
+    from tests.zeropp.zeropp_harness import model
 
     psi = sum(p.numel() for p in model().parameters())
     for rank in range(4):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zeropp_harness import (
+
+from deepshard.launch.local import launch_local
+from tests.zeropp.zeropp_harness import (
     ByteCounter,
     build_engine,
     data,
@@ -27,8 +29,6 @@ from zeropp_harness import (
     train,
     train_accumulating,
 )
-
-from deepshard.launch.local import launch_local
 
 STEPS, ACCUM_STEPS, BYTE_STEPS = 100, 4, 2
 SEG = 5000
@@ -128,7 +128,7 @@ def test_loco_buffers_cover_the_replica_all_reduce(runs):
     """Under HSDP LoCo keeps, per unit, the in-node hop's buffer (the unit's unsharded gradient, fp32) and
     the replica all-reduce's two (the node's shard, 1/2 of it, and this replica's chunk of that, 1/4):
     at least 4 bytes x (1 + 1/2 + 1/4) per parameter (more with the padding to whole blocks)."""
-    from zeropp_harness import model
+    from tests.zeropp.zeropp_harness import model
 
     psi = sum(p.numel() for p in model().parameters())
     for rank in range(4):

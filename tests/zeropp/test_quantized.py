@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zeropp_harness import build_engine, data, train
 
 from deepshard.launch.local import launch_local
+from tests.zeropp.zeropp_harness import build_engine, data, train
 
 STEPS = 100
 SEG = 5000  # per-rank elements: one whole block of 4096 and a partial one
@@ -129,7 +129,7 @@ def test_loco_int4_at_least_as_close_as_without(runs):
 
 
 def test_loco_buffers_in_the_census(runs):
-    from zeropp_harness import model
+    from tests.zeropp.zeropp_harness import model
 
     psi = sum(p.numel() for p in model().parameters())
     for rank in range(4):

@@ -14,7 +14,7 @@ map it, so the job's baseline is not ranks x one process's resident size:
   pages its first writes copy): ``process baseline``, per rank; rank 0 adds its TensorBoard writer's
   imports (``rank 0 logger``).
 
-The constants were measured by ``bench/process_baseline.py`` (per process ``Private_Dirty`` from
+The constants were measured by ``bench/bench_process_baseline.py`` (per process ``Private_Dirty`` from
 ``/proc/PID/smaps_rollup``, default tiny run, 2 workers, CPU): they do not grow with the model,
 whose bytes the working set's other lines count.  A process started by torchrun (no forkserver)
 imports everything itself: each other local rank is a whole image.

@@ -18,7 +18,7 @@ class ZeroConfig:
 
     stage: int = 0
     # 5e6 elements (20 MB fp32, DDP's 25 MiB bucket): several buckets per model, so the reduction
-    # overlaps backward, and one bucket is what the buffers cost.  Measured (bench/zero.py --hf, HF Llama
+    # overlaps backward, and one bucket is what the buffers cost.  Measured (bench/bench_zero.py --hf, HF Llama
     # 17M, world 2, gloo): step time flat from 1e6 to 5e7 within the host's noise, buffers 12 / 18.8 / 64.5
     # MiB per collective kind at 1e6 / 5e6 / 5e7 (5e7, the former default, was one bucket: no overlap)
     reduce_bucket_size: int = 5_000_000

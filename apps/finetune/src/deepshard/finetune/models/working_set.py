@@ -76,7 +76,7 @@ def _block(cfg, s: RunShape, tokens: int) -> tuple[int, int]:
     whole sequences for heads/sp heads: the same bytes per rank, kv heads repeated up to sp), the MLP's
     input and SwiGLU's gate/silu/up/product.  Under ``mlp_tiles`` the MLP keeps only its input, and one
     tile's intermediates exist in backward (the transient); untiled, the MLP's backward adds about one
-    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/long_context.py (tests/sp/test_sp_estimate.py)."""
+    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/bench_long_context.py (tests/sp/test_sp_estimate.py)."""
     b = BYTES[s.dtype]
     kv = max(cfg.n_kv_heads, s.sp if s.sp > 1 else 1) * cfg.head_dim
     attn = tokens * b * (8 * cfg.dim + 3 * kv) + tokens * 4 * cfg.n_heads
@@ -161,7 +161,7 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
 
 def step_growth(ws: WorkingSet, on_device: bool) -> int:
     """What a training step adds on top of the model states and the process (what a run's peak memory
-    grows by over a step: bench/long_context.py measures it): activations and the loss at the start of
+    grows by over a step: bench/bench_long_context.py measures it): activations and the loss at the start of
     backward, or the gradients once the activations are freed (stages 0-2: they grow as the blocks'
     activations go), plus the offloaded block inputs where the host's RAM is the device's too."""
     act = ws.device.get("activations", 0) + ws.device.get("loss", 0)

@@ -47,7 +47,7 @@ class HostStaging:
     on a CPU-only host) into pinned host buffers; host-offloaded state (``offload.device=cpu``) with
     one memcpy, since the next step updates it in place; ZeRO-Infinity's state from its mapped swap
     files (a read of what the page cache does not hold).  That is one copy of this rank's checkpoint
-    state, held for the run (``bench/checkpoint.py`` measures it).  Tensors a store made for the save
+    state, held for the run (``bench/bench_checkpoint.py`` measures it).  Tensors a store made for the save
     (the NVMe optimizer store reads its swap files into fresh tensors: ``request.FRESH_STATE_DICT``) are
     adopted as they are, not copied: no buffer is kept for them and they live until the save is written.
     """

@@ -1,5 +1,5 @@
 """How long a sequence trains in the same per-rank memory: sp=1, sp=2, sp=2 + tiled MLP + activation
-checkpointing (world 2 on this host; ``python bench/long_context.py``, JSON out).
+checkpointing (world 2 on this host; ``python bench/bench_long_context.py``, JSON out).
 
 Each rank measures its own peak RSS growth over one training step (after a first step has created the
 optimizer state): ``/proc/self/clear_refs`` resets the high-water mark, VmHWM - VmRSS before the step is

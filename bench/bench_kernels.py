@@ -7,7 +7,7 @@ at Llama-8B-like sizes (hidden 4096, intermediate 14336, vocab 128256). On CPU o
 paths run (Triton has no CPU backend; its interpreter is far too slow to time) and the JSON says so.
 Every row carries ratios against ``eager`` from the same run.
 
-    python bench/kernels.py [--quick | --llama8b] [--repeat N] [--compile] [--only rms_norm,...] [--out F.json]
+    python bench/bench_kernels.py [--quick | --llama8b] [--repeat N] [--compile] [--only rms_norm,...] [--out F.json]
 
 ``--llama8b``: one case per family at Llama-3-8B shapes (4096 tokens, hidden 4096, ffn 14336,
 32/8 heads of 128, vocab 128256), the bounded set

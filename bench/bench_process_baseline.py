@@ -12,7 +12,7 @@ It also prints the preflight's estimate of the baseline (``process_memory.job_ba
 fresh process with torch and the app imported, as the launcher is at its preflight) and its ratio to
 the group's growth at ``workers_started`` over the launcher's usage at its preflight.
 
-    python bench/process_baseline.py [--tree DIR] [--label NAME] -- <app overrides...>
+    python bench/bench_process_baseline.py [--tree DIR] [--label NAME] -- <app overrides...>
 
 ``--tree``: run the app of another checkout (e.g. ``git worktree add /tmp/before HEAD~1``) to get
 the untrimmed figures in the same session.  Needs root and the cgroup v1 memory controller.
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from infinity import memory_cgroup  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
+from bench.bench_infinity import memory_cgroup  # noqa: E402
 
 KEYS = ("Private_Dirty", "Pss", "Anonymous", "Rss")
 

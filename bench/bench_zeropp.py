@@ -11,10 +11,10 @@ to every peer, an all-gather this rank's input, a reduce-scatter or all-to-all c
 A peer in another node makes those bytes cross-node.  (gloo's own algorithms may route differently;
 the counts are what each rank hands over, the quantity ZeRO++ reduces.)
 
-DeepSpeed's ZeRO++ on the same model and counts: bench/zeropp_deepspeed.py (its ZeRO-3 and hpZ run here;
+DeepSpeed's ZeRO++ on the same model and counts: bench/bench_zeropp_deepspeed.py (its ZeRO-3 and hpZ run here;
 its qwZ/qgZ quantizers are CUDA ops, QuantizerBuilder, with no CPU fallback).
 
-    python bench/zeropp.py [--steps 6] [--warmup 2] [--layers 6]
+    python bench/bench_zeropp.py [--steps 6] [--warmup 2] [--layers 6]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main() -> None:
                       "last_loss": round(ranks[0][name]["last_loss"], 4)}
     print(json.dumps({"world": 4, "ranks_per_node": NODE, "model": f"README tiny Llama, {a.layers} layers, fp32",
                       "tokens_per_rank_step": MBS * SEQ, "measured_steps": a.steps, "configs": rows,
-                      "deepspeed": "bench/zeropp_deepspeed.py (its ZeRO-3 and hpZ run here; qwZ/qgZ need "
+                      "deepspeed": "bench/bench_zeropp_deepspeed.py (its ZeRO-3 and hpZ run here; qwZ/qgZ need "
                                    "QuantizerBuilder, a CUDA op)"}, indent=1))
 
 

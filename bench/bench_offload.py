@@ -14,7 +14,7 @@
 - rss: peak RSS of a fresh process stepping ~100M fp32 params with NvmeStateStore vs
   DeviceStateStore; the drop should be most of the optimizer-state bytes (goal >= 0.8).
 
-    python bench/offload.py [--sizes 50,500] [--swap-params 100] [--rss-params 100] [--nvme-path /var/tmp]
+    python bench/bench_offload.py [--sizes 50,500] [--swap-params 100] [--rss-params 100] [--nvme-path /var/tmp]
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ measured vs expected per-rank model-state bytes.  Every stage builds its model o
 never a dependency of our packages) it trains the same model and batches at the same stage in the same
 run, and the JSON adds our/DeepSpeed ratios.
 
-    python bench/zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
-    python bench/zero.py --hf [--rounds 2] [--steps 10] [--engines ddp fsdp2 ours1 ...] [--zero KEY=VALUE ...]
+    python bench/bench_zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
+    python bench/bench_zero.py --hf [--rounds 2] [--steps 10] [--engines ddp fsdp2 ours1 ...] [--zero KEY=VALUE ...]
 
 ``--hf``: HF ``LlamaForCausalLM`` through the public API beside DDP, raw FSDP2 and DeepSpeed, world 2,
-fp32, every engine in one launch, interleaved rounds (see bench/zero_hf.py); prints JSON and the table.
+fp32, every engine in one launch, interleaved rounds (see bench/bench_zero_hf.py); prints JSON and the table.
 ``ours2cpu``/``ds2cpu``: stage 2 with the optimizer state and step in host memory (ZeRO-Offload).
 
 On CUDA each rank needs its own GPU (nccl): choose worlds up to the GPU count (``--worlds 1`` on one).
@@ -25,10 +25,13 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from deepshard.launch.local import launch_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* by package path
 
 SEQ, MBS = 128, 4
 
@@ -182,7 +185,7 @@ def main() -> None:
 
 
 def hf_main(args: argparse.Namespace) -> None:
-    import zero_hf
+    from bench import bench_zero_hf as zero_hf
 
     have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
     names = args.engines or ["ddp", "fsdp2", "ours1", "ours2", "ours3", "ours2cpu"] + \

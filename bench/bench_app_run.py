@@ -1,6 +1,6 @@
 """One run of the finetune app (apps/finetune/main.py, unchanged) and its figures as one JSON line.
 
-    python bench/app_run.py --name s3_cpu --out DIR [--timeout 60] -- model=small precision=bf16 +zero=stage3 ...
+    python bench/bench_app_run.py --name s3_cpu --out DIR [--timeout 60] -- model=small precision=bf16 +zero=stage3 ...
 
 Reads the run's TensorBoard scalars back: step time (median gap between steps' scalars, first
 ``--warmup`` steps excluded), tokens/s, MFU (``train/mfu``: model FLOPs over the device table's

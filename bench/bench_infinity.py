@@ -20,8 +20,8 @@ beside it, and both again over a run without offload under offload's malloc poli
 (``same_malloc``: the page faults of a fixed mmap threshold apart from the swapping's cost).
 DeepSpeed's own NVMe offload is tried last and, where it cannot run, the reason is said.
 
-    python bench/infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
-    python bench/infinity.py app [--world 2] [--limit-gib 2.5] [--shapes 450m,358m]   (bench/infinity_app.py)
+    python bench/bench_infinity.py [--limit-mib 384] [--nvme-path /var/tmp] [--sizes 200,150,125,100]
+    python bench/bench_infinity.py app [--world 2] [--limit-gib 2.5] [--shapes 450m,358m]   (bench/bench_infinity_app.py)
 
 Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory.  ``worker`` is the
 confined process's entry point (also used by tests/offload/test_param_swap_memory.py).
@@ -40,6 +40,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* by package path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 M = 1_000_000
@@ -347,7 +349,7 @@ def main() -> None:
     ap.add_argument("--plain-sizes", default="5,3,2", help="sizes for the no-offload search")
     args = ap.parse_args()
     if not cgroup_available():
-        sys.exit("bench/infinity.py: needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
+        sys.exit("bench/bench_infinity.py: needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
     limit = args.limit_mib * 2**20
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         base = {"nvme_path": nvme, "steps": 3, "dim": args.dim, "seq": args.seq, "batch": args.batch,
@@ -399,7 +401,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
     elif len(sys.argv) > 1 and sys.argv[1] == "app":  # through apps/finetune/main.py at Llama-like shapes
-        from infinity_app import main as app_main
+        from bench.bench_infinity_app import main as app_main
 
         app_main(sys.argv[2:])
     else:

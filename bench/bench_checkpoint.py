@@ -11,7 +11,7 @@ Asynchronous saves (``deepshard.core.checkpoint.async_save``), each figure again
   over this rank's state bytes (goal <= 1: one copy), and ``second_save_rss_growth_bytes``: what a second
   save added on top (goal ~0: the buffers are reused).
 
-    python bench/checkpoint.py [--stage 3] [--world 2] [--dir /tmp/deepshard-bench-ckpt] [--no-export]
+    python bench/bench_checkpoint.py [--stage 3] [--world 2] [--dir /tmp/deepshard-bench-ckpt] [--no-export]
 """
 
 from __future__ import annotations

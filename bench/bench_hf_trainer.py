@@ -2,7 +2,7 @@
 DeepSpeed, in the same run (the README's "Coming from the HF Trainer" number).
 
     pip install -r bench/requirements.txt    # DeepSpeed 0.19.8 for the peer
-    python bench/hf_trainer.py [--steps 24] [--stages 2 3]
+    python bench/bench_hf_trainer.py [--steps 24] [--stages 2 3]
 
 The script is tests/compat/hf_trainer_harness.py's (tiny Llama, prompt/response rows, the tutorial's
 TrainingArguments, the "auto" ds_config) at world 2 (deepshard.launch.local), micro-batch 2 x
@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "compat"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
 MICRO, ACCUM, WORLD = 2, 2, 2
 
@@ -39,12 +38,14 @@ def worker(side: str, stage: int, offload: bool, steps: int, out_dir: str) -> di
     sys.stdout.flush()
     os.dup2(2, 1)  # DeepSpeed's banners go to stderr
     import transformers
-    from hf_trainer_harness import arguments, collate, ds_config, rows, tiny_llama
+
+    from tests.compat.hf_trainer_harness import arguments, collate, ds_config, rows, tiny_llama
 
     if side == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed  # noqa: F401  (fails here, not inside transformers, when the bench extra is missing)
-        from record_hf_trainer_ds import accelerate_gloo_on_cpu
+
+        from bench.record_hf_trainer_ds import accelerate_gloo_on_cpu
 
         accelerate_gloo_on_cpu()  # accelerate's DeepSpeed state on a CPU host (see there)
 

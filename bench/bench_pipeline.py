@@ -1,6 +1,6 @@
 """Pipeline schedules at pp=2 against pp=1 in the same run; measured bubble next to theory.
 
-    python bench/pipeline.py [--steps 4] [--seq 128] [--rows 4] [--layers 8]
+    python bench/bench_pipeline.py [--steps 4] [--seq 128] [--rows 4] [--layers 8]
 
 Prints one JSON object.  For every schedule and microbatch count m in (2, 4, 8) it reports the
 step time at pp=2 (2 ranks) and at pp=1 (1 rank, the same global batch of m microbatches,

@@ -1,11 +1,11 @@
 """ZeRO++ against DeepSpeed's own, at world 4 (gloo, "nodes" of 2 consecutive ranks): bytes each
 step sends (total and across nodes) for DeepSpeed's ZeRO-3, hpZ (``zero_hpz_partition_size: 2``),
 qwZ (``zero_quantized_weights``), qgZ (``zero_quantized_gradients``) and all three, each in its own
-launch, next to ours on the same model, data and batch (bench/zeropp.py's rows of the same names).
+launch, next to ours on the same model, data and batch (bench/bench_zeropp.py's rows of the same names).
 
-Counted as bench/zeropp.py counts ours, at the collective: DeepSpeed reaches the wire through
+Counted as bench/bench_zeropp.py counts ours, at the collective: DeepSpeed reaches the wire through
 ``deepspeed.comm``, which calls ``torch.distributed``; its worker initializes the gloo group first,
-wraps torch.distributed's collectives (bench/zeropp.py's ``Counter``, plus the list-based and
+wraps torch.distributed's collectives (bench/bench_zeropp.py's ``Counter``, plus the list-based and
 ``distributed_c10d`` entry points DeepSpeed also uses) and only then lets ``deepspeed.init_distributed``
 build its backend, so the functions it captures are the counted ones.
 
@@ -21,7 +21,7 @@ all-gather per step, which leaves hpZ nothing to save; ``--ds-defaults`` shows i
 does not run on this host records its error in one line, with the DeepSpeed line that raised it.
 Where DeepSpeed is not installed, its side is skipped with that reason.
 
-    python bench/zeropp_deepspeed.py [--steps 6] [--warmup 2] [--layers 6] [--ds-defaults] [--only hpz,qwz] [--no-ours]
+    python bench/bench_zeropp_deepspeed.py [--steps 6] [--warmup 2] [--layers 6] [--ds-defaults] [--only hpz,qwz] [--no-ours]
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
 
-from zeropp import MBS, NODE, SEQ, Counter  # noqa: E402
-
+from bench.bench_zeropp import MBS, NODE, SEQ, Counter  # noqa: E402
 from deepshard.launch.local import launch_local  # noqa: E402
 
 _QGZ = {"zero_quantized_gradients": True}
-DS_VARIANTS = {  # name (as bench/zeropp.py's rows) -> zero_optimization keys on top of stage 3
+DS_VARIANTS = {  # name (as bench/bench_zeropp.py's rows) -> zero_optimization keys on top of stage 3
     "zero3": {},
     "hpz": {"zero_hpz_partition_size": NODE},
     "qwz": {"zero_quantized_weights": True},
@@ -56,7 +55,7 @@ COMPARABLE = {"zero3", "hpz", "qwz", "qgz", "qwz+hpz+qgz"}  # our rows of the sa
 
 
 class DSCounter(Counter):
-    """bench/zeropp.py's counter, also over the entry points DeepSpeed uses: keyword arguments, the
+    """bench/bench_zeropp.py's counter, also over the entry points DeepSpeed uses: keyword arguments, the
     list-based collectives, ``distributed_c10d``'s own names (its coalescing manager calls those),
     counting only the outermost call (a deprecated ``_all_gather_base`` calls another)."""
 
@@ -155,7 +154,7 @@ def _ds_worker(name: str, steps: int, warmup: int, layers: int, defaults: bool) 
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = LlamaConfig(n_layers=layers, max_seq_len=SEQ, loss_chunk_size=0)
-    g = torch.Generator().manual_seed(1000 + dist.get_rank())  # bench/zeropp.py's tokens
+    g = torch.Generator().manual_seed(1000 + dist.get_rank())  # bench/bench_zeropp.py's tokens
     tokens = torch.randint(0, cfg.vocab_size, (steps + warmup, MBS, SEQ + 1), generator=g)
     try:
         torch.manual_seed(0)
@@ -182,7 +181,7 @@ def _ds_worker(name: str, steps: int, warmup: int, layers: int, defaults: bool) 
 
 
 def _ours_worker(steps: int, warmup: int, layers: int) -> dict:
-    import zeropp
+    from bench import bench_zeropp as zeropp
 
     zeropp.CONFIGS = {k: v for k, v in zeropp.CONFIGS.items() if k in COMPARABLE}
     return zeropp._worker(steps, warmup, layers)

@@ -1,4 +1,4 @@
-"""``bench/zero.py --hf``: our ZeRO stages on HF ``LlamaForCausalLM`` through the public library API
+"""``bench/bench_zero.py --hf``: our ZeRO stages on HF ``LlamaForCausalLM`` through the public library API
 (``deepshard.core.initialize``, the way a user with their own loop calls it), beside DDP (torch fused
 AdamW), raw FSDP2 (``fully_shard`` per decoder layer + root, torch fused AdamW) and DeepSpeed where
 installed: the same weights, the same batches, the same AdamW hyper-parameters and global-norm clip.

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity through the app at Llama-like shapes (``python bench/infinity.py app ...``), JSON out.
+"""ZeRO-Infinity through the app at Llama-like shapes (``python bench/bench_infinity.py app ...``), JSON out.
 
 For each shape (largest first), ``apps/finetune/main.py`` runs ``--steps`` steps at ``--world`` ranks
 with ``+zero=stage3 +offload=nvme offload.params=nvme`` (the app's defaults otherwise: the vocabulary
@@ -9,7 +9,7 @@ a limit (where the host has the memory): the step time against it, and the losse
 equal to 1e-5).  A run the app refuses before start (its estimate does not fit) says so in its
 ``refused`` line.
 
-    python bench/infinity.py app [--world 2] [--limit-gib 2.5] [--shapes 1b,450m,358m] [--nvme-path /var/tmp]
+    python bench/bench_infinity.py app [--world 2] [--limit-gib 2.5] [--shapes 1b,450m,358m] [--nvme-path /var/tmp]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from app_run import _series  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.* and tests.* by package path
+from bench.bench_app_run import _series  # noqa: E402
 
 # Llama-like: head_dim 128, dim/ffn in Llama's ratio, vocabulary >= 32000 (the embedded tokenizer uses
 # its first 8192 ids; the rest of the rows train as any unused row does)
@@ -48,7 +48,7 @@ def num_params(shape: dict) -> int:
 def run_app(shape: dict, *, world: int, steps: int, offload: bool, limit: int | None, nvme: str,
             extra: list[str], timeout_s: float) -> dict:
     """One app run (confined when ``limit``): return code, wall time, peak, losses and step times."""
-    from infinity import memory_cgroup
+    from bench.bench_infinity import memory_cgroup
 
     run_dir = Path(tempfile.mkdtemp(prefix="infapp-", dir=nvme))
     args = [f"model.{k}={v}" for k, v in shape.items()] + [
