@@ -4,7 +4,7 @@ Under ZeRO-3 the embedding and the LM head are the largest units of a Llama (Lla
 4096 parameters), and gathering either whole costs a full copy of it plus its gradient.  Here both
 run on their data-parallel shard (a ``Shard(0)`` DTensor over the vocabulary rows, as FSDP2 lays it
 out, or a plain tensor on one rank) in *tiles* of rows: a tile gathers ``tile_size`` rows of every
-rank's shard (one ``all_gather_into_tensor``), is used, and is freed; the backward does the same and
+rank's shard (one ``all_gather_single``), is used, and is freed; the backward does the same and
 reduce-scatters the tile's weight gradient straight into this rank's rows.  At most one tile of the
 weight and one of its gradient are ever whole.
 
@@ -101,7 +101,7 @@ def _gather_tile(piece: torch.Tensor, info: ShardInfo, rows: int, dtype: torch.d
     if info.world == 1:
         return piece
     out = torch.empty((info.world * rows, local.shape[1]), dtype=dtype, device=local.device)
-    dist.all_gather_into_tensor(out, piece.contiguous(), group=info.group)
+    dist.all_gather_single(out, piece.contiguous(), group=info.group)
     return out
 
 
@@ -113,7 +113,7 @@ def _scatter_tile_grad(grad_tile: torch.Tensor, grad_local: torch.Tensor | Shard
         mine = grad_tile
     else:
         mine = torch.empty((rows, grad_tile.shape[1]), dtype=grad_tile.dtype, device=grad_tile.device)
-        dist.reduce_scatter_tensor(mine, grad_tile, op=dist.ReduceOp.SUM, group=info.group)
+        dist.reduce_scatter_single(mine, grad_tile, op=dist.ReduceOp.SUM, group=info.group)
         if op == "avg":
             mine.div_(info.world)
     have = max(0, min(rows, info.local_rows - start))

@@ -84,7 +84,7 @@ class GlooReduceScatter(_PlainAlloc, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> dist.Work | None:
         if group.size() != 2 or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or input_tensor.device.type != "cpu":
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         rank, seg = group.rank(), output_tensor.numel()
         exchange_with_peer(input_tensor[(1 - rank) * seg:(2 - rank) * seg], output_tensor, group).wait()
         output_tensor.add_(input_tensor[rank * seg:(rank + 1) * seg])  # a + b == b + a: both ranks agree

@@ -179,7 +179,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> dist.Work | None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or not output_tensor.is_floating_point():
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world, seg = group.size(), output_tensor.numel()
         intra, inter, local = self._groups(group)
         nodes = world // local
