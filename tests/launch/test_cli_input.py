@@ -4,6 +4,7 @@ with exit 2 before anything starts."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -154,6 +155,33 @@ def test_remote_shell_line_keeps_values_quoted():
     line = remote.remote_shell_line(["python", "t.py", "a b"], env={"FOO": "x y; rm -rf /"}, cwd="/w d",
                                     venv_script=None)
     assert line == "cd '/w d' && export FOO='x y; rm -rf /' && exec python t.py 'a b'"
+
+
+def test_forwarded_names_cannot_run_commands_in_a_nodes_shell(capsys, script, tmp_path, monkeypatch):
+    """Issue 45 item 4: a forwarded variable's name went into ``export NAME=...`` unquoted, so
+    ``PYTHON_X$(touch pwn)`` ran on every node and ``PYTHON.CACHE`` failed every node's shell.  The
+    lines the launcher builds for two hosts, run by a real ``sh -c``: no substitution happens, the
+    skipped names are named once, and a valid name arrives with its value as it was."""
+    pwn = tmp_path / "pwn"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(f"PYTHON_X$(touch {pwn})", "1")
+    monkeypatch.setenv("PYTHON.CACHE", "1")
+    monkeypatch.setenv("PYTHON_OK", "it's $(a) `b` $HOME")
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    lines: dict[str, str] = {}
+    monkeypatch.setattr(remote, "node_command", lambda *a, **k: ["printenv", "PYTHON_OK"])
+    monkeypatch.setattr(remote, "run_over_ssh", lambda got, port: (lines.update(got), (0, None))[1])
+    assert cli.run(["-H", "hosts", "--no_ssh_check", script]) == 0
+    assert list(lines) == ["127.0.0.1", "127.0.0.2"]
+    for line in lines.values():
+        proc = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
+        assert not pwn.exists(), f"the name ran a command: {line}"
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, "it's $(a) `b` $HOME\n", ""), line
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: not forwarded to the nodes"), warnings
+    assert "'PYTHON.CACHE'" in warnings[0] and f"'PYTHON_X$(touch {pwn})'" in warnings[0]
+    with pytest.raises(ValueError, match=r"^'A\$\(x\)': not a shell variable name"):
+        remote.remote_shell_line(["true"], env={"A$(x)": "1"}, cwd="/", venv_script=None)
 
 
 def test_describe_names_host_rank_and_signal():

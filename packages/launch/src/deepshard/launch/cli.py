@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from deepshard.launch import remote
 from deepshard.launch.agent import Failure, NodeConfig, run_node, worker_command
-from deepshard.launch.env_file import job_env
+from deepshard.launch.env_file import job_env, unforwardable
 from deepshard.launch.hostfile import Resources, limit, read_hostfile, select
 from deepshard.launch.parent_death import end_with_stdin
 
@@ -247,6 +247,14 @@ def _free_port() -> int:
     return free_port()
 
 
+def _warn_unforwarded() -> None:
+    """One line naming the variables with a forwarded prefix that cannot cross a node's shell."""
+    skipped = unforwardable()
+    if skipped:
+        print(f"warning: not forwarded to the nodes (not shell variable names, [A-Za-z_][A-Za-z0-9_]*): "
+              f"{', '.join(map(repr, skipped))}", file=sys.stderr, flush=True)
+
+
 def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     """The launcher of a job of several nodes: one ssh per host (or srun), each running its node's agent."""
     hosts = list(world)
@@ -264,6 +272,7 @@ def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     remote.check_resolvable(hosts)
     if not args.no_ssh_check:
         remote.check_reachable(hosts, port=args.ssh_port)
+    _warn_unforwarded()
     env, cwd = job_env(), os.getcwd()
     lines = {h: remote.remote_shell_line(remote.node_command(i, over_ssh=True, **common), env=env, cwd=cwd,
                                          venv_script=args.venv_script) for i, h in enumerate(hosts)}

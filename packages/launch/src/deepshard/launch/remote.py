@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from deepshard.launch.env_file import shell_name
 from deepshard.launch.hostfile import Resources
 from deepshard.launch.local import _lost_peer
 from deepshard.launch.parent_death import guarded
@@ -55,7 +56,13 @@ def node_command(node_rank: int | str, *, world: str, master_addr: str, master_p
 
 
 def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, venv_script: str | None) -> str:
-    """What ssh runs on a node: the launcher's directory, its forwarded variables, the command."""
+    """What ssh runs on a node: the launcher's directory, its forwarded variables, the command.  The
+    line crosses the node's shell: every value is quoted, and a name must already be a shell variable
+    name (no quoting makes ``A$(cmd)`` one; :func:`deepshard.launch.env_file.job_env` leaves such out)."""
+    bad = [k for k in env if not shell_name(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r}: not a shell variable name ([A-Za-z_][A-Za-z0-9_]*): cannot be exported "
+                         "on a remote node")
     parts = [f"cd {shlex.quote(cwd)}"]
     if venv_script:
         parts.append(f"source {shlex.quote(venv_script)}")
