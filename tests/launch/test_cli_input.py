@@ -184,6 +184,23 @@ def test_forwarded_names_cannot_run_commands_in_a_nodes_shell(capsys, script, tm
         remote.remote_shell_line(["true"], env={"A$(x)": "1"}, cwd="/", venv_script=None)
 
 
+@pytest.mark.parametrize(("launcher", "name", "setting"), [
+    ("pdsh", "PDSH_SSH_ARGS_APPEND", {"env": "-F '/x"}), ("slurm", "--launcher_args", {"flag": "--mem='1"})])
+def test_unsplittable_ssh_or_srun_options_name_their_source(capsys, script, tmp_path, monkeypatch, launcher, name,
+                                                           setting):
+    """Issue 45 item 10: ``PDSH_SSH_ARGS_APPEND="-F '/x"`` ended in ``error: No closing quotation``,
+    naming nothing; now the variable (or srun's flag) is named, before any ssh or srun starts."""
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", setting.get("env", ""))
+    monkeypatch.setattr(remote, "run_over_ssh", lambda *a, **k: pytest.fail("ssh started"))
+    monkeypatch.setattr(cli.os, "execvp", lambda *a: pytest.fail("srun started"))
+    flags = [f"--launcher_args={setting['flag']}"] if "flag" in setting else []
+    line = refused(capsys, ["-H", "hosts", "--no_ssh_check", f"--launcher={launcher}", *flags, script])
+    given = setting.get("env") or setting["flag"]
+    assert line.startswith(f"error: {name}={given!r}: cannot be split into arguments as a shell would "
+                           "(No closing quotation)"), line
+
+
 def test_describe_names_host_rank_and_signal():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

@@ -247,6 +247,15 @@ def _free_port() -> int:
     return free_port()
 
 
+def _check_remote(args: argparse.Namespace) -> None:
+    """What a job of several nodes reads besides its flags, checked before any node starts: the
+    options split for srun or ssh (a ValueError names the flag or variable)."""
+    if args.launcher == "slurm":
+        remote.split_options("--launcher_args", args.launcher_args)
+    else:
+        remote.ssh_options()
+
+
 def _warn_unforwarded() -> None:
     """One line naming the variables with a forwarded prefix that cannot cross a node's shell."""
     skipped = unforwardable()
@@ -288,7 +297,9 @@ def run(argv: Sequence[str]) -> int:
         _check_script(args)
         world, from_hostfile = resources(args)
         multi = (len(world) > 1 or args.force_multi) and not args.no_ssh
-        if not multi:
+        if multi:
+            _check_remote(args)
+        else:
             node, _ = _this_node(args, world, from_hostfile)
             entry, cmd_args = worker_command(args.user_script, args.user_args, module=args.module,
                                              no_python=args.no_python, no_local_rank=args.no_local_rank)

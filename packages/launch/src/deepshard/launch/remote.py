@@ -71,11 +71,24 @@ def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, 
     return " && ".join(parts)
 
 
+def split_options(name: str, text: str) -> list[str]:
+    """``text`` split as a shell splits words (``-F 'my config'``); a ValueError names ``name``."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # "No closing quotation", "No escaped character"
+        raise ValueError(f"{name}={text!r}: cannot be split into arguments as a shell would ({err}); "
+                         "close its quotes or escape them") from None
+
+
+def ssh_options() -> list[str]:
+    """``PDSH_SSH_ARGS_APPEND``'s options (DeepSpeed's pdsh runner passes that variable's options to
+    every ssh: ``-F config``, ``-i key``, ``-l user``); a ValueError names the variable."""
+    return split_options(SSH_ARGS_ENV, os.environ.get(SSH_ARGS_ENV, ""))
+
+
 def ssh_command(host: str, line: str, *, port: int | None, options: Sequence[str] = ()) -> list[str]:
-    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options (DeepSpeed's pdsh
-    runner passes that variable's options to every ssh: ``-F config``, ``-i key``, ``-l user``)."""
-    extra = shlex.split(os.environ.get(SSH_ARGS_ENV, ""))
-    return ["ssh", "-o", "BatchMode=yes", *options, *extra, *(["-p", str(port)] if port else []), host, line]
+    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options."""
+    return ["ssh", "-o", "BatchMode=yes", *options, *ssh_options(), *(["-p", str(port)] if port else []), host, line]
 
 
 def srun_command(resources: Resources, command: Sequence[str], *, launcher_args: str = "", comment: str = "",
@@ -85,7 +98,8 @@ def srun_command(resources: Resources, command: Sequence[str], *, launcher_args:
     hosts = list(resources)
     return ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(hosts)}", "--export=ALL", *([f"--comment={comment}"] if comment else []),
-            *([f"--account={account}"] if account else []), *shlex.split(launcher_args), *command]
+            *([f"--account={account}"] if account else []), *split_options("--launcher_args", launcher_args),
+            *command]
 
 
 def check_resolvable(hosts: Sequence[str]) -> None:
