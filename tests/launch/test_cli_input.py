@@ -79,6 +79,32 @@ def test_malformed_hostfile_is_one_line(capsys, script, tmp_path):
     assert "--hostfile=nope: no such file" in refused(capsys, ["--hostfile=nope", script])
 
 
+@pytest.mark.parametrize("slots", ["99999999999999999999", "300000000", "4097", "0", "9" * 5000])
+def test_slots_out_of_bounds_are_one_line_naming_file_and_line(capsys, script, tmp_path, monkeypatch, slots):
+    """Issue 45 item 8: ``slots=99999999999999999999`` was an OverflowError traceback and
+    ``slots=300000000`` a list of gigabytes; a node has at most MAX_SLOTS (4096) slots, checked first."""
+    monkeypatch.setattr(remote, "check_resolvable", lambda hosts: pytest.fail("the hostfile was taken"))
+    (tmp_path / "hosts").write_text(f"# the cluster\nworker-0 slots=2\nworker-1 slots={slots}\n")
+    shown = slots if len(slots) <= 24 else f"{slots[:20]}... ({len(slots)} digits)"
+    assert refused(capsys, ["--hostfile=hosts", script]) == (
+        f"error: hosts:3: worker-1 slots={shown}: slots must be an integer from 1 to 4096 (the workers of one node)")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--num_gpus=99999999999999999999"], "--num_gpus=99999999999999999999: at most 4096 workers per node"),
+    (["--num_gpus=4097"], "--num_gpus=4097: at most 4096 workers per node"),
+    (["--master_port=70000"], "--master_port=70000: must be a port number from 1 to 65535"),
+    (["-H", "hosts", "--ssh_port=-22"], "--ssh_port=-22: must be a port number from 1 to 65535"),
+])
+def test_numbers_from_the_command_line_are_bounded_before_use(capsys, script, tmp_path, monkeypatch, argv, says):
+    """Issue 45 item 8: a worker count is bounded before a list (or processes) of that many is made,
+    a port before a socket is opened on it."""
+    monkeypatch.setattr(cli, "run_node", lambda *a: pytest.fail("workers started"))
+    monkeypatch.setattr(remote, "check_resolvable", lambda hosts: pytest.fail("nodes started"))
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    assert refused(capsys, [*argv, script]) == f"error: {says}"
+
+
 def test_include_exclude_as_deepspeed():
     pool = {"w0": 4, "w1": 4, "w2": 2}
     assert select(pool, include="w0@w1:0,2") == {"w0": [0, 1, 2, 3], "w1": [0, 2]}

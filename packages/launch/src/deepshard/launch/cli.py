@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from deepshard.launch import remote
 from deepshard.launch.agent import Failure, NodeConfig, run_node, worker_command
 from deepshard.launch.env_file import job_env, unforwardable
-from deepshard.launch.hostfile import Resources, limit, read_hostfile, select
+from deepshard.launch.hostfile import MAX_SLOTS, Resources, limit, read_hostfile, select
 from deepshard.launch.parent_death import end_with_stdin
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: used when it exists and --hostfile is not given
@@ -188,6 +188,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max_restarts={args.max_restarts}: must be 0 or more")
     if args.hang_s < 0:
         raise UsageError(f"--hang_s={args.hang_s}: must be 0 (off) or more seconds")
+    if args.num_gpus > MAX_SLOTS:  # checked before a list of that many slots is built
+        raise UsageError(f"--num_gpus={args.num_gpus}: at most {MAX_SLOTS} workers per node")
+    for flag in ("master_port", "ssh_port"):
+        port = getattr(args, flag)
+        if port is not None and not 1 <= port <= 65535:
+            raise UsageError(f"--{flag}={port}: must be a port number from 1 to 65535")
     if args.module and args.no_python:
         raise UsageError("--module and --no_python: use one of them")
     if args.launcher in remote.REFUSED:
