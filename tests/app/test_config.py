@@ -96,6 +96,19 @@ def test_bad_values_name_the_key(override, key):
         validate(_compose(override.split()))
 
 
+@pytest.mark.parametrize("override,message", [
+    ("launcher.hang_s=nan", "launcher.hang_s=nan: must be a finite number >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.hang_s=inf", "launcher.hang_s=inf: must be a finite number >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.hang_s=-1", "launcher.hang_s=-1.0: must be >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.timeout_s=inf", "launcher.timeout_s=inf: must be a finite number > 0 seconds"),
+])
+def test_launcher_seconds_must_be_finite(override, message):
+    """Issue 45 item 10: ``launcher.hang_s=nan`` passed the ``< 0`` check and turned the watchdog off."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose([override]))
+    assert str(err.value) == message
+
+
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],

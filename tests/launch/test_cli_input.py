@@ -141,6 +141,14 @@ def test_other_refusals(capsys, script, monkeypatch, argv, says):
     assert says in refused(capsys, [*argv, script])
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_hang_limit_must_be_a_finite_number(capsys, script, monkeypatch, value):
+    """Issue 45 item 10: ``--hang_s=nan`` passed the ``< 0`` check and silently turned the watchdog off."""
+    monkeypatch.setattr(cli, "run_node", lambda *a: pytest.fail("workers started"))
+    assert refused(capsys, [f"--hang_s={value}", script]) == (
+        f"error: --hang_s={float(value)}: must be 0 (off) or a finite number of seconds")
+
+
 def test_worker_commands():
     py = sys.executable
     assert worker_command("t.py", ["a"], module=False, no_python=False, no_local_rank=False) == (

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.machinery
+import math
 import os
 import shutil
 import socket
@@ -186,8 +187,8 @@ def _node_counts(args: argparse.Namespace, num_nodes: int) -> tuple[int, int]:
 def _validate(args: argparse.Namespace) -> None:
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts={args.max_restarts}: must be 0 or more")
-    if args.hang_s < 0:
-        raise UsageError(f"--hang_s={args.hang_s}: must be 0 (off) or more seconds")
+    if not (math.isfinite(args.hang_s) and args.hang_s >= 0):  # nan compares false: it turned the watchdog off
+        raise UsageError(f"--hang_s={args.hang_s}: must be 0 (off) or a finite number of seconds")
     if args.num_gpus > MAX_SLOTS:  # checked before a list of that many slots is built
         raise UsageError(f"--num_gpus={args.num_gpus}: at most {MAX_SLOTS} workers per node")
     for flag in ("master_port", "ssh_port"):

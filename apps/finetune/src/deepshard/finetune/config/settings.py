@@ -15,6 +15,7 @@ receive that object.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +279,8 @@ def _positive(key: str, value: int) -> None:
 
 
 def _at_least(key: str, value: float, low: float, note: str = "") -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # nan compares false: it would pass below
+        raise ValueError(f"{key}={value}: must be a finite number >= {low}{note}")
     if value < low:
         raise ValueError(f"{key}={value}: must be >= {low}{note}")
 
@@ -288,8 +291,8 @@ def _validate_launcher(c: dict) -> LauncherConfig:
     s = LauncherConfig(**{**c, "nproc_per_node": str(c["nproc_per_node"])})
     resolve_nproc(s.nproc_per_node, 0)  # the value's form; the GPU count is checked with the world size
     _at_least("launcher.malloc_mmap_threshold", s.malloc_mmap_threshold, 0, " bytes (0: glibc's default)")
-    if not s.timeout_s > 0:
-        raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be > 0 seconds")
+    if not (math.isfinite(s.timeout_s) and s.timeout_s > 0):
+        raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be a finite number > 0 seconds")
     _at_least("launcher.hang_s", s.hang_s, 0, " seconds (0: no hang watchdog)")
     return s
 
