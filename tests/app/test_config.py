@@ -109,6 +109,19 @@ def test_launcher_seconds_must_be_finite(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("override,message", [
+    ("offload.buffer_count=-3", "offload.buffer_count=-3 is invalid; expected an integer >= 1"),
+    ("offload.sub_group_size=0", "offload.sub_group_size=0 is invalid; expected an integer >= 1"),
+    ("offload.aio.queue_depth=0", "offload.aio.queue_depth=0 is invalid; expected an integer >= 1"),
+])
+def test_offload_values_are_checked_whatever_the_device(override, message):
+    """Issue 45 item 10: ``+offload=cpu offload.buffer_count=-3 offload.sub_group_size=0`` trained:
+    validate_config checked those values only under offload=nvme."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose(["+zero=stage2", "+offload=cpu", override]))
+    assert str(err.value) == message
+
+
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],
