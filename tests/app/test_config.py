@@ -122,6 +122,22 @@ def test_offload_values_are_checked_whatever_the_device(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("override,message", [
+    ("checkpoint.async_save=2", "checkpoint.async_save=2: must be true or false"),
+    ("ac_offload=2", "ac_offload=2: must be true or false"),
+    ("ac_offload=yes", "ac_offload='yes': must be true or false"),
+    ("+zero=stage2 zero.overlap_comm=0", "zero.overlap_comm=0: must be true or false"),
+    ("+offload=cpu +zero=stage2 offload.aio.single_submit=1", "offload.aio.single_submit=1: must be true or false"),
+])
+def test_switches_take_only_true_or_false(override, message):
+    """Issue 45 item 10: ``checkpoint.async_save=2`` and ``ac_offload=2`` were taken as true (OmegaConf's
+    bool converts any integer, and yes/on); a switch now holds true or false, or the key is named."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose(override.split()))
+    assert str(err.value) == message
+    assert validate(_compose(["ac_offload=true", "checkpoint.async_save=false"])).engine.ac_offload is True
+
+
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],
