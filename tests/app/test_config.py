@@ -138,6 +138,15 @@ def test_switches_take_only_true_or_false(override, message):
     assert validate(_compose(["ac_offload=true", "checkpoint.async_save=false"])).engine.ac_offload is True
 
 
+@pytest.mark.parametrize("value", ["4097", "99999999999999999999999"])
+def test_local_worker_count_is_bounded(value):
+    """Issue 45 item 8 (the app's side): ``launcher.nproc_per_node=300000000`` validated, and the app
+    would then start that many workers; the launcher's bound (4096 workers per node) holds here too."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose([f"launcher.nproc_per_node={value}"]))
+    assert str(err.value) == f"launcher.nproc_per_node={value}: at most 4096 workers per node (the launcher's bound)"
+
+
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],
