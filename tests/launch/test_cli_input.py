@@ -235,6 +235,17 @@ def test_unsplittable_ssh_or_srun_options_name_their_source(capsys, script, tmp_
                            "(No closing quotation)"), line
 
 
+def test_a_host_is_never_an_ssh_option(tmp_path):
+    """A hostfile host ``-oProxyCommand=...`` would be an ssh option that runs a command on the launcher's
+    host: refused in the hostfile, and ``--`` ends ssh's options anyway."""
+    path = tmp_path / "hosts"
+    path.write_text("a slots=1\n-oProxyCommand=touch${IFS}pwn slots=1\n")
+    with pytest.raises(ValueError, match=rf"^{path}:2: host '-oProxyCommand=touch\${{IFS}}pwn': a host name cannot "):
+        read_hostfile(path)
+    cmd = remote.ssh_command("-oX=y", "true", port=22)
+    assert cmd[-3:] == ["--", "-oX=y", "true"]
+
+
 def test_describe_names_host_rank_and_signal():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

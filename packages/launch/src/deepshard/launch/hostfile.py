@@ -43,6 +43,9 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
             shown = digits if len(digits) <= 24 else f"{digits[:20]}... ({len(digits)} digits)"
             raise ValueError(f"{path}:{number}: {host} slots={shown}: slots must be an integer from 1 to "
                              f"{MAX_SLOTS} (the workers of one node)")
+        if host.startswith("-"):
+            raise ValueError(f"{path}:{number}: host {host!r}: a host name cannot start with '-' (ssh would read "
+                             "it as an option)")
         if host in pool:
             raise ValueError(f"{path}:{number}: host {host} is listed twice (first with slots={pool[host]})")
         pool[host] = slots

@@ -87,8 +87,10 @@ def ssh_options() -> list[str]:
 
 
 def ssh_command(host: str, line: str, *, port: int | None, options: Sequence[str] = ()) -> list[str]:
-    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options."""
-    return ["ssh", "-o", "BatchMode=yes", *options, *ssh_options(), *(["-p", str(port)] if port else []), host, line]
+    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options (``--`` ends them:
+    a host is never read as one, ``-oProxyCommand=...`` would run a command here)."""
+    return ["ssh", "-o", "BatchMode=yes", *options, *ssh_options(), *(["-p", str(port)] if port else []), "--",
+            host, line]
 
 
 def srun_command(resources: Resources, command: Sequence[str], *, launcher_args: str = "", comment: str = "",
