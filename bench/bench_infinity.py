@@ -88,7 +88,7 @@ def run_worker(spec: dict, *, limit_bytes: int | None, timeout_s: float = 900, e
     with contextlib.ExitStack() as stack:
         group = stack.enter_context(memory_cgroup(limit_bytes)) if limit_bytes else None
         if group is not None:  # join the group before exec: everything the worker maps is charged
-            cmd = ["sh", "-c", f'echo $$ > {group}/tasks && exec "$@"', "sh", *cmd]
+            cmd = ["sh", "-c", 'echo $$ > "$1/tasks" && shift && exec "$@"', "sh", str(group), *cmd]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
         peak = int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
     out = {"ok": proc.returncode == 0, "returncode": proc.returncode, "peak_bytes": peak}

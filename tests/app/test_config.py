@@ -96,6 +96,57 @@ def test_bad_values_name_the_key(override, key):
         validate(_compose(override.split()))
 
 
+@pytest.mark.parametrize("override,message", [
+    ("launcher.hang_s=nan", "launcher.hang_s=nan: must be a finite number >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.hang_s=inf", "launcher.hang_s=inf: must be a finite number >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.hang_s=-1", "launcher.hang_s=-1.0: must be >= 0 seconds (0: no hang watchdog)"),
+    ("launcher.timeout_s=inf", "launcher.timeout_s=inf: must be a finite number > 0 seconds"),
+])
+def test_launcher_seconds_must_be_finite(override, message):
+    """Issue 45 item 10: ``launcher.hang_s=nan`` passed the ``< 0`` check and turned the watchdog off."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose([override]))
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("override,message", [
+    ("offload.buffer_count=-3", "offload.buffer_count=-3 is invalid; expected an integer >= 1"),
+    ("offload.sub_group_size=0", "offload.sub_group_size=0 is invalid; expected an integer >= 1"),
+    ("offload.aio.queue_depth=0", "offload.aio.queue_depth=0 is invalid; expected an integer >= 1"),
+])
+def test_offload_values_are_checked_whatever_the_device(override, message):
+    """Issue 45 item 10: ``+offload=cpu offload.buffer_count=-3 offload.sub_group_size=0`` trained:
+    validate_config checked those values only under offload=nvme."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose(["+zero=stage2", "+offload=cpu", override]))
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("override,message", [
+    ("checkpoint.async_save=2", "checkpoint.async_save=2: must be true or false"),
+    ("ac_offload=2", "ac_offload=2: must be true or false"),
+    ("ac_offload=yes", "ac_offload='yes': must be true or false"),
+    ("+zero=stage2 zero.overlap_comm=0", "zero.overlap_comm=0: must be true or false"),
+    ("+offload=cpu +zero=stage2 offload.aio.single_submit=1", "offload.aio.single_submit=1: must be true or false"),
+])
+def test_switches_take_only_true_or_false(override, message):
+    """Issue 45 item 10: ``checkpoint.async_save=2`` and ``ac_offload=2`` were taken as true (OmegaConf's
+    bool converts any integer, and yes/on); a switch now holds true or false, or the key is named."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose(override.split()))
+    assert str(err.value) == message
+    assert validate(_compose(["ac_offload=true", "checkpoint.async_save=false"])).engine.ac_offload is True
+
+
+@pytest.mark.parametrize("value", ["4097", "99999999999999999999999"])
+def test_local_worker_count_is_bounded(value):
+    """Issue 45 item 8 (the app's side): ``launcher.nproc_per_node=300000000`` validated, and the app
+    would then start that many workers; the launcher's bound (4096 workers per node) holds here too."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose([f"launcher.nproc_per_node={value}"]))
+    assert str(err.value) == f"launcher.nproc_per_node={value}: at most 4096 workers per node (the launcher's bound)"
+
+
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],

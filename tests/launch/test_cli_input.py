@@ -4,6 +4,7 @@ with exit 2 before anything starts."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -78,6 +79,32 @@ def test_malformed_hostfile_is_one_line(capsys, script, tmp_path):
     assert "--hostfile=nope: no such file" in refused(capsys, ["--hostfile=nope", script])
 
 
+@pytest.mark.parametrize("slots", ["99999999999999999999", "300000000", "4097", "0", "9" * 5000])
+def test_slots_out_of_bounds_are_one_line_naming_file_and_line(capsys, script, tmp_path, monkeypatch, slots):
+    """Issue 45 item 8: ``slots=99999999999999999999`` was an OverflowError traceback and
+    ``slots=300000000`` a list of gigabytes; a node has at most MAX_SLOTS (4096) slots, checked first."""
+    monkeypatch.setattr(remote, "check_resolvable", lambda hosts: pytest.fail("the hostfile was taken"))
+    (tmp_path / "hosts").write_text(f"# the cluster\nworker-0 slots=2\nworker-1 slots={slots}\n")
+    shown = slots if len(slots) <= 24 else f"{slots[:20]}... ({len(slots)} digits)"
+    assert refused(capsys, ["--hostfile=hosts", script]) == (
+        f"error: hosts:3: worker-1 slots={shown}: slots must be an integer from 1 to 4096 (the workers of one node)")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--num_gpus=99999999999999999999"], "--num_gpus=99999999999999999999: at most 4096 workers per node"),
+    (["--num_gpus=4097"], "--num_gpus=4097: at most 4096 workers per node"),
+    (["--master_port=70000"], "--master_port=70000: must be a port number from 1 to 65535"),
+    (["-H", "hosts", "--ssh_port=-22"], "--ssh_port=-22: must be a port number from 1 to 65535"),
+])
+def test_numbers_from_the_command_line_are_bounded_before_use(capsys, script, tmp_path, monkeypatch, argv, says):
+    """Issue 45 item 8: a worker count is bounded before a list (or processes) of that many is made,
+    a port before a socket is opened on it."""
+    monkeypatch.setattr(cli, "run_node", lambda *a: pytest.fail("workers started"))
+    monkeypatch.setattr(remote, "check_resolvable", lambda hosts: pytest.fail("nodes started"))
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    assert refused(capsys, [*argv, script]) == f"error: {says}"
+
+
 def test_include_exclude_as_deepspeed():
     pool = {"w0": 4, "w1": 4, "w2": 2}
     assert select(pool, include="w0@w1:0,2") == {"w0": [0, 1, 2, 3], "w1": [0, 2]}
@@ -112,6 +139,14 @@ def test_include_naming_a_missing_host_or_slot(capsys, script, tmp_path):
 def test_other_refusals(capsys, script, monkeypatch, argv, says):
     monkeypatch.delenv("SLURM_NODEID", raising=False)
     assert says in refused(capsys, [*argv, script])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_hang_limit_must_be_a_finite_number(capsys, script, monkeypatch, value):
+    """Issue 45 item 10: ``--hang_s=nan`` passed the ``< 0`` check and silently turned the watchdog off."""
+    monkeypatch.setattr(cli, "run_node", lambda *a: pytest.fail("workers started"))
+    assert refused(capsys, [f"--hang_s={value}", script]) == (
+        f"error: --hang_s={float(value)}: must be 0 (off) or a finite number of seconds")
 
 
 def test_worker_commands():
@@ -154,6 +189,61 @@ def test_remote_shell_line_keeps_values_quoted():
     line = remote.remote_shell_line(["python", "t.py", "a b"], env={"FOO": "x y; rm -rf /"}, cwd="/w d",
                                     venv_script=None)
     assert line == "cd '/w d' && export FOO='x y; rm -rf /' && exec python t.py 'a b'"
+
+
+def test_forwarded_names_cannot_run_commands_in_a_nodes_shell(capsys, script, tmp_path, monkeypatch):
+    """Issue 45 item 4: a forwarded variable's name went into ``export NAME=...`` unquoted, so
+    ``PYTHON_X$(touch pwn)`` ran on every node and ``PYTHON.CACHE`` failed every node's shell.  The
+    lines the launcher builds for two hosts, run by a real ``sh -c``: no substitution happens, the
+    skipped names are named once, and a valid name arrives with its value as it was."""
+    pwn = tmp_path / "pwn"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(f"PYTHON_X$(touch {pwn})", "1")
+    monkeypatch.setenv("PYTHON.CACHE", "1")
+    monkeypatch.setenv("PYTHON_OK", "it's $(a) `b` $HOME")
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    lines: dict[str, str] = {}
+    monkeypatch.setattr(remote, "node_command", lambda *a, **k: ["printenv", "PYTHON_OK"])
+    monkeypatch.setattr(remote, "run_over_ssh", lambda got, port: (lines.update(got), (0, None))[1])
+    assert cli.run(["-H", "hosts", "--no_ssh_check", script]) == 0
+    assert list(lines) == ["127.0.0.1", "127.0.0.2"]
+    for line in lines.values():
+        proc = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
+        assert not pwn.exists(), f"the name ran a command: {line}"
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, "it's $(a) `b` $HOME\n", ""), line
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: not forwarded to the nodes"), warnings
+    assert "'PYTHON.CACHE'" in warnings[0] and f"'PYTHON_X$(touch {pwn})'" in warnings[0]
+    with pytest.raises(ValueError, match=r"^'A\$\(x\)': not a shell variable name"):
+        remote.remote_shell_line(["true"], env={"A$(x)": "1"}, cwd="/", venv_script=None)
+
+
+@pytest.mark.parametrize(("launcher", "name", "setting"), [
+    ("pdsh", "PDSH_SSH_ARGS_APPEND", {"env": "-F '/x"}), ("slurm", "--launcher_args", {"flag": "--mem='1"})])
+def test_unsplittable_ssh_or_srun_options_name_their_source(capsys, script, tmp_path, monkeypatch, launcher, name,
+                                                           setting):
+    """Issue 45 item 10: ``PDSH_SSH_ARGS_APPEND="-F '/x"`` ended in ``error: No closing quotation``,
+    naming nothing; now the variable (or srun's flag) is named, before any ssh or srun starts."""
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", setting.get("env", ""))
+    monkeypatch.setattr(remote, "run_over_ssh", lambda *a, **k: pytest.fail("ssh started"))
+    monkeypatch.setattr(cli.os, "execvp", lambda *a: pytest.fail("srun started"))
+    flags = [f"--launcher_args={setting['flag']}"] if "flag" in setting else []
+    line = refused(capsys, ["-H", "hosts", "--no_ssh_check", f"--launcher={launcher}", *flags, script])
+    given = setting.get("env") or setting["flag"]
+    assert line.startswith(f"error: {name}={given!r}: cannot be split into arguments as a shell would "
+                           "(No closing quotation)"), line
+
+
+def test_a_host_is_never_an_ssh_option(tmp_path):
+    """A hostfile host ``-oProxyCommand=...`` would be an ssh option that runs a command on the launcher's
+    host: refused in the hostfile, and ``--`` ends ssh's options anyway."""
+    path = tmp_path / "hosts"
+    path.write_text("a slots=1\n-oProxyCommand=touch${IFS}pwn slots=1\n")
+    with pytest.raises(ValueError, match=rf"^{path}:2: host '-oProxyCommand=touch\${{IFS}}pwn': a host name cannot "):
+        read_hostfile(path)
+    cmd = remote.ssh_command("-oX=y", "true", port=22)
+    assert cmd[-3:] == ["--", "-oX=y", "true"]
 
 
 def test_describe_names_host_rank_and_signal():

@@ -1,7 +1,8 @@
 """The ``deepshard`` command over real ssh to a real sshd (OpenSSH, started by the test on the
 loopback): a hostfile of ``127.0.0.1 slots=1`` and ``127.0.0.2 slots=1`` trains a DeepSpeed script
 (deepshard.compat, ZeRO-3, fp32) to the losses of a one-node world-2 run, bit for bit, with
-``.deepspeed_env`` forwarded over ssh; and a SIGKILL of the launcher leaves no worker on either "host".
+``.deepspeed_env`` forwarded over ssh (variables whose names are shell syntax are not, nor run); and a
+SIGKILL of the launcher leaves no worker on either "host".
 Skips, naming the reason, only where sshd is not installed (the README's setup installs it)."""
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ def test_two_hosts_over_sshd_train_zero3_as_one_node(tmp_path, sshd, one_node_lo
     work.mkdir()
     (work / "hosts").write_text(HOSTFILE)
     (work / ".deepspeed_env").write_text("FROM_ENV_FILE=over real ssh\n")
-    code, err, rows = run_loop(["--hostfile=hosts", f"--master_port={free_port()}"], work, env=sshd)
+    # forwarded prefixes whose names are shell syntax (issue 45 item 4): named once, never run on a node
+    hostile = {f"PYTHON_X$(touch {work}/pwn)": "1", "PYTHON.CACHE": "1"}
+    code, err, rows = run_loop(["--hostfile=hosts", f"--master_port={free_port()}"], work, env={**sshd, **hostile})
     assert code == 0, err[-3000:]
+    assert not (work / "pwn").exists()
+    assert err.count("warning: not forwarded to the nodes") == 1 and "'PYTHON.CACHE'" in err, err[-3000:]
     on = {r["rank"]: tuple(r["server"]) for r in rows}  # which rank a host runs follows the c10d rendezvous
     assert sorted(on) == [0, 1] and sorted(on.values()) == [("127.0.0.1",), ("127.0.0.2",)], on
     assert all(r["env_file"] == "over real ssh" for r in rows)

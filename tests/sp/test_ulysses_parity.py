@@ -11,7 +11,8 @@ token of slice k predicts the first of slice k+1).  The model has grouped-query 
 heads, so sp=4 exercises the kv-head replication.
 
 Layouts (global batch 4 rows of 16 tokens, 3 steps): world 2 = sp 2 at ZeRO 1 (micro 2 x accum 2),
-ZeRO 3 with activation checkpointing and the MLP in 3 tiles (micro 4), ZeRO 2 with LoRA adapters; world 4 = sp 2 x dp 2 at
+ZeRO 3 with activation checkpointing and the MLP in 3 tiles (micro 4), ZeRO 2 with LoRA adapters, ZeRO 3 with
+ZeRO++'s int8 weights and gradients (sharded over dp x sp, near the reference); world 4 = sp 2 x dp 2 at
 ZeRO 3, sp 4 at ZeRO 1, and sp 2 x tp 2 at ZeRO 1.  Two launches, ~45 s together on 2 cores.
 """
 
@@ -40,6 +41,8 @@ LAYOUTS = {
     "sp2_zero2_lora": (2, 2, 2, 4, 1, "none", 1, True),
     "sp2_zero0": (2, 2, 0, 4, 1, "none", 1, False),
     "sp2_zero2_offload_cpu": (2, 2, 2, 4, 1, "none", 1, False),  # the optimizer state in host memory
+    # ZeRO++'s int8 weights and gradients over the shard group dp x sp (2 ranks at dp 1): near, not equal
+    "sp2_zero3_quantized": (2, 2, 3, 4, 1, "none", 1, False),
     "sp2_dp2_zero3": (4, 2, 3, 2, 1, "none", 1, False),
     "sp4_zero1_gqa_repeat": (4, 4, 1, 4, 1, "none", 1, False),
     "sp2_tp2_zero1": (4, (2, 2), 1, 4, 1, "none", 1, False),  # (sp, tp): 1 local kv head, repeated for sp
@@ -116,7 +119,7 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str, tiles: int, lora: bool, *,
-         offload: bool = False) -> tuple[list[float], dict]:
+         offload: bool = False, quantized: bool = False) -> tuple[list[float], dict]:
     from deepshard.core import (
         DeviceStateStore,
         EngineConfig,
@@ -132,7 +135,8 @@ def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str,
     from deepshard.finetune.recipe.steppers import EngineStepper
     from deepshard.offload import CpuStateStore
 
-    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
+    zeropp = dict(quantized_weights=True, quantized_gradients=True) if quantized else {}
+    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000, **zeropp),
                           precision=PrecisionConfig(dtype="fp32"),
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=CLIP),
                           grad_accum=accum, ac=ac)
@@ -167,7 +171,7 @@ def _worker() -> dict:
 
     init_distributed()
     world = dist.get_world_size()
-    return {name: _run(*layout[1:], offload=name.endswith("offload_cpu"))
+    return {name: _run(*layout[1:], offload=name.endswith("offload_cpu"), quantized=name.endswith("quantized"))
             for name, layout in LAYOUTS.items() if layout[0] == world}
 
 
@@ -195,11 +199,18 @@ def test_data_cross_the_slices_edges():
 def test_sequence_parallel_matches_whole_row_reference(runs, refs, name):
     world, lora = LAYOUTS[name][0], LAYOUTS[name][-1]
     ref_losses, ref_params = refs[lora]
+    # ZeRO++: int8 weights in forward and int8 gradient shards, near the reference and not equal (measured:
+    # losses within 1.3e-3; parameters within 0.14, Adam's first steps turn the small gradients' changed
+    # signs into whole lr-sized steps)
+    quantized = name.endswith("quantized")
+    loss_tol, param_tol = (1e-2, 0.25) if quantized else (1e-5, 1e-5)
     for rank, result in enumerate(runs[world]):
         losses, params = result[name]
-        assert losses == pytest.approx(ref_losses, rel=1e-5), f"{name} rank {rank}"
+        assert losses == pytest.approx(ref_losses, rel=loss_tol), f"{name} rank {rank}"
         assert params.keys() == ref_params.keys(), name
         worst = max(((params[n] - ref_params[n]).norm() / ref_params[n].norm()).item() for n in params)
-        assert worst < 1e-5, f"{name} rank {rank}: parameters differ from the reference by {worst:.2e}"
+        assert worst < param_tol, f"{name} rank {rank}: parameters differ from the reference by {worst:.2e}"
+        if quantized:
+            assert losses != ref_losses, "the quantized collectives changed nothing"
     if not lora:
         assert ref_losses[-1] < ref_losses[0]  # the reference trains

@@ -32,6 +32,15 @@ def test_hsdp_and_zeropp_keys_validate():
     assert _settings(["+zero=stage3", "zero.hpz_partition_size=2"]).engine.zero.hpz_partition_size == 2
 
 
+def test_zeropp_shards_over_dp_times_sp():
+    """Issue 45 item 10: ``parallel.sp=2 zero.quantized_weights=true`` at world 2 (dp 1) was refused as
+    "a shard group of one rank", though ZeRO-3 shards over dp x sp = 2 ranks (core.mesh.zero_mesh; the
+    run itself: tests/sp/test_ulysses_parity.py, layout sp2_zero3_quantized)."""
+    s = _settings(["+zero=stage3", "parallel.sp=2", "zero.quantized_weights=true", "zero.quantized_gradients=true"], 2)
+    assert (s.parallel.dp, s.parallel.sp) == (1, 2)
+    assert s.engine.zero.quantized_weights and s.engine.zero.quantized_gradients
+
+
 @pytest.mark.parametrize("overrides,world,message", [
     (["+zero=stage3", "parallel.dp_shard=3", "parallel.dp_replicate=2"], 4,
      r"^parallel.dp_shard=3 x parallel.dp_replicate=2 = 6 != the data-parallel size 4"),

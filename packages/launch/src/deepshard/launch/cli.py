@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.machinery
+import math
 import os
 import shutil
 import socket
@@ -35,8 +36,8 @@ from collections.abc import Sequence
 
 from deepshard.launch import remote
 from deepshard.launch.agent import Failure, NodeConfig, run_node, worker_command
-from deepshard.launch.env_file import job_env
-from deepshard.launch.hostfile import Resources, limit, read_hostfile, select
+from deepshard.launch.env_file import job_env, unforwardable
+from deepshard.launch.hostfile import MAX_SLOTS, Resources, limit, read_hostfile, select
 from deepshard.launch.parent_death import end_with_stdin
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: used when it exists and --hostfile is not given
@@ -186,8 +187,14 @@ def _node_counts(args: argparse.Namespace, num_nodes: int) -> tuple[int, int]:
 def _validate(args: argparse.Namespace) -> None:
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts={args.max_restarts}: must be 0 or more")
-    if args.hang_s < 0:
-        raise UsageError(f"--hang_s={args.hang_s}: must be 0 (off) or more seconds")
+    if not (math.isfinite(args.hang_s) and args.hang_s >= 0):  # nan compares false: it turned the watchdog off
+        raise UsageError(f"--hang_s={args.hang_s}: must be 0 (off) or a finite number of seconds")
+    if args.num_gpus > MAX_SLOTS:  # checked before a list of that many slots is built
+        raise UsageError(f"--num_gpus={args.num_gpus}: at most {MAX_SLOTS} workers per node")
+    for flag in ("master_port", "ssh_port"):
+        port = getattr(args, flag)
+        if port is not None and not 1 <= port <= 65535:
+            raise UsageError(f"--{flag}={port}: must be a port number from 1 to 65535")
     if args.module and args.no_python:
         raise UsageError("--module and --no_python: use one of them")
     if args.launcher in remote.REFUSED:
@@ -247,6 +254,23 @@ def _free_port() -> int:
     return free_port()
 
 
+def _check_remote(args: argparse.Namespace) -> None:
+    """What a job of several nodes reads besides its flags, checked before any node starts: the
+    options split for srun or ssh (a ValueError names the flag or variable)."""
+    if args.launcher == "slurm":
+        remote.split_options("--launcher_args", args.launcher_args)
+    else:
+        remote.ssh_options()
+
+
+def _warn_unforwarded() -> None:
+    """One line naming the variables with a forwarded prefix that cannot cross a node's shell."""
+    skipped = unforwardable()
+    if skipped:
+        print(f"warning: not forwarded to the nodes (not shell variable names, [A-Za-z_][A-Za-z0-9_]*): "
+              f"{', '.join(map(repr, skipped))}", file=sys.stderr, flush=True)
+
+
 def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     """The launcher of a job of several nodes: one ssh per host (or srun), each running its node's agent."""
     hosts = list(world)
@@ -264,6 +288,7 @@ def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     remote.check_resolvable(hosts)
     if not args.no_ssh_check:
         remote.check_reachable(hosts, port=args.ssh_port)
+    _warn_unforwarded()
     env, cwd = job_env(), os.getcwd()
     lines = {h: remote.remote_shell_line(remote.node_command(i, over_ssh=True, **common), env=env, cwd=cwd,
                                          venv_script=args.venv_script) for i, h in enumerate(hosts)}
@@ -279,7 +304,9 @@ def run(argv: Sequence[str]) -> int:
         _check_script(args)
         world, from_hostfile = resources(args)
         multi = (len(world) > 1 or args.force_multi) and not args.no_ssh
-        if not multi:
+        if multi:
+            _check_remote(args)
+        else:
             node, _ = _this_node(args, world, from_hostfile)
             entry, cmd_args = worker_command(args.user_script, args.user_args, module=args.module,
                                              no_python=args.no_python, no_local_rank=args.no_local_rank)

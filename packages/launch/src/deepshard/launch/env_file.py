@@ -4,7 +4,9 @@ As in DeepSpeed, the file is named by ``DS_ENV_FILE`` (default ``.deepspeed_env`
 is used as is) and read from the home directory, then the current directory (a later file wins);
 each line is ``NAME=VALUE``, blank lines and ``#`` comments are skipped.  Its variables reach every
 worker on every node, as do this environment's variables with DeepSpeed's forwarded prefixes (over
-ssh a remote shell would not have them).
+ssh a remote shell would not have them).  Only shell variable names (``[A-Za-z_][A-Za-z0-9_]*``) are
+forwarded: over ssh each becomes ``export NAME=VALUE`` in a remote shell, where any other name is
+shell syntax (``PYTHON_X$(cmd)`` would run ``cmd``; ``PYTHON.CACHE`` fails every node's shell).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ DEFAULT_NAME = ".deepspeed_env"
 # accelerator's NCCL, and deepshard's own)
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "DEEPSHARD", "OMP_NUM_THREADS")
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def shell_name(name: str) -> bool:
+    """Whether ``name`` can be exported by a POSIX shell as it is (quoting cannot make another name one)."""
+    return _NAME.fullmatch(name) is not None
 
 
 def env_files(environ: dict[str, str] | None = None) -> list[Path]:
@@ -46,16 +53,24 @@ def read_env_file(path: Path) -> dict[str, str]:
             continue
         name, sep, value = line.partition("=")
         name = name.removeprefix("export ").strip()
-        if not sep or not _NAME.match(name):
+        if not sep or not shell_name(name):
             raise ValueError(f"{path}:{number}: {line!r} is not a NAME=VALUE line")
         out[name] = value
     return out
 
 
+def unforwardable(environ: dict[str, str] | None = None) -> list[str]:
+    """This environment's variables with a forwarded prefix that :func:`job_env` leaves out: their
+    names are not shell variable names (the launcher names them in one warning)."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith(EXPORT_PREFIXES) and not shell_name(k))
+
+
 def job_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """What every worker gets on top of its node's environment: the forwarded prefixes, then the env files."""
+    """What every worker gets on top of its node's environment: the forwarded prefixes (shell variable
+    names only, see :func:`unforwardable`), then the env files."""
     environ = dict(os.environ if environ is None else environ)
-    out = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}
+    out = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES) and shell_name(k)}
     for path in env_files(environ):
         out.update(read_env_file(path))
     return out

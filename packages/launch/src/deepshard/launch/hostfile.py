@@ -5,7 +5,8 @@ filter is ``NODE_SPEC[@NODE_SPEC ...]`` with ``NODE_SPEC = host[:slot[,slot ...]
 worker-0@worker-1:0,2`` uses every slot of worker-0 and slots 0 and 2 of worker-1; ``--exclude
 worker-1:0`` uses everything but slot 0 of worker-1.  The result keeps the hostfile's host order,
 which is the order of the nodes.  Mistakes are ValueErrors naming the file and line, or the host
-and slot, with what is valid.
+and slot, with what is valid.  A node has at most ``MAX_SLOTS`` slots: the number is checked before
+anything is sized by it (``slots=300000000`` would be a list of gigabytes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import re
 from pathlib import Path
 
 Resources = dict[str, list[int]]  # host -> its slots (GPU indices, or worker numbers on a CPU host)
+# workers on one node: far above any node's accelerators or cores, and small enough that a node's slot
+# list stays a few KiB (every node receives the job's slot lists on its command line, --world_info)
+MAX_SLOTS = 4096
 
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
 
@@ -33,9 +37,15 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if match is None:
             raise ValueError(f"{path}:{number}: {line!r} is not a hostfile line: expected 'HOST slots=N' "
                              "(e.g. 'worker-1 slots=8'), a '#' comment or a blank line")
-        host, slots = match.group(1), int(match.group(2))
-        if slots < 1:
-            raise ValueError(f"{path}:{number}: {host} slots={slots}: slots must be a positive integer")
+        host, digits = match.group(1), match.group(2)
+        slots = int(digits) if len(digits.lstrip("0")) <= len(str(MAX_SLOTS)) else MAX_SLOTS + 1  # no 5000-digit int
+        if not 1 <= slots <= MAX_SLOTS:
+            shown = digits if len(digits) <= 24 else f"{digits[:20]}... ({len(digits)} digits)"
+            raise ValueError(f"{path}:{number}: {host} slots={shown}: slots must be an integer from 1 to "
+                             f"{MAX_SLOTS} (the workers of one node)")
+        if host.startswith("-"):
+            raise ValueError(f"{path}:{number}: host {host!r}: a host name cannot start with '-' (ssh would read "
+                             "it as an option)")
         if host in pool:
             raise ValueError(f"{path}:{number}: host {host} is listed twice (first with slots={pool[host]})")
         pool[host] = slots

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from deepshard.launch.env_file import shell_name
 from deepshard.launch.hostfile import Resources
 from deepshard.launch.local import _lost_peer
 from deepshard.launch.parent_death import guarded
@@ -55,7 +56,13 @@ def node_command(node_rank: int | str, *, world: str, master_addr: str, master_p
 
 
 def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, venv_script: str | None) -> str:
-    """What ssh runs on a node: the launcher's directory, its forwarded variables, the command."""
+    """What ssh runs on a node: the launcher's directory, its forwarded variables, the command.  The
+    line crosses the node's shell: every value is quoted, and a name must already be a shell variable
+    name (no quoting makes ``A$(cmd)`` one; :func:`deepshard.launch.env_file.job_env` leaves such out)."""
+    bad = [k for k in env if not shell_name(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r}: not a shell variable name ([A-Za-z_][A-Za-z0-9_]*): cannot be exported "
+                         "on a remote node")
     parts = [f"cd {shlex.quote(cwd)}"]
     if venv_script:
         parts.append(f"source {shlex.quote(venv_script)}")
@@ -64,11 +71,26 @@ def remote_shell_line(command: Sequence[str], *, env: dict[str, str], cwd: str, 
     return " && ".join(parts)
 
 
+def split_options(name: str, text: str) -> list[str]:
+    """``text`` split as a shell splits words (``-F 'my config'``); a ValueError names ``name``."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # "No closing quotation", "No escaped character"
+        raise ValueError(f"{name}={text!r}: cannot be split into arguments as a shell would ({err}); "
+                         "close its quotes or escape them") from None
+
+
+def ssh_options() -> list[str]:
+    """``PDSH_SSH_ARGS_APPEND``'s options (DeepSpeed's pdsh runner passes that variable's options to
+    every ssh: ``-F config``, ``-i key``, ``-l user``); a ValueError names the variable."""
+    return split_options(SSH_ARGS_ENV, os.environ.get(SSH_ARGS_ENV, ""))
+
+
 def ssh_command(host: str, line: str, *, port: int | None, options: Sequence[str] = ()) -> list[str]:
-    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options (DeepSpeed's pdsh
-    runner passes that variable's options to every ssh: ``-F config``, ``-i key``, ``-l user``)."""
-    extra = shlex.split(os.environ.get(SSH_ARGS_ENV, ""))
-    return ["ssh", "-o", "BatchMode=yes", *options, *extra, *(["-p", str(port)] if port else []), host, line]
+    """``ssh`` to ``host`` running ``line``, with ``PDSH_SSH_ARGS_APPEND``'s options (``--`` ends them:
+    a host is never read as one, ``-oProxyCommand=...`` would run a command here)."""
+    return ["ssh", "-o", "BatchMode=yes", *options, *ssh_options(), *(["-p", str(port)] if port else []), "--",
+            host, line]
 
 
 def srun_command(resources: Resources, command: Sequence[str], *, launcher_args: str = "", comment: str = "",
@@ -78,7 +100,8 @@ def srun_command(resources: Resources, command: Sequence[str], *, launcher_args:
     hosts = list(resources)
     return ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(hosts)}", "--export=ALL", *([f"--comment={comment}"] if comment else []),
-            *([f"--account={account}"] if account else []), *shlex.split(launcher_args), *command]
+            *([f"--account={account}"] if account else []), *split_options("--launcher_args", launcher_args),
+            *command]
 
 
 def check_resolvable(hosts: Sequence[str]) -> None:

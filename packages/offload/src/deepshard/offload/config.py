@@ -115,28 +115,27 @@ def validate_offload(stage: int, device: str, params: str = "none") -> None:
 
 
 def validate_config(config: OffloadConfig) -> None:
-    """Checks that need no knowledge of the model: value ranges, aio knobs, the nvme_path."""
-    # value checks only: the stage-dependent ones (offload needs ZeRO >= 1, params ZeRO-3) are the
-    # caller's validate_offload(stage, ...), which knows the stage
+    """Checks that need no knowledge of the model: value ranges, aio knobs, the nvme_path.
+
+    Every value's range is checked whatever the device: one that only NVMe reads (``buffer_count``
+    under ``device='cpu'``) is still a mistake, and would otherwise surface the day the run moves to
+    NVMe.  The stage-dependent checks (offload needs ZeRO >= 1, params ZeRO-3) are the caller's
+    :func:`validate_offload`, which knows the stage."""
     _check_choices(config.device, config.params)
+    for key in ("sub_group_size", "buffer_count", "buffer_size", "param_buffer_count", "param_buffer_size"):
+        _positive_int(key, getattr(config, key))
+    if isinstance(config.param_prefetch, bool) or not isinstance(config.param_prefetch, int) \
+            or config.param_prefetch < 0:
+        raise _bad("param_prefetch", config.param_prefetch, "expected an integer >= 0 (units read ahead)")
+    if isinstance(config.max_in_cpu, bool) or not isinstance(config.max_in_cpu, int) or config.max_in_cpu < 0:
+        raise _bad("max_in_cpu", config.max_in_cpu, "expected an integer >= 0 (elements)")
+    validate_aio(config.aio)
+    if config.params == "nvme" and config.param_prefetch >= config.param_buffer_count:
+        raise _bad("param_prefetch", config.param_prefetch,
+                   f"must be < param_buffer_count={config.param_buffer_count} (one buffer per unit read "
+                   "ahead, one for the unit in use)")
     if config.device != "nvme":
         return
-    if config.params == "nvme":
-        _positive_int("param_buffer_count", config.param_buffer_count)
-        _positive_int("param_buffer_size", config.param_buffer_size)
-        if isinstance(config.param_prefetch, bool) or not isinstance(config.param_prefetch, int) \
-                or config.param_prefetch < 0:
-            raise _bad("param_prefetch", config.param_prefetch, "expected an integer >= 0 (units read ahead)")
-        if config.param_prefetch >= config.param_buffer_count:
-            raise _bad("param_prefetch", config.param_prefetch,
-                       f"must be < param_buffer_count={config.param_buffer_count} (one buffer per unit read "
-                       "ahead, one for the unit in use)")
-        if isinstance(config.max_in_cpu, bool) or not isinstance(config.max_in_cpu, int) or config.max_in_cpu < 0:
-            raise _bad("max_in_cpu", config.max_in_cpu, "expected an integer >= 0 (elements)")
-    _positive_int("sub_group_size", config.sub_group_size)
-    _positive_int("buffer_count", config.buffer_count)
-    _positive_int("buffer_size", config.buffer_size)
-    validate_aio(config.aio)
     path = config.nvme_path
     if not path:
         raise _bad("nvme_path", path, "device='nvme' needs a directory on a local disk")

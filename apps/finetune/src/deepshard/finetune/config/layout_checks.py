@@ -84,7 +84,9 @@ def validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
               hsdp=parallel.dp_replicate > 1, offload_params=settings.offload.params != "none")
     zero = settings.engine.zero
     on = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
-    if on and parallel.dp_shard == 1:  # (fp32 training is not refused: int8 blocks cut its bytes 4x, bf16's 2x)
-        raise ValueError(f"zero.{on[0]}=true with a ZeRO-3 shard group of one rank (data-parallel size "
-                         f"{parallel.dp}, parallel.dp_shard=1): no weight is all-gathered and no gradient "
-                         f"reduce-scattered, so there is nothing to quantize; set it false")
+    # ZeRO-3 shards over dp_shard x sp (core.mesh.zero_mesh: sequence-parallel ranks share the shards)
+    # (fp32 training is not refused: int8 blocks cut its bytes 4x, bf16's 2x)
+    if on and parallel.dp_shard * parallel.sp == 1:
+        raise ValueError(f"zero.{on[0]}=true with a ZeRO-3 shard group of one rank (parallel.dp_shard=1 x "
+                         f"parallel.sp=1, data-parallel size {parallel.dp}): no weight is all-gathered and no "
+                         f"gradient reduce-scattered, so there is nothing to quantize; set it false")

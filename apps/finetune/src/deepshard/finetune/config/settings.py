@@ -15,6 +15,7 @@ receive that object.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +43,19 @@ from deepshard.finetune.models.lora import LoraConfig, check_lora_parallel, lora
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
 
+# A switch's field in the Hydra schema is typed Any, marked with this: OmegaConf's bool would take 2, 0,
+# 'yes' or 'off' as a boolean; Any keeps what was given, and check_switches wants true or false.
+SWITCH = {"switch": True}
+
+
+def switch(default: bool) -> Any:
+    """A schema field for a boolean key (see SWITCH)."""
+    return field(default=default, metadata=SWITCH)
+
 
 def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
-    """A mutable dataclass with ``cls``'s fields and defaults (tuples become lists for OmegaConf)."""
+    """A mutable dataclass with ``cls``'s fields and defaults (tuples become lists for OmegaConf,
+    booleans switches: :data:`SWITCH`)."""
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
@@ -55,6 +66,8 @@ def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
         if dataclasses.is_dataclass(tp):  # nested config: its own mutable twin
             twin = hydra_twin(tp, f"{tp.__name__}Schema")
             fields.append((f.name, twin, field(default_factory=twin)))
+        elif tp is bool:
+            fields.append((f.name, Any, switch(default)))
         elif typing.get_origin(tp) is tuple:  # tuple[float, float] or tuple[str, ...]
             tp = list[typing.get_args(tp)[0]]
             fields.append((f.name, tp, field(default_factory=lambda d=default: list(d))))
@@ -68,7 +81,7 @@ OptimSchema = hydra_twin(OptimConfig, "OptimSchema")
 SchedulerSchema = hydra_twin(SchedulerConfig, "SchedulerSchema")
 # plus the app's own switch: fp16 on a CPU-only host really runs fp16 (slowly) instead of falling back to fp32
 PrecisionSchema = dataclasses.make_dataclass(
-    "PrecisionSchema", [("force_fp16_on_cpu", bool, field(default=False))],
+    "PrecisionSchema", [("force_fp16_on_cpu", Any, switch(False))],
     bases=(hydra_twin(PrecisionConfig, "PrecisionTwin"),))
 ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
@@ -217,9 +230,21 @@ class AppSchema:
     # auto: none, unless the run's working set needs ac=full to fit the memory its workers will have
     # (preflight picks it and says so); none | full | every_2 as given
     ac: str = "auto"
-    ac_offload: bool = False  # the checkpointed blocks' inputs kept in host memory (ac=full or every_2)
+    ac_offload: Any = switch(False)  # the checkpointed blocks' inputs kept in host memory (ac=full or every_2)
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)  # type: ignore[valid-type]
+
+
+def check_switches(cfg: dict, schema: type = AppSchema, prefix: str = "") -> None:
+    """Every boolean key of a composed config holds true or false (``checkpoint.async_save=2`` is a
+    mistake, not a yes); ValueError naming the first that does not."""
+    for f in dataclasses.fields(schema):
+        value = cfg.get(f.name)
+        if f.metadata.get("switch"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{prefix}{f.name}={value!r}: must be true or false")
+        elif dataclasses.is_dataclass(f.default_factory) and isinstance(value, dict):
+            check_switches(value, f.default_factory, f"{prefix}{f.name}.")
 
 
 def warmup_steps(total: int, fraction: float) -> int:
@@ -278,6 +303,8 @@ def _positive(key: str, value: int) -> None:
 
 
 def _at_least(key: str, value: float, low: float, note: str = "") -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # nan compares false: it would pass below
+        raise ValueError(f"{key}={value}: must be a finite number >= {low}{note}")
     if value < low:
         raise ValueError(f"{key}={value}: must be >= {low}{note}")
 
@@ -288,8 +315,8 @@ def _validate_launcher(c: dict) -> LauncherConfig:
     s = LauncherConfig(**{**c, "nproc_per_node": str(c["nproc_per_node"])})
     resolve_nproc(s.nproc_per_node, 0)  # the value's form; the GPU count is checked with the world size
     _at_least("launcher.malloc_mmap_threshold", s.malloc_mmap_threshold, 0, " bytes (0: glibc's default)")
-    if not s.timeout_s > 0:
-        raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be > 0 seconds")
+    if not (math.isfinite(s.timeout_s) and s.timeout_s > 0):
+        raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be a finite number > 0 seconds")
     _at_least("launcher.hang_s", s.hang_s, 0, " seconds (0: no hang watchdog)")
     return s
 
@@ -397,6 +424,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     Every key has its default in one place, the schema's dataclasses above (or the library config they
     twin); each value is checked once, here or by the typed config it lands in.
     """
+    check_switches(cfg)
     launcher = _validate_launcher(cfg["launcher"])
     world = world_size or host_world_size(launcher.nproc_per_node)
     parallel = ParallelDims(**cfg["parallel"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from deepshard.launch.hostfile import MAX_SLOTS
+
 
 def resolve_nproc(value: str, cuda_devices: int) -> int:
     """``auto``: every local GPU, or 2 workers on a CPU-only host (so the default run really shards)."""
@@ -16,6 +18,8 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
         n = 0
     if n < 1:
         raise ValueError(f"launcher.nproc_per_node={value!r}: valid values are 'auto' or a positive integer")
+    if n > MAX_SLOTS:  # before that many workers (and their per-rank lists) are made
+        raise ValueError(f"launcher.nproc_per_node={n}: at most {MAX_SLOTS} workers per node (the launcher's bound)")
     if 0 < cuda_devices < n:
         raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
                          f"rank; use at most {cuda_devices} (or 'auto')")
