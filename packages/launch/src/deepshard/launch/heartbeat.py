@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.plain_files import open_regular
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
 _RECORD = 512  # bytes of a heartbeat file, always rewritten whole
@@ -46,7 +47,8 @@ class Heartbeat:
         self._host = socket.gethostname()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT)  # never through a link, never a FIFO
+            os.ftruncate(self._fd, 0)
             self._write()
             threading.Thread(target=self._run, args=(interval_s,), daemon=True, name="heartbeat").start()
 

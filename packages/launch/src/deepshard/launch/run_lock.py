@@ -11,7 +11,9 @@ host a crashed job never blocks the next one.  The file also records the owner (
 time), renewed every ``renew_s``: the refusal names it, and where flock does not reach other hosts
 (some shared filesystems) the record decides, held while renewed within ``STALE_S``.  A lock left
 by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean release
-removes the file, and the directory if the lock created it and nothing else was written there.
+removes the file, and the directory if the lock created it and nothing else was written there.  The
+lock file is opened without following a symlink and must be a regular file (a planted link would have
+the job overwrite its target).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.plain_files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: f
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # ValueError for a symlink, a directory, a FIFO
         try:
             free = _flock(fd)
             if not _is_file_at(fd, path):  # its owner released (unlinked) it meanwhile: lock the next one

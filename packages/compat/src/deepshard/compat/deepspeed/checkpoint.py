@@ -19,6 +19,7 @@ from torch import nn
 from deepshard.core import Engine
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
+from deepshard.core.checkpoint.plain_files import write_text
 from deepshard.core.checkpoint.state import (
     clean_name,
     load_checkpoint,
@@ -91,7 +92,7 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
 def _write_latest(save_dir: Path, tag: str, sealed: Path) -> None:
     """Rank 0 names the sealed checkpoint's tag in ``save_dir/latest``."""
     if dist.get_rank() == 0:
-        (save_dir / LATEST).write_text(tag)
+        write_text(save_dir / LATEST, tag)  # never through a link planted in save_dir
 
 
 def resolve(load_dir: Path, tag: str | None) -> Path | None:

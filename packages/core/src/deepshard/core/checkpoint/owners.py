@@ -9,14 +9,16 @@ import socket
 import time
 from pathlib import Path
 
+from deepshard.core.checkpoint.plain_files import write_text
+
 OWNER = ".owner.json"  # who is writing a temp dir (host, pid): tells a dead run's leftovers from a live save
 OTHER_HOST_STALE_S = 6 * 3600  # a temp dir another host started this long ago belongs to a dead run
 
 
 def write_owner(directory: Path) -> None:
     """Mark ``directory`` as being written by this process (see :func:`temp_dirs`)."""
-    (directory / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                               "started": time.time()}))
+    write_text(directory / OWNER, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                              "started": time.time()}))
 
 
 def pid_alive(pid: int) -> bool:
