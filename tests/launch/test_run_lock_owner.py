@@ -1,18 +1,24 @@
-"""Issue 45: what ``.deepshard.lock`` (and the launcher's other files in a run dir) may be.  A planted
-symlink, directory or FIFO is refused with one line and left alone (a link was followed: its target
-overwritten).  Single process: real links, a real FIFO."""
+"""Issue 45: what ``.deepshard.lock`` (and the launcher's other files in a run dir) may be, and whose a
+lock record is.  A planted symlink, directory or FIFO is refused with one line and left alone (a link
+was followed: its target overwritten); a record counts as alive only while its very process runs (pid
+and start time: a reused pid, this process's own included, is a dead owner).  Single process: real links, a real FIFO, real records."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import socket
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from deepshard.launch.heartbeat import Heartbeat
 from deepshard.launch.local import _elastic_logs_to
-from deepshard.launch.run_lock import LOCK_NAME, acquire
+from deepshard.launch.run_lock import LOCK_NAME, DirectoryInUse, acquire
 
 
 def _refusal(path, kind: str) -> str:
@@ -52,3 +58,40 @@ def test_launcher_log_and_heartbeats_are_never_written_through_a_link(tmp_path):
     with pytest.raises(ValueError, match=_refusal(tmp_path / "rank1.json", "a FIFO")):
         Heartbeat(str(tmp_path), 1)
     assert target.read_text() == "keep me\n"
+
+
+def _record(directory, **fields) -> None:
+    now = time.time()
+    record = {"host": socket.gethostname(), "started": now - 100, "renewed": now - 1, "job": "killed", **fields}
+    (directory / LOCK_NAME).write_text(json.dumps(record))
+
+
+def _start_time(pid: int) -> str:
+    """How a lock record names one process: the boot, and /proc/PID/stat's field 22 (start time in ticks)."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{boot}/{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+
+
+def _takeovers(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+
+
+def test_a_record_whose_pid_now_belongs_to_another_process_is_a_dead_owner(tmp_path, caplog):
+    """After a container restart the dead job's pid can be this launcher's own, or another live
+    process's: renewed a second ago, its record is still taken over, as its process is not the one
+    that runs under that pid now (another start time, or none recorded and the pid is our own)."""
+    caplog.set_level(logging.INFO)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid, process in ((os.getpid(), None), (os.getpid(), "another-boot/12345"), (other.pid, "another-boot/1")):
+            _record(tmp_path, pid=pid, **({} if process is None else {"process": process}))
+            with acquire(tmp_path, key="checkpoint.dir", job="new") as lock:
+                assert lock.owner.pid == os.getpid()
+            assert f"took over the lock of a deepshard job that is gone (pid {pid} " in _takeovers(caplog)[-1]
+        assert len(_takeovers(caplog)) == 3
+        _record(tmp_path, pid=other.pid, process=_start_time(other.pid))
+        with pytest.raises(DirectoryInUse, match=rf"\(pid {other.pid} on host "):  # its very process runs
+            acquire(tmp_path, key="checkpoint.dir", job="new")
+    finally:
+        other.kill()
+        other.wait()

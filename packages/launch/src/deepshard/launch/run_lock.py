@@ -7,13 +7,15 @@ would delete each other's heartbeats (blinding the hang detection), overwrite ea
 checkpoints and resume from each other's saves.
 
 The lock is ``fcntl.flock`` on the open file: the kernel drops it when its process dies, so on one
-host a crashed job never blocks the next one.  The file also records the owner (host, pid, start
-time), renewed every ``renew_s``: the refusal names it, and where flock does not reach other hosts
-(some shared filesystems) the record decides, held while renewed within ``STALE_S``.  A lock left
-by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean release
-removes the file, and the directory if the lock created it and nothing else was written there.  The
-lock file is opened without following a symlink and must be a regular file (a planted link would have
-the job overwrite its target).
+host a crashed job never blocks the next one.  The file also records the owner (host, pid, the
+process's start time), renewed every ``renew_s``: the refusal names it, and where flock does
+not reach other hosts (some shared filesystems) the record decides, held while renewed within
+``STALE_S``.  On this host a record counts only while its very process runs: a pid now held by
+another process (pids are reused, e.g. after a container restart) is a dead owner.  A
+lock left by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean
+release removes the file, and the directory if the lock created it and nothing else was written
+there.  The lock file is opened without following a symlink and must be a regular file (a planted
+link would have the job overwrite its target).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.owners import process_alive, process_start
 from deepshard.core.checkpoint.plain_files import open_regular
 
 log = logging.getLogger(__name__)
@@ -51,22 +53,28 @@ class Owner:
     started: float
     renewed: float
     job: str = ""  # torchelastic's run id, or the app's
+    process: str = ""  # the process's start time (owners.process_start): pid and start name one process
 
     def __str__(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return f"pid {self.pid} on host {self.host}, started {started}"
 
     def alive(self, now: float) -> bool:
-        """Renewed lately and, on this host, its process runs (the record of a killed job stays behind)."""
+        """Renewed lately and, on this host, its very process runs (the record of a killed job stays
+        behind, and its pid may since belong to another process, this one included)."""
         recent = now - self.renewed < STALE_S
-        return recent and (self.host != socket.gethostname() or pid_alive(self.pid))
+        if self.host != socket.gethostname():
+            return recent
+        # a record naming this very process without its start time was written by another process, gone,
+        # that had this pid (this process's own lock is held by flock, which refused us before)
+        return recent and process_alive(self.pid, self.process) and (bool(self.process) or self.pid != os.getpid())
 
 
 def _read(fd: int) -> Owner | None:
     try:
         record = json.loads(os.pread(fd, _RECORD, 0).decode() or "null")
         return Owner(str(record["host"]), int(record["pid"]), float(record["started"]), float(record["renewed"]),
-                     str(record.get("job", "")))
+                     str(record.get("job", "")), str(record.get("process", "")))
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):  # empty (released), half-written, foreign
         return None
 
@@ -167,7 +175,7 @@ def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: f
             if previous is not None:
                 log.warning("%s=%s: took over the lock of a deepshard job that is gone (%s)", key, directory, previous)
             os.ftruncate(fd, 0)
-            owner = Owner(socket.gethostname(), os.getpid(), now, now, job)
+            owner = Owner(socket.gethostname(), os.getpid(), now, now, job, process_start(os.getpid()))
             return JobLock(path, fd, owner, created=created, renew_s=renew_s)
         except BaseException:
             with contextlib.suppress(OSError):
