@@ -1,7 +1,8 @@
 """Issue 45: what ``.deepshard.lock`` (and the launcher's other files in a run dir) may be, and whose a
 lock record is.  A planted symlink, directory or FIFO is refused with one line and left alone (a link
 was followed: its target overwritten); a record counts as alive only while its very process runs (pid
-and start time: a reused pid, this process's own included, is a dead owner).  Single process: real links, a real FIFO, real records."""
+and start time: a reused pid, this process's own included, is a dead owner); a record of the same job
+(a restart, from any host) is no rival.  Single process: real links, a real FIFO, real records."""
 
 from __future__ import annotations
 
@@ -95,3 +96,17 @@ def test_a_record_whose_pid_now_belongs_to_another_process_is_a_dead_owner(tmp_p
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_jobs_own_record_from_another_host_is_no_rival(tmp_path, caplog):
+    """Under --max_restarts c10d may put global rank 0 on another node: the lock its previous attempt
+    renewed seconds ago there is this job's own (the job field, torchelastic's run id)."""
+    caplog.set_level(logging.INFO)
+    _record(tmp_path, host="node-b", pid=4242, job="c10d-run-7")
+    with acquire(tmp_path, key="checkpoint.dir", job="c10d-run-7") as lock:
+        assert (lock.owner.host, lock.owner.job) == (socket.gethostname(), "c10d-run-7")
+    assert "took over the lock of this job's earlier attempt (pid 4242 on host node-b" in _takeovers(caplog)[-1]
+    for job in ("another-job", "none"):  # torchrun's default run id names no job
+        _record(tmp_path, host="node-b", pid=4242, job=job)
+        with pytest.raises(DirectoryInUse, match=r"\(pid 4242 on host node-b, "):
+            acquire(tmp_path, key="checkpoint.dir", job=job if job == "none" else "c10d-run-7")

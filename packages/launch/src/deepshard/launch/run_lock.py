@@ -8,10 +8,11 @@ checkpoints and resume from each other's saves.
 
 The lock is ``fcntl.flock`` on the open file: the kernel drops it when its process dies, so on one
 host a crashed job never blocks the next one.  The file also records the owner (host, pid, the
-process's start time), renewed every ``renew_s``: the refusal names it, and where flock does
+process's start time, job id), renewed every ``renew_s``: the refusal names it, and where flock does
 not reach other hosts (some shared filesystems) the record decides, held while renewed within
 ``STALE_S``.  On this host a record counts only while its very process runs: a pid now held by
-another process (pids are reused, e.g. after a container restart) is a dead owner.  A
+another process (pids are reused, e.g. after a container restart) is a dead owner.  A record of the
+same job (torchelastic's run id: a restart may put global rank 0 on another host) is no rival.  A
 lock left by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean
 release removes the file, and the directory if the lock created it and nothing else was written
 there.  The lock file is opened without following a symlink and must be a regular file (a planted
@@ -68,6 +69,11 @@ class Owner:
         # a record naming this very process without its start time was written by another process, gone,
         # that had this pid (this process's own lock is held by flock, which refused us before)
         return recent and process_alive(self.pid, self.process) and (bool(self.process) or self.pid != os.getpid())
+
+    def same_job(self, job: str) -> bool:
+        """Whether this record is ``job``'s own (an earlier attempt's, before a restart), from any host.
+        torchrun's default run id "none" names no job."""
+        return bool(job) and job != "none" and self.job == job
 
 
 def _read(fd: int) -> Owner | None:
@@ -168,11 +174,14 @@ def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: f
                 continue
             now = time.time()
             previous = _read(fd)
-            if not free or (previous is not None and previous.alive(now)):
+            rival = previous is not None and previous.alive(now) and not previous.same_job(job)
+            if not free or rival:
                 held_by = str(previous) if previous is not None else "its owner is not recorded yet"
                 raise DirectoryInUse(f"{key}={directory} is in use by another deepshard job ({held_by}); "
                                      "wait for it, or use another directory")
-            if previous is not None:
+            if previous is not None and previous.same_job(job):
+                log.info("%s=%s: took over the lock of this job's earlier attempt (%s)", key, directory, previous)
+            elif previous is not None:
                 log.warning("%s=%s: took over the lock of a deepshard job that is gone (%s)", key, directory, previous)
             os.ftruncate(fd, 0)
             owner = Owner(socket.gethostname(), os.getpid(), now, now, job, process_start(os.getpid()))
