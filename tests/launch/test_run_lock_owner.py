@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.launch.heartbeat import Heartbeat
+from deepshard.launch.heartbeat import Heartbeat, remove_dead_beats
 from deepshard.launch.local import _elastic_logs_to
 from deepshard.launch.run_lock import LOCK_NAME, DirectoryInUse, acquire
 
@@ -93,6 +93,22 @@ def test_a_record_whose_pid_now_belongs_to_another_process_is_a_dead_owner(tmp_p
         _record(tmp_path, pid=other.pid, process=_start_time(other.pid))
         with pytest.raises(DirectoryInUse, match=rf"\(pid {other.pid} on host "):  # its very process runs
             acquire(tmp_path, key="checkpoint.dir", job="new")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_heartbeat_whose_pid_now_belongs_to_another_process_is_an_earlier_runs(tmp_path):
+    """The same for the launcher's heartbeat files: one of a reused pid is removed, not taken for another
+    job's live rank (which refused the launch, and whose pid a watchdog could kill)."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for rank, process in ((0, "another-boot/1"), (1, _start_time(other.pid))):
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+                {"rank": rank, "pid": other.pid, "step": 3, "phase": "forward", "since": time.time(), "marks": 5,
+                 "beat": time.time(), "host": socket.gethostname(), "process": process}))
+        assert [f.name for f, _ in remove_dead_beats(tmp_path)] == ["rank1.json"]
+        assert not (tmp_path / "rank0.json").exists()
     finally:
         other.kill()
         other.wait()
