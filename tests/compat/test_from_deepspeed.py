@@ -261,3 +261,15 @@ def test_a_dead_importers_partial_import_is_removed_naming_it(leftover_and_holde
     final = leftover.parent / leftover.name[:-len(".tmp-import")]
     assert sorted(p.name for p in leftover.parent.iterdir()) == [final.name]
     assert not (final / ".owner.json").exists()  # the marker is not part of the import
+
+
+def test_a_link_where_the_import_writes_is_named_and_left_alone(tmp_path):
+    """Issue 45: a dangling ``step-N.tmp-import`` link gave "another import keeps creating it"; it is named
+    as what it is, never followed nor removed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    link = out / "step-00000003.tmp-import"  # the fixture's step
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(link))}: is a symlink, not an import's temp dir; "):
+        import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", out)
+    assert link.is_symlink() and not (tmp_path / "nowhere").exists()

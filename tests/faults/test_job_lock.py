@@ -133,3 +133,21 @@ def test_a_lock_left_by_a_job_that_died_is_taken_over_with_a_log_line(tmp_path):
             f"{socket.gethostname()}, started ") in lines[0]
     assert re.search(r"step\s+2\s+loss", out)
     assert not (run_dir / LOCK).exists()  # released at the end
+
+
+def test_a_lock_that_is_a_symlink_is_refused_before_anything_starts(tmp_path):
+    """Issue 45: ``run/.deepshard.lock`` linked to a file (a shared or downloaded dir can carry one; the
+    app often runs as root) had the job write its lock record into the target and remove the link."""
+    run_dir, target = tmp_path / "run", tmp_path / "precious"
+    run_dir.mkdir()
+    target.write_text("keep me\n")
+    (run_dir / LOCK).symlink_to(target)
+    with _jobs() as start:
+        job = start(run_dir, "train.max_steps=2")
+        out, err = job.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert job.returncode == 2, err[-3000:]
+    assert lines[-1].startswith(f"error: {run_dir / LOCK}: is a symlink, not a regular file; "), err[-3000:]
+    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in err
+    assert target.read_text() == "keep me\n" and (run_dir / LOCK).is_symlink()
+    assert not (run_dir / "heartbeat").exists() and "step" not in out  # no worker started

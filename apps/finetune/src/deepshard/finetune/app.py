@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.config.world import under_torchrun
@@ -41,11 +42,17 @@ DIVERGED = (TrainingDiverged, LossScaleAtMinimum)  # raised alike on every rank:
 
 
 def _log_tracebacks(run_dir: str, traces: dict[int, str]) -> str:
+    """Append the ranks' tracebacks to ``<run dir>/launcher.log`` and say where they went: to stderr when
+    launcher.log is not a plain file (a planted link is never written through)."""
     path = Path(run_dir) / "launcher.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for rank, text in sorted(traces.items()):
-            f.write(f"--- rank {rank} ---\n{text}\n")
+    text = "".join(f"--- rank {rank} ---\n{trace}\n" for rank, trace in sorted(traces.items()))
+    try:
+        with open_file(path, "a") as f:
+            f.write(text)
+    except ValueError as err:
+        sys.stderr.write(text)
+        return f"above, not in {err}"
     return str(path)
 
 

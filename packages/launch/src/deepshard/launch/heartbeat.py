@@ -6,7 +6,7 @@ same bytes (microseconds; a reader that catches a write half done skips it until
 come out of a file: ``beat`` (the process is alive: a SIGSTOPped or GIL-frozen rank stops beating)
 and ``since`` (when it last made progress).  A rank blocked in a collective keeps beating, so when
 one rank hangs the others are not blamed: the watchdog names a rank that stopped beating, else the
-one furthest behind.  Each file names its process (host and pid): the launcher removes an earlier
+one furthest behind.  Each file names its process (host, pid, start time): the launcher removes an earlier
 run's files before it starts, and never those of a process that still runs (another job's).
 """
 
@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.owners import process_alive, process_start
+from deepshard.core.checkpoint.plain_files import open_regular
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
 _RECORD = 512  # bytes of a heartbeat file, always rewritten whole
@@ -44,9 +45,11 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._fd = -1
         self._host = socket.gethostname()
+        self._process = process_start(os.getpid())
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT)  # never through a link, never a FIFO
+            os.ftruncate(self._fd, 0)
             self._write()
             threading.Thread(target=self._run, args=(interval_s,), daemon=True, name="heartbeat").start()
 
@@ -66,7 +69,8 @@ class Heartbeat:
         assert self.path is not None
         with self._lock:  # the loop's marks and the beat thread share the file
             state = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
-                     "since": self.since, "marks": self.marks, "beat": time.time(), "host": self._host}
+                     "since": self.since, "marks": self.marks, "beat": time.time(), "host": self._host,
+                     "process": self._process}
             os.pwrite(self._fd, json.dumps(state).encode().ljust(_RECORD), 0)  # trailing spaces: valid JSON
 
     def _run(self, interval_s: float) -> None:
@@ -106,12 +110,13 @@ def read_beats(directory: str | Path) -> list[dict]:
 
 
 def _running(beat: dict, now: float, other_host_stale_s: float) -> bool:
-    """Whether the process that writes ``beat`` may still run: on this host its pid says (a stopped,
-    hung rank runs); another host's process cannot be checked from here: its recent beat says."""
+    """Whether the process that writes ``beat`` may still run: on this host its pid and start time say
+    (a stopped, hung rank runs; a pid since reused by another process does not); another host's
+    process cannot be checked from here: its recent beat says."""
     host = beat.get("host", socket.gethostname())  # files of older versions: written on this host
     if host != socket.gethostname():
         return now - float(beat.get("beat", 0)) < other_host_stale_s
-    return pid_alive(int(beat["pid"]))
+    return process_alive(int(beat["pid"]), str(beat.get("process", "")))
 
 
 def remove_dead_beats(directory: str | Path, *, other_host_stale_s: float = 60.0) -> list[tuple[Path, dict]]:

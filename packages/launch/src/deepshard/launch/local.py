@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.mesh import free_port
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.launch.parent_death import SERVER_PARENT_ENV, die_with_parent
@@ -120,7 +121,8 @@ def _elastic_logs_to(log_file: str | None) -> Iterator[None]:
         yield
         return
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(log_file)
+    stream = open_file(log_file, "a")  # never through a link (ValueError): it would append to its target
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
     saved = [(lg.propagate, lg.level) for lg in loggers]
@@ -135,6 +137,7 @@ def _elastic_logs_to(log_file: str | None) -> Iterator[None]:
             lg.removeHandler(handler)
             lg.propagate, lg.level = propagate, level
         handler.close()
+        stream.close()
 
 
 def worker_threads(nproc: int, *, cuda: bool, cpus: int | None = None) -> int:

@@ -7,11 +7,16 @@ would delete each other's heartbeats (blinding the hang detection), overwrite ea
 checkpoints and resume from each other's saves.
 
 The lock is ``fcntl.flock`` on the open file: the kernel drops it when its process dies, so on one
-host a crashed job never blocks the next one.  The file also records the owner (host, pid, start
-time), renewed every ``renew_s``: the refusal names it, and where flock does not reach other hosts
-(some shared filesystems) the record decides, held while renewed within ``STALE_S``.  A lock left
-by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean release
-removes the file, and the directory if the lock created it and nothing else was written there.
+host a crashed job never blocks the next one.  The file also records the owner (host, pid, the
+process's start time, job id), renewed every ``renew_s``: the refusal names it, and where flock does
+not reach other hosts (some shared filesystems) the record decides, held while renewed within
+``STALE_S``.  On this host a record counts only while its very process runs: a pid now held by
+another process (pids are reused, e.g. after a container restart) is a dead owner.  A record of the
+same job (torchelastic's run id: a restart may put global rank 0 on another host) is no rival.  A
+lock left by a job that is gone (SIGKILL, a dead node) is taken over with one log line; a clean
+release removes the file, and the directory if the lock created it and nothing else was written
+there.  The lock file is opened without following a symlink and must be a regular file (a planted
+link would have the job overwrite its target).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.owners import process_alive, process_start
+from deepshard.core.checkpoint.plain_files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +54,33 @@ class Owner:
     started: float
     renewed: float
     job: str = ""  # torchelastic's run id, or the app's
+    process: str = ""  # the process's start time (owners.process_start): pid and start name one process
 
     def __str__(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return f"pid {self.pid} on host {self.host}, started {started}"
 
     def alive(self, now: float) -> bool:
-        """Renewed lately and, on this host, its process runs (the record of a killed job stays behind)."""
+        """Renewed lately and, on this host, its very process runs (the record of a killed job stays
+        behind, and its pid may since belong to another process, this one included)."""
         recent = now - self.renewed < STALE_S
-        return recent and (self.host != socket.gethostname() or pid_alive(self.pid))
+        if self.host != socket.gethostname():
+            return recent
+        # a record naming this very process without its start time was written by another process, gone,
+        # that had this pid (this process's own lock is held by flock, which refused us before)
+        return recent and process_alive(self.pid, self.process) and (bool(self.process) or self.pid != os.getpid())
+
+    def same_job(self, job: str) -> bool:
+        """Whether this record is ``job``'s own (an earlier attempt's, before a restart), from any host.
+        torchrun's default run id "none" names no job."""
+        return bool(job) and job != "none" and self.job == job
 
 
 def _read(fd: int) -> Owner | None:
     try:
         record = json.loads(os.pread(fd, _RECORD, 0).decode() or "null")
         return Owner(str(record["host"]), int(record["pid"]), float(record["started"]), float(record["renewed"]),
-                     str(record.get("job", "")))
+                     str(record.get("job", "")), str(record.get("process", "")))
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):  # empty (released), half-written, foreign
         return None
 
@@ -149,7 +166,7 @@ def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: f
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # ValueError for a symlink, a directory, a FIFO
         try:
             free = _flock(fd)
             if not _is_file_at(fd, path):  # its owner released (unlinked) it meanwhile: lock the next one
@@ -157,14 +174,17 @@ def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: f
                 continue
             now = time.time()
             previous = _read(fd)
-            if not free or (previous is not None and previous.alive(now)):
+            rival = previous is not None and previous.alive(now) and not previous.same_job(job)
+            if not free or rival:
                 held_by = str(previous) if previous is not None else "its owner is not recorded yet"
                 raise DirectoryInUse(f"{key}={directory} is in use by another deepshard job ({held_by}); "
                                      "wait for it, or use another directory")
-            if previous is not None:
+            if previous is not None and previous.same_job(job):
+                log.info("%s=%s: took over the lock of this job's earlier attempt (%s)", key, directory, previous)
+            elif previous is not None:
                 log.warning("%s=%s: took over the lock of a deepshard job that is gone (%s)", key, directory, previous)
             os.ftruncate(fd, 0)
-            owner = Owner(socket.gethostname(), os.getpid(), now, now, job)
+            owner = Owner(socket.gethostname(), os.getpid(), now, now, job, process_start(os.getpid()))
             return JobLock(path, fd, owner, created=created, renew_s=renew_s)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from deepshard.core.checkpoint.plain_files import open_regular
+
 from .config import ALIGN, AioConfig
 from .pinned import pinned_empty
 
@@ -55,13 +57,13 @@ class SwapFile:
         self.direct = direct and hasattr(os, "O_DIRECT")
         if self.direct:
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.fd = open_regular(path, flags | os.O_DIRECT, 0o600)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self._fall_back(e)
         if not self.direct:
-            self.fd = os.open(path, flags, 0o600)
+            self.fd = open_regular(path, flags, 0o600)  # never through a link
         try:
             os.posix_fallocate(self.fd, 0, max(nbytes, ALIGN))  # real blocks: overwrites are ~2x faster
         except OSError as e:
@@ -86,7 +88,7 @@ class SwapFile:
                 raise
             os.close(self.fd)
             self._fall_back(e)
-            self.fd = os.open(self.path, os.O_RDWR, 0o600)
+            self.fd = open_regular(self.path, os.O_RDWR, 0o600)
 
     def close(self) -> None:
         if self.fd >= 0:

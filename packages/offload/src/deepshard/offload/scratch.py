@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from deepshard.core.checkpoint.owners import pid_alive
+from deepshard.core.checkpoint.plain_files import write_text
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def make_store_dir(nvme_path: str | os.PathLike, run_id: str, rank: int) -> Path
         _num_stores += 1
     path = run_dir(nvme_path, run_id) / f"rank{rank}" / f"store{n}"
     path.mkdir(parents=True, exist_ok=True)
-    (path / OWNER_FILE).write_text(str(os.getpid()))
+    write_text(path / OWNER_FILE, str(os.getpid()))
     register(path)
     return path
 

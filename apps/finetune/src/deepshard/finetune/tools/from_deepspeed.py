@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -246,7 +247,7 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     step = ds.adam_step
     final = Path(out_dir) / step_dir_name(step)
     tmp = Path(out_dir) / f"{final.name}.tmp-import"
-    if final.exists():  # before any work: an import that cannot be renamed into place is wasted
+    if os.path.lexists(final):  # before any work: an import that cannot be renamed into place is wasted
         raise ValueError(f"{final}: already exists; choose an empty OUT_DIR")
     claim(tmp)
     try:

@@ -15,8 +15,13 @@ def claim(tmp: Path) -> None:
     """Make ``tmp`` this import's, marked with its owner (host, pid) from the moment it exists (made
     aside and renamed into place).  A leftover of a dead import (a kill leaves no chance to clean up) is
     removed with a notice; one whose importer still runs is named, never touched: two imports into one
-    OUT_DIR would write the same files."""
+    OUT_DIR would write the same files.  Anything else at ``tmp`` (a symlink, dangling or not; a file) is
+    named and left alone."""
     for _ in range(3):
+        if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):  # not an import's: never followed, removed
+            kind = "a symlink" if tmp.is_symlink() else "not a directory"
+            raise ValueError(f"{tmp}: is {kind}, not an import's temp dir; it was left alone (move or remove it, "
+                             "then run again)")
         if tmp.exists():
             alive, who = owner_alive(tmp)
             if alive:

@@ -37,6 +37,7 @@ from deepshard.core.checkpoint.consolidate import (
 )
 from deepshard.core.checkpoint.json_state import read_trainer
 from deepshard.core.checkpoint.manifest import latest_good, read_manifest
+from deepshard.core.checkpoint.plain_files import write_text
 
 DS_VERSION = "0.19.8"
 PREFIXES = {"master": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
@@ -102,7 +103,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
     if stage == 3:
         export_zero3(path, out, trainer, grouped, {**client, **model_states(shapes, steps, counters, world)},
                      world=world, steps=steps, sub_group_size=sub_group_size, file_prefix=file_prefix)
-        (Path(out_dir) / "latest").write_text(tag)
+        write_text(Path(out_dir) / "latest", tag)
         return out
     module = OrderedDict((i.key[6:], t) for i, t in iter_full_tensors(path, "model."))
     torch.save({"module": module, **client, **model_states(shapes, steps, counters, world)},
@@ -113,7 +114,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, 
         "parameter_alignment"))
     export_zero12(path, out, trainer, grouped, world=world, steps=steps, stage=stage, file_prefix=file_prefix,
                   param_alignment=16 // math.gcd(16, esize) if aligned else 1)
-    (Path(out_dir) / "latest").write_text(tag)
+    write_text(Path(out_dir) / "latest", tag)
     return out
 
 

@@ -7,6 +7,7 @@ a manifest), so it loads at any world size and ZeRO stage; ``client_state`` trav
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch import nn
 from deepshard.core import Engine
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
+from deepshard.core.checkpoint.plain_files import write_text
 from deepshard.core.checkpoint.state import (
     clean_name,
     load_checkpoint,
@@ -27,7 +29,7 @@ from deepshard.core.checkpoint.state import (
     write_checkpoint,
 )
 
-from .ds_files import check_tag
+from .ds_files import check_tag, no_tag_dir, read_latest
 
 LATEST = "latest"
 
@@ -91,14 +93,18 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
 def _write_latest(save_dir: Path, tag: str, sealed: Path) -> None:
     """Rank 0 names the sealed checkpoint's tag in ``save_dir/latest``."""
     if dist.get_rank() == 0:
-        (save_dir / LATEST).write_text(tag)
+        write_text(save_dir / LATEST, tag)  # never through a link planted in save_dir
 
 
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
     """The checkpoint directory for ``load_dir`` and ``tag`` (``latest`` when no tag), or None."""
-    if tag is None and (load_dir / LATEST).is_file():
-        tag = check_tag((load_dir / LATEST).read_text().strip(), str(load_dir / LATEST))
-    target = load_dir / check_tag(str(tag), f"load_checkpoint({str(load_dir)!r})") if tag is not None else load_dir
+    latest = load_dir / LATEST
+    if tag is None and os.path.lexists(latest):  # a link is refused (read_latest), never echoed
+        target = load_dir / read_latest(latest)
+        if not target.is_dir():
+            raise no_tag_dir(latest)
+    else:
+        target = load_dir / check_tag(str(tag), f"load_checkpoint({str(load_dir)!r})") if tag is not None else load_dir
     if (target / MANIFEST).is_file():
         return target
     if not target.is_dir():

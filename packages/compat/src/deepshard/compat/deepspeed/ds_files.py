@@ -12,9 +12,11 @@ so a partition costs memory only for the pages actually copied out.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import pickle
 import re
+import stat
 import types
 import zipfile
 from pathlib import Path
@@ -137,13 +139,57 @@ def load_ds_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: not loaded ({type(err).__name__}: {refusal_reason(str(err))})") from None
 
 
+_TAG_RULE = "a tag names a directory inside the checkpoint directory: no path separators, not '.' or '..'"
+_LATEST_MAX = 4096  # bytes: a tag is a short name
+
+
+def _is_tag(tag: str) -> bool:
+    return bool(tag) and tag not in (".", "..") and not any(c in tag for c in ("/", "\\", "\0")) and not (
+        os.altsep and os.altsep in tag)
+
+
 def check_tag(tag: str, source: str) -> str:
     """A checkpoint tag names a directory inside the checkpoint directory: never a path (no separator,
-    not ``.`` or ``..``), so a crafted ``latest`` file cannot send a reader outside it."""
-    if not tag or tag in (".", "..") or any(c in tag for c in ("/", "\\", "\0")) or (os.altsep and os.altsep in tag):
-        raise ValueError(f"{source}: tag {tag!r} is not a checkpoint name (a tag names a directory inside the "
-                         f"checkpoint directory: no path separators, not '.' or '..')")
+    not ``.`` or ``..``), so a crafted ``latest`` file cannot send a reader outside it.  For a tag the
+    user gave (a file's tag comes through :func:`read_latest`, which never echoes it)."""
+    if not _is_tag(tag):
+        raise ValueError(f"{source}: tag {tag!r} is not a checkpoint name ({_TAG_RULE})")
     return tag
+
+
+def read_latest(latest: Path) -> str:
+    """The tag that DeepSpeed's ``latest`` file names.  Its errors name the file and what is wrong with
+    it, never what it holds: ``latest`` linked to a key file would print the key.  So a symlink (or
+    anything but a regular file) is refused unread, as the HF Trainer path does."""
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENXIO):
+            raise
+        raise ValueError(f"{latest}: is not a regular file ({'a symlink' if latest.is_symlink() else 'a socket'}); "
+                         "a checkpoint's 'latest' must be a plain file naming its tag") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{latest}: is not a regular file; a checkpoint's 'latest' must be a plain file "
+                             "naming its tag")
+        raw = f.read(_LATEST_MAX + 1)
+    if len(raw) > _LATEST_MAX:
+        raise ValueError(f"{latest}: is over {_LATEST_MAX} bytes, too long to name a checkpoint tag")
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{latest}: is not UTF-8 text; it should name a checkpoint tag") from None
+    if not _is_tag(tag):
+        raise ValueError(f"{latest}: names no checkpoint tag ({_TAG_RULE})")
+    return tag
+
+
+def no_tag_dir(latest: Path) -> ValueError:
+    """The tag ``latest`` names has no directory (named by the directories there, not by the tag)."""
+    root = latest.parent
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    return ValueError(f"{latest}: the tag it names has no directory in {root} (directories there: {found}); "
+                      "give the tag")
 
 
 def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
@@ -156,10 +202,13 @@ def resolve_tag_dir(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
         if list(root.glob("*model_states.pt")):
             return root
         latest = root / "latest"
-        if not latest.is_file():
+        if not os.path.lexists(latest):
             raise ValueError(f"{root}: no 'latest' file and no *model_states.pt: give --tag (one of "
                              f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
-        tag = check_tag(latest.read_text().strip(), str(latest))
+        tag_dir = root / read_latest(latest)
+        if not tag_dir.is_dir():
+            raise no_tag_dir(latest)
+        return tag_dir
     tag_dir = root / check_tag(tag, str(root))
     if not tag_dir.is_dir():
         raise ValueError(f"{root}: tag {tag!r} has no directory {tag_dir}")

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from deepshard.core.checkpoint.plain_files import open_file, write_text
+
 # the names Trainer's save_pretrained uses (transformers' SAFE_WEIGHTS_NAME / SAFE_WEIGHTS_INDEX_NAME)
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 MAX_SHARD_SIZE = "50GB"  # save_pretrained's default, which Trainer's save_model uses
@@ -134,7 +136,7 @@ def write_streaming(model: nn.Module, output_dir: str | os.PathLike, *, is_main:
         out.mkdir(parents=True, exist_ok=True)
     for filename, names in files.items():
         tmp = out / (filename + ".tmp")
-        f = open(tmp, "wb") if is_main else None  # noqa: SIM115 - closed below, after the gathers
+        f = open_file(tmp, "wb") if is_main else None  # closed below, after the gathers; never through a link
         try:
             if f is not None:
                 f.write(_header(names, tensors))
@@ -156,7 +158,7 @@ def write_streaming(model: nn.Module, output_dir: str | os.PathLike, *, is_main:
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()), "total_size": total},
                      "weight_map": {n: fn for fn, names in files.items() for n in names}}
-            (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_text(out / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
     if dist.is_initialized():
         dist.barrier()
     return list(files)

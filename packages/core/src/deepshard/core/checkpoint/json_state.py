@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from deepshard.core.checkpoint.manifest import CheckpointError, checked_file, read_manifest
+from deepshard.core.checkpoint.plain_files import write_text
 
 TRAINER = "trainer.json"
 
@@ -62,10 +63,7 @@ def write_json(directory: Path, name: str, value: Any) -> None:
         text = json.dumps(value, allow_nan=True)
     except TypeError as err:
         raise TypeError(f"checkpoint {name}: state must be JSON (numbers, strings, lists, dicts): {err}") from err
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_text(path, text, fsync=True)
 
 
 def read_json(directory: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> Any:

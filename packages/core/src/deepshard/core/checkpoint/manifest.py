@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deepshard.core.checkpoint.owners import OWNER, write_owner
+from deepshard.core.checkpoint.plain_files import write_text
 
 log = logging.getLogger("deepshard.checkpoint")
 
@@ -73,10 +74,7 @@ def _fsync_dir(path: Path) -> None:
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` durably (temp file, fsync, rename): the last file of a save."""
     tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
+    write_text(tmp, json.dumps(manifest, indent=1, sort_keys=True, default=str), fsync=True)
     os.replace(tmp, directory / MANIFEST)
     _fsync_dir(directory)
 
