@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from deepshard.core.checkpoint import progress
 from deepshard.core.checkpoint.manifest import CheckpointError, checked_file, read_manifest
 
 TRAINER = "trainer.json"
@@ -66,6 +67,7 @@ def write_json(directory: Path, name: str, value: Any) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    progress.report(len(text))
 
 
 def read_json(directory: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> Any:
