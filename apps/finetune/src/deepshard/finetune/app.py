@@ -4,8 +4,8 @@ Whatever ends a run early reaches the user as one ``RunFailed`` line (main.py pr
 error with its rank (the tracebacks go to ``<run dir>/launcher.log``), a rank that died by a signal
 or hung (the launcher's heartbeat watchdog, ``launcher.hang_s``), or a diverged run.  A second job on
 the run dir or the checkpoint dir of a running one is refused before it starts anything.  A
-preemption (SIGTERM/SIGINT to the launcher) ends with a line read from the disk (``preempted``): exit 0
-only when the step the workers reached is sealed.
+preemption (SIGTERM/SIGINT to the launcher) ends with a line read from the disk (``preempted``): exit 1
+when the workers were killed before their save was sealed.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _run(settings: Settings, run_dir: str) -> dict:
         done = preemption_outcome(Path(settings.checkpoint.dir or os.path.join(run_dir, "checkpoints")),
                                   read_beats(beat_dir), signal_name=signal_name(err.sigval),
                                   grace_s=settings.launcher.shutdown_grace_s)
-        if not done.saved:
+        if done.cut_short:
             raise RunFailed(done.line, 1) from None
         print(done.line, file=sys.stderr)
         return {"preempted": True, "checkpoint": str(done.checkpoint) if done.checkpoint else None}
