@@ -76,6 +76,32 @@ def test_a_hang_blames_the_rank_that_stopped_beating_not_the_one_waiting_for_it(
     assert find_hang(loading, 30, now) is None
 
 
+def test_a_save_that_writes_is_progress_of_every_rank_one_that_writes_nothing_is_a_hang():
+    now = 1000.0
+    saving = _beat(0, 6, "checkpoint", since=now - 40, beat=now - 0.3) | {"wrote": now - 1}  # a slow writer
+    waiting = _beat(1, 6, "checkpoint", since=now - 38, beat=now - 0.2) | {"wrote": now - 39}  # its shard done
+    assert find_hang([saving, waiting], 30, now) is None  # the save writes: no rank is hung
+    silent = saving | {"wrote": now - 35}  # the writer stopped writing 35 s ago
+    assert str(find_hang([silent, waiting], 30, now)) == "rank 0 has made no progress since step 6 (checkpoint) for 35 s"
+
+
+def test_save_progress_reaches_the_heartbeat_through_cores_seam(tmp_path):
+    from deepshard.core.checkpoint import progress
+
+    beat = Heartbeat(str(tmp_path), rank=0, interval_s=0.05)
+    previous = progress.set_listener(beat.progress)
+    try:
+        progress.report(100)
+        progress.report(23)
+    finally:
+        progress.set_listener(previous)
+    progress.report(1)  # no listener: nobody hears it
+    beat._write()
+    (state,) = read_beats(tmp_path)
+    assert state["wrote_bytes"] == 123 and state["wrote"] >= state["since"]
+    beat.close()
+
+
 def test_heartbeat_files_carry_step_and_phase(tmp_path):
     beat = Heartbeat(str(tmp_path), rank=3)
     beat.mark("backward", 7)

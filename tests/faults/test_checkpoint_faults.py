@@ -106,6 +106,8 @@ def test_sigterm_mid_save_completes_the_save_and_exits_cleanly(tmp_path):
     assert "preempted" in out and time.monotonic() - start < 45
     root = run / "checkpoints"
     assert 4 in _steps(root) and max(_steps(root)) <= 6, _steps(root)
+    newest = max(_steps(root))  # the line says what is on disk: the step reached, sealed
+    assert f"preempted (SIGTERM): saved step {newest} ({root / f'step-{newest:08d}'}, sealed)" in out, out[-3000:]
     for c in step_dirs(root):
         verify_checkpoint(c.path)
     assert temp_dirs(root) == []

@@ -3,12 +3,15 @@
 Whatever ends a run early reaches the user as one ``RunFailed`` line (main.py prints it): a worker's
 error with its rank (the tracebacks go to ``<run dir>/launcher.log``), a rank that died by a signal
 or hung (the launcher's heartbeat watchdog, ``launcher.hang_s``), or a diverged run.  A second job on
-the run dir or the checkpoint dir of a running one is refused before it starts anything.
+the run dir or the checkpoint dir of a running one is refused before it starts anything.  A
+preemption (SIGTERM/SIGINT to the launcher) ends with a line read from the disk (``preempted``): exit 1
+when the workers were killed before their save was sealed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -21,10 +24,12 @@ from deepshard.core.precision import LossScaleAtMinimum
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
+from deepshard.finetune.preempted import preemption_outcome
 from deepshard.finetune.preflight import preflight_memory
 from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs
+from deepshard.launch.heartbeat import read_beats
 from deepshard.launch.local import JobFailed, launch_local, start_worker_server
 from deepshard.launch.process_trim import trim_heap
 from deepshard.offload import remove_scratch
@@ -81,6 +86,13 @@ def _failed(err: JobFailed, run_dir: str) -> RunFailed:
     return RunFailed(str(err), 1)
 
 
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
@@ -104,16 +116,22 @@ def _run(settings: Settings, run_dir: str) -> dict:
     if settings.launcher.malloc_mmap_threshold:  # read by glibc at the workers' start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(settings.launcher.malloc_mmap_threshold)
     run_id = f"run{os.getpid()}"
+    beat_dir = os.path.join(run_dir, "heartbeat")
     try:
         return launch_local(train_worker, settings.world_size, settings, run_dir, datasets, run_id=run_id,
-                            heartbeat_dir=os.path.join(run_dir, "heartbeat"), hang_s=settings.launcher.hang_s,
-                            log_file=os.path.join(run_dir, "launcher.log"))[0]
+                            heartbeat_dir=beat_dir, hang_s=settings.launcher.hang_s,
+                            log_file=os.path.join(run_dir, "launcher.log"),
+                            grace_s=settings.launcher.shutdown_grace_s)[0]
     except JobFailed as err:
         raise _failed(err, run_dir) from None
-    except SignalException as err:  # SIGTERM/SIGINT reached the workers too: they finished the step and saved
-        print(f"preempted ({err}); the workers wrote a checkpoint: rerun with checkpoint.resume=auto",
-              file=sys.stderr)
-        return {"preempted": True}
+    except SignalException as err:  # SIGTERM/SIGINT reached the workers too: what they saved in the grace
+        done = preemption_outcome(Path(settings.checkpoint.dir or os.path.join(run_dir, "checkpoints")),
+                                  read_beats(beat_dir), signal_name=signal_name(err.sigval),
+                                  grace_s=settings.launcher.shutdown_grace_s)
+        if done.cut_short:
+            raise RunFailed(done.line, 1) from None
+        print(done.line, file=sys.stderr)
+        return {"preempted": True, "checkpoint": str(done.checkpoint) if done.checkpoint else None}
     finally:  # swap files are scratch: gone after a normal end, Ctrl-C, or a crashed worker
         if settings.offload.device == "nvme":
             remove_scratch(settings.offload.nvme_path, run_id)

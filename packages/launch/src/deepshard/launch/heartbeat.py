@@ -6,8 +6,11 @@ same bytes (microseconds; a reader that catches a write half done skips it until
 come out of a file: ``beat`` (the process is alive: a SIGSTOPped or GIL-frozen rank stops beating)
 and ``since`` (when it last made progress).  A rank blocked in a collective keeps beating, so when
 one rank hangs the others are not blamed: the watchdog names a rank that stopped beating, else the
-one furthest behind.  Each file names its process (host, pid, start time): the launcher removes an earlier
-run's files before it starts, and never those of a process that still runs (another job's).
+one furthest behind.  A checkpoint save reports its written bytes (``progress``, wired by the app to
+``deepshard.core.checkpoint.progress``) as ``wrote``: a save that writes, however slowly, is progress
+for every rank (they wait on each other inside the collective save); one that writes nothing for
+``hang_s`` is a hang like any other.  Each file names its process (host, pid, start time): the launcher
+removes an earlier run's files before it starts, and never those of a process that still runs (another job's).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from deepshard.core.checkpoint.owners import process_alive, process_start
 from deepshard.core.checkpoint.plain_files import open_regular
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
-_RECORD = 512  # bytes of a heartbeat file, always rewritten whole
+_RECORD = 1024  # bytes of a heartbeat file, always rewritten whole (a 253-byte host name still fits)
 # the order a step goes through; "startup" is not judged for progress (loading can take long)
 PHASES = ("startup", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
 
@@ -41,6 +44,8 @@ class Heartbeat:
         self.phase = "startup"
         self.since = time.time()
         self.marks = 0
+        self.wrote = 0.0  # when a save last reported written bytes (0: never)
+        self.wrote_bytes = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._fd = -1
@@ -65,12 +70,16 @@ class Heartbeat:
         if self.path is not None:
             self._write()
 
+    def progress(self, nbytes: int) -> None:
+        """A checkpoint writer wrote ``nbytes`` (from any thread): progress, carried by the next beat."""
+        self.wrote, self.wrote_bytes = time.time(), self.wrote_bytes + nbytes
+
     def _write(self) -> None:
         assert self.path is not None
         with self._lock:  # the loop's marks and the beat thread share the file
             state = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
                      "since": self.since, "marks": self.marks, "beat": time.time(), "host": self._host,
-                     "process": self._process}
+                     "process": self._process, "wrote": self.wrote, "wrote_bytes": self.wrote_bytes}
             os.pwrite(self._fd, json.dumps(state).encode().ljust(_RECORD), 0)  # trailing spaces: valid JSON
 
     def _run(self, interval_s: float) -> None:
@@ -149,15 +158,22 @@ def _read_settled(f: Path, tries: int = 3) -> dict | None:
 
 def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:
     """The rank to blame once some rank made no progress for ``hang_s``: one that stopped beating,
-    else the one furthest behind (lowest step and phase), ties broken by the oldest progress."""
+    else the one furthest behind (lowest step and phase), ties broken by the oldest progress.  Bytes a
+    save wrote on any rank are progress of every rank (they wait on each other in the save)."""
     live = [b for b in beats if b["phase"] != "done"]
+    saving = max((float(b.get("wrote", 0.0)) for b in live), default=0.0)
+
+    def last_progress(b: dict) -> float:
+        return max(b["since"], saving)
+
     frozen = [b for b in live if now - b["beat"] > hang_s]
-    stalled = [b for b in live if b["phase"] != "startup" and now - b["since"] > hang_s]
+    stalled = [b for b in live if b["phase"] != "startup" and now - last_progress(b) > hang_s]
     if not frozen and not stalled:
         return None
     pool = frozen or live
     b = min(pool, key=lambda b: (b["step"], PHASES.index(b["phase"]), b["since"]))
-    return Hang(rank=b["rank"], step=b["step"], phase=b["phase"], stalled_s=now - b["since"], frozen=bool(frozen))
+    return Hang(rank=b["rank"], step=b["step"], phase=b["phase"], stalled_s=now - last_progress(b),
+                frozen=bool(frozen))
 
 
 class Watchdog:

@@ -237,7 +237,7 @@ def _server_pid() -> int | None:
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int | None = None,
                  run_id: str | None = None, heartbeat_dir: str | None = None, hang_s: float = 0.0,
-                 log_file: str | None = None) -> list[Any]:
+                 log_file: str | None = None, grace_s: int = 30) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (gloo/nccl group set up by the worker via
     ``init_distributed``); returns each rank's return value, rank-ordered.  ``run_id`` reaches the
     workers as ``TORCHELASTIC_RUN_ID`` (it names per-run scratch such as NVMe swap dirs).
@@ -247,6 +247,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     ``log_file`` receives torchelastic's own log lines instead of stderr.  Raises ``JobFailed``, or
     ValueError before any worker starts when ``heartbeat_dir`` holds the heartbeats of live processes.
     ``threads_per_worker`` (OMP_NUM_THREADS of each worker) defaults to :func:`worker_threads`.
+    ``grace_s``: when this process is signalled (SIGTERM/SIGINT: torchelastic's ``SignalException``), the
+    workers get the signal too and are SIGKILLed this long after it (torchelastic's shutdown timeout).
 
     Workers fork from multiprocessing's forkserver, which imports torch, deepshard and ``fn``'s
     module once per launcher process (a spawned worker imports them again, ~5 s of CPU per rank
@@ -267,7 +269,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="forkserver",
+        monitor_interval=0.1, start_method="forkserver", shutdown_timeout=grace_s,
     )
     start_worker_server(fn)
     watchdog: Watchdog | None = None

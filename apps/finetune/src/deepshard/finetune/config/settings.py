@@ -201,6 +201,10 @@ class LauncherConfig:
     malloc_mmap_threshold: int = 0
     timeout_s: float = 600.0  # collective timeout of the process group (a rank that never answers)
     hang_s: float = 300.0  # the launcher stops a job whose rank made no progress this long; 0: never
+    # on SIGTERM/SIGINT to the launcher, the workers finish their step and save; this long after the
+    # signal, whatever still runs is SIGKILLed (torchelastic's shutdown timeout); keep it under the
+    # scheduler's own grace, and above a save's time, or the preemption's save is lost
+    shutdown_grace_s: int = 30
 
 
 # Hydra's mutable twins of the app's own sections (Settings holds the frozen configs above)
@@ -318,6 +322,7 @@ def _validate_launcher(c: dict) -> LauncherConfig:
     if not (math.isfinite(s.timeout_s) and s.timeout_s > 0):
         raise ValueError(f"launcher.timeout_s={s.timeout_s}: must be a finite number > 0 seconds")
     _at_least("launcher.hang_s", s.hang_s, 0, " seconds (0: no hang watchdog)")
+    _at_least("launcher.shutdown_grace_s", s.shutdown_grace_s, 0, " seconds (0: no save on preemption)")
     return s
 
 

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.utils.data import Dataset
 
 from deepshard.core import build_mesh, init_distributed, initialize
+from deepshard.core.checkpoint import progress as save_progress
 from deepshard.core.mesh import local_device
 from deepshard.finetune.config import Settings
 from deepshard.finetune.data.build import build_datasets
@@ -155,6 +156,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     if torch.cuda.is_available() and os.environ.get("OMP_NUM_THREADS") == "1":  # torchrun's default starves
         torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cuda=True))  # host Adam
     beat = Heartbeat.from_env(rank)  # step and phase, for the launcher's hang watchdog
+    save_progress.set_listener(beat.progress)  # and a save's written bytes: a slow save is no hang
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
     mesh = build_mesh(s.parallel)

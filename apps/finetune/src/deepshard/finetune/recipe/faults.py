@@ -5,6 +5,11 @@ assembly installs the hook below only when the variable is set, so the loop itse
 code.  ``nan@K``: from step K on the embedding's output is NaN, so a real NaN flows through the loss
 into every gradient; ``nan@K:N``: for the N steps K..K+N-1 only (a transient fault the run recovers
 from).  ``error@K``: the last rank raises at step K (a worker error the launcher must report).
+
+The NaN is put into the first decoder layer's input, which is the embedding's output in every layout
+(whole, tensor-parallel, or read in vocabulary tiles under ZeRO-3, where the embedding module's own
+forward is never called and a hook on it would never fire).  A layout without a model on the rank (a
+pipeline's stages) is refused at step K rather than silently testing nothing.
 """
 
 from __future__ import annotations
@@ -44,11 +49,22 @@ class InjectTestFault:
             self.hook = None
         if step != self.first:
             return
-        if self.kind == "nan" and model is not None:
-            embed = model.get_submodule("embed_tokens")
-            self.hook = embed.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+        if self.kind == "nan":
+            self.hook = first_layer(model, self.spec).register_forward_pre_hook(
+                lambda mod, args: (args[0] * float("nan"), *args[1:]))
         elif self.kind == "error" and dist.get_rank() == dist.get_world_size() - 1:
             inject_test_fault(step, self.spec)
+
+
+def first_layer(model: torch.nn.Module | None, spec: str) -> torch.nn.Module:
+    """The first decoder layer (of ``layers``, ours or a transformers model's), whose input is the
+    embedding's output however that is computed."""
+    layers = next((m for name, m in model.named_modules() if name.split(".")[-1] == "layers"
+                   and isinstance(m, torch.nn.ModuleList) and len(m)), None) if model is not None else None
+    if layers is None:
+        raise ValueError(f"{FAULT_ENV}={spec}: this layout has no decoder layers on this rank to put the NaN into "
+                         f"(pipeline stages are not supported)")
+    return layers[0]
 
 
 def inject_test_fault(step: int, spec: str) -> None:

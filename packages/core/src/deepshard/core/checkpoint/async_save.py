@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from deepshard.core.checkpoint import progress
 from deepshard.core.checkpoint.failures import CheckpointSaveError
 from deepshard.core.checkpoint.request import SaveRequest, mesh_on
 from deepshard.core.checkpoint.state import write_checkpoint
@@ -101,6 +102,7 @@ class HostStaging:
                 value = state[key]
                 local = value.to_local() if isinstance(value, DTensor) else value
                 buf.copy_(local.detach(), non_blocking=buf.is_pinned())
+                progress.report(buf.numel() * buf.element_size())  # an NVMe store's state is read here: progress
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         # adopted tensors live in the returned dict only (the request's), not past the save

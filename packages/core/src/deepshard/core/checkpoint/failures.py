@@ -25,7 +25,7 @@ from deepshard.core.checkpoint.manifest import CheckpointError
 
 log = logging.getLogger("deepshard.checkpoint")
 
-STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS[:shard]": pause a save (see stall)
+STALL_ENV = "DEEPSHARD_FAULT_SAVE_STALL"  # fault injection "STEP:SECONDS[:WHERE],...": see _stall_seconds
 MARGIN_BYTES = 1 << 20  # manifest, JSON state, DCP metadata
 
 
@@ -122,15 +122,24 @@ class PhaseFailed(Exception):
     pass
 
 
-def _stall_seconds(step: int, where: str) -> float | None:
-    """``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS[:WHERE]``: the pause asked for the save of ``step`` at
-    ``where`` (``sealing``, the default: shards written, manifest not; ``shard``: inside a shard file)."""
-    spec = os.environ.get(STALL_ENV, "")
-    parts = spec.split(":")
-    if not spec or int(parts[0]) != step or (parts[2] if len(parts) > 2 else "sealing") != where:
-        return None
+def _stall_seconds(step: int, where: str, *, now: bool = True) -> float | None:
+    """``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS[:WHERE][,STEP:SECONDS[:WHERE]...]``: the pause asked for the
+    save of ``step`` at ``where``.  ``sealing`` (the default) and ``shard`` model a hung writer: it sleeps
+    writing nothing, with the shards written and the manifest not (``sealing``) or inside a shard file
+    (``shard``).  ``slow`` models a slow writer that still writes: the first write of the shard file
+    trickles out over SECONDS, each piece reported as progress (``progress``).  ``now``: the pause
+    starts now, and the log says so (the tests signal on that line)."""
+    for spec in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+        parts = spec.split(":")
+        if int(parts[0]) == step and (parts[2] if len(parts) > 2 else "sealing") == where:
+            if now:
+                _say_paused(spec, where)
+            return float(parts[1])
+    return None
+
+
+def _say_paused(spec: str, where: str) -> None:
     log.warning("checkpoint: %s=%s: pausing this save for a fault-injection test (%s)", STALL_ENV, spec, where)
-    return float(parts[1])
 
 
 def stall(step: int) -> None:
@@ -140,26 +149,33 @@ def stall(step: int) -> None:
         time.sleep(seconds)
 
 
+def slow_write_seconds(step: int) -> float | None:
+    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS:slow``): how long the first write of this
+    save's shard file takes (``progress.ProgressWriter``'s pace), None for a write at full speed."""
+    return _stall_seconds(step, "slow")
+
+
 class MidShardStall(DefaultSavePlanner):
     """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS:shard``): DCP's own planner, which pauses
     once this rank's first tensor is in its shard file and the next is due (the file open, half written)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, seconds: float) -> None:
         super().__init__()
-        self.step, self.tensors = step, 0
+        self.step, self.seconds, self.tensors = step, seconds, 0
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         if write_item.type != WriteItemType.BYTE_IO:
             self.tensors += 1
-            if self.tensors == 2 and (seconds := _stall_seconds(self.step, "shard")) is not None:
-                time.sleep(seconds)
+            if self.tensors == 2:
+                _say_paused(f"{self.step}:{self.seconds:g}:shard", "shard")
+                time.sleep(self.seconds)
         return super().resolve_data(write_item)
 
 
 def save_planner(step: int) -> DefaultSavePlanner | None:
     """DCP's default planner (None), or the fault-injection one when a mid-shard pause is asked for."""
-    spec = os.environ.get(STALL_ENV, "")
-    return MidShardStall(step) if spec.endswith(":shard") and spec.split(":")[0] == str(step) else None
+    seconds = _stall_seconds(step, "shard", now=False)
+    return None if seconds is None else MidShardStall(step, seconds)
 
 
 def _mb(n: int) -> str:

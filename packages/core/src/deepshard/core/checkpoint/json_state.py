@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from deepshard.core.checkpoint import progress
 from deepshard.core.checkpoint.manifest import CheckpointError, checked_file, read_manifest
 from deepshard.core.checkpoint.plain_files import write_text
 
@@ -64,6 +65,7 @@ def write_json(directory: Path, name: str, value: Any) -> None:
     except TypeError as err:
         raise TypeError(f"checkpoint {name}: state must be JSON (numbers, strings, lists, dicts): {err}") from err
     write_text(path, text, fsync=True)
+    progress.report(len(text))
 
 
 def read_json(directory: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> Any:

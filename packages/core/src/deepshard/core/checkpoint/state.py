@@ -39,6 +39,7 @@ from deepshard.core.checkpoint.failures import (
     rank_and_world,
     root_cause,
     save_planner,
+    slow_write_seconds,
     stall,
 )
 from deepshard.core.checkpoint.json_state import (
@@ -63,6 +64,7 @@ from deepshard.core.checkpoint.manifest import (
     write_manifest,
 )
 from deepshard.core.checkpoint.owners import OWNER, write_owner
+from deepshard.core.checkpoint.progress import ProgressWriter
 from deepshard.core.checkpoint.request import (
     KINDS,
     SaveRequest,
@@ -156,8 +158,9 @@ def write_checkpoint(request: SaveRequest, group: dist.ProcessGroup | None = Non
 
     try:
         phase(begin, group)
-        phase(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=group, planner=save_planner(step)),
-              group)
+        # every byte written is reported (progress.report): a slow save is not a hung one to a watchdog
+        phase(lambda: dcp.save(state, storage_writer=ProgressWriter(tmp, pace=slow_write_seconds(step)),
+                               process_group=group, planner=save_planner(step)), group)
         phase(extra, group)
         # every rank checksums a share of the files, so sealing costs 1/world of a read
         names = agree(list_files(tmp), group)
