@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "apps/finetune/main.py")
 
@@ -32,6 +34,7 @@ TRAIN_TWICE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_kernels_train_like_torch_paths(tmp_path):
     """Every fused kernel in the model (RMSNorm, RoPE, SwiGLU, linear + CE) under TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

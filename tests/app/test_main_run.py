@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
 
 ROOT = Path(__file__).resolve().parents[2]
 

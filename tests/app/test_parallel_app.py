@@ -62,6 +62,7 @@ def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path, m
     assert "parallel.pp=3" in line and "world size 2" in line
 
 
+@pytest.mark.slow
 def test_pipeline_run_trains(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "apps/finetune/main.py"), "parallel.pp=2", "train.max_steps=8",

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.tools.export import main as export_main
 from tests.checkpoint.hf_fixtures import save_tiny_hf_llama
+
+pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,8 @@ from deepshard.launch.local import launch_local
 from tests.checkpoint.async_harness import TIMEOUT_S, async_worker, reshard_worker
 from tests.checkpoint.tmpfs import tmpfs_mounter
 
+pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, mount_tmpfs):

@@ -30,6 +30,8 @@ from tests.zeropp.zeropp_harness import (
     train_accumulating,
 )
 
+pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
+
 STEPS, ACCUM_STEPS, BYTE_STEPS = 100, 4, 2
 SEG = 5000
 QGZ = dict(quantized_gradients=True)

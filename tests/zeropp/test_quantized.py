@@ -18,6 +18,8 @@ import torch
 from deepshard.launch.local import launch_local
 from tests.zeropp.zeropp_harness import build_engine, data, train
 
+pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
+
 STEPS = 100
 SEG = 5000  # per-rank elements: one whole block of 4096 and a partial one
 ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True, quantized_gradients_node_size=2)
