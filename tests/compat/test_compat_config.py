@@ -47,6 +47,21 @@ def test_value_of_the_wrong_type_names_the_ds_key(config, expected):
     assert str(err.value).startswith(f"ds_config: {expected}"), str(err.value)
 
 
+def test_integer_sizes_written_as_1e9_are_taken_as_deepspeed_takes_them():
+    """DeepSpeed's stock configs write ``"sub_group_size": 1e9``: a JSON float DeepSpeed reads as an int.
+    Since offload checks its values whatever the device, the float was refused (issue 45's check)."""
+    from deepshard.offload import OffloadConfig, validate_config
+
+    ds = {"optimizer": {"type": "AdamW"}, "zero_optimization": {
+        "stage": 3, "sub_group_size": 1e9, "offload_optimizer": {"device": "cpu"}}}
+    offload = compat_config(ds, dp=1, cuda=False).offload
+    assert offload["sub_group_size"] == 10**9 and type(offload["sub_group_size"]) is int
+    validate_config(OffloadConfig(**offload))
+    ds["zero_optimization"]["sub_group_size"] = 1500.5  # not a whole number: still refused, by its key
+    with pytest.raises(ValueError, match=r"offload.sub_group_size=1500.5 is invalid"):
+        validate_config(OffloadConfig(**compat_config(ds, dp=1, cuda=False).offload))
+
+
 def test_unsupported_keys_one_warning_line(capsys):
     compat_config({"optimizer": {"type": "AdamW"}, "comms_logger": {"enabled": True}, "amp": {"enabled": True}},
                   dp=1, cuda=False)

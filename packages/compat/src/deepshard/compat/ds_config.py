@@ -142,12 +142,29 @@ def _value(v: object) -> str:
     return s if re.fullmatch(r"[\w./\-:]+", s) else "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+# DeepSpeed's integer sizes and counts: its config (pydantic) takes a JSON number such as 1e9 for them, and so
+# do we (as an int); anything that is not a whole number is left for the settings' checks to refuse, named
+DS_INTEGER_KEYS = frozenset({
+    "sub_group_size", "buffer_count", "buffer_size", "max_in_cpu", "reduce_bucket_size", "allgather_bucket_size",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "zero_hpz_partition_size", "block_size", "queue_depth", "thread_count",
+})
+
+
+def _ds_integer(ds_key: str | None, value: object) -> object:
+    """``1e9`` for one of :data:`DS_INTEGER_KEYS` as DeepSpeed reads it: the int 1000000000."""
+    leaf = (ds_key or "").rsplit(".", 1)[-1]
+    if leaf in DS_INTEGER_KEYS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 class _Translator:
     def __init__(self) -> None:
         self.t = Translation()
 
     def set(self, key: str, value: object, ds_key: str | None = None) -> None:
-        self.t.set(key, value, ds_key)
+        self.t.set(key, _ds_integer(ds_key, value), ds_key)
 
     def copy(self, section: dict, path: str, mapping: dict[str, str]) -> None:
         """Map known keys of ``section`` to our keys; the rest are unsupported or built in."""
