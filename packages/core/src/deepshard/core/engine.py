@@ -20,7 +20,7 @@ from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.parallelize import ShardedPart, parallelize_model
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
-from deepshard.core.step import count_valid_tokens, loss_scale_factor, num_params
+from deepshard.core.step import aux_loss_scale, count_valid_tokens, loss_scale_factor, num_params
 from deepshard.core.zero import ParamOffload, ZeroStage
 from deepshard.core.zero.hsdp import hsdp_mesh
 
@@ -76,12 +76,16 @@ class Engine:
         - ``num_items=None`` (DeepSpeed's contract): ``loss`` is the micro-batch's mean; it is
           divided by ``grad_accum`` and ranks are averaged: a mean of means, exact only when every
           micro-batch holds the same number of valid tokens.
+
+        Extra loss terms the forward attached (:func:`~deepshard.core.step.add_aux_loss`) get their
+        gradient here too, under either contract.
         """
         self.stage.set_grad_sync(self._is_boundary())
         scale, accum = self.scaler.scale, self.config.grad_accum
         factor = loss_scale_factor(scale, group_size=zero_mesh(self.mesh).size(), num_items=num_items,
                                    micro_batches=accum, device=loss.device)
-        (loss * factor).backward()
+        with aux_loss_scale(scale, micro_batches=accum):
+            (loss * factor).backward()
         self.optimizer.finish_backward()
         self.micro_step += 1
 

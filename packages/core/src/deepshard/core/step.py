@@ -5,6 +5,9 @@ step as: count the valid label tokens of the whole global batch (:func:`count_va
 each micro-batch's *summed* token loss times :func:`loss_scale_factor`, report
 :func:`token_mean`.  The gradient is then that of ``sum of token losses / global valid-token count``
 whatever the layout (micro-batches, gradient accumulation, dp ranks, pipeline micro-batches, tp).
+
+Extra loss terms (an MoE router's balancing loss) join the step without any trainer or stepper
+knowing them: the model calls :func:`add_aux_loss` in its forward (see there for the weighting).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from deepshard.core.dtensor_utils import local_tensor
 
 IGNORE_INDEX = -100  # a label that does not count in the loss (prompt tokens, padding): torch's default
 
-__all__ = ["IGNORE_INDEX", "count_valid_tokens", "eval_mode", "local_valid_tokens",
+__all__ = ["IGNORE_INDEX", "add_aux_loss", "aux_loss_scale", "count_valid_tokens", "eval_mode", "local_valid_tokens",
            "loss_scale_factor", "num_params", "token_mean"]
 
 
@@ -93,3 +96,54 @@ def eval_mode(modules: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
     finally:
         for m, mode in zip(mods, was):
             m.train(mode)
+
+
+# ---- extra loss terms
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``x`` in forward; in backward, ``aux``'s gradient is ``weight`` times the step's
+    current aux scale (Megatron's MoEAuxLossAutoScaler): the term needs no path to the main loss, so
+    it works on any pipeline stage and under any stepper."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux)
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.weight * _AUX_SCALE[0]), None
+
+
+_AUX_SCALE = [1.0]  # set by the trainer for each backward (aux_loss_scale); 1.0 for a plain loop
+
+
+def add_aux_loss(x: torch.Tensor, aux: torch.Tensor, *, weight: float) -> torch.Tensor:
+    """Attach an extra loss term ``weight * aux`` (a scalar computed in the forward, e.g. an MoE
+    router's load-balancing loss) to the activation ``x``; use the returned tensor in place of ``x``.
+
+    The step's objective becomes ``sum of token losses / global valid-token count + weight * (mean of
+    aux over every micro-batch of the global batch)``: the token-weighted main loss stays exact and
+    the term is averaged per micro-batch, as DeepSpeed's and Megatron's MoE losses are.  The trainer
+    sets the scale (:func:`aux_loss_scale`); the reported loss is the main loss alone.  Outside
+    autograd (eval, ``no_grad``) it is the identity.
+    """
+    if not (torch.is_grad_enabled() and aux.requires_grad):
+        return x
+    return _AuxLossGrad.apply(x, aux, float(weight))
+
+
+@contextlib.contextmanager
+def aux_loss_scale(loss_scale: float, *, micro_batches: int) -> Iterator[None]:
+    """For the backwards inside it: an extra term's gradient is ``weight * loss_scale / micro_batches``
+    (``micro_batches`` on this rank this step; the ZeRO reducers average the ranks), so each term
+    counts as its mean over the global batch's micro-batches at the fp16 loss scale."""
+    was = _AUX_SCALE[0]
+    _AUX_SCALE[0] = loss_scale / micro_batches
+    try:
+        yield
+    finally:
+        _AUX_SCALE[0] = was

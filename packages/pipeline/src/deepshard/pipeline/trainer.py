@@ -23,6 +23,7 @@ from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart
 from deepshard.core.state_store import StoreFactory
 from deepshard.core.step import (
+    aux_loss_scale,
     count_valid_tokens,
     eval_mode,
     local_valid_tokens,
@@ -160,11 +161,13 @@ class PipelineTrainer:
         # the step's valid-token count over every microbatch and dp replica, before any backward
         num_items = count_valid_tokens(local_valid_tokens(labels), group=self.dp_group, device=device)
         self.zero.set_grad_sync(False)  # reduce once per step, not once per microbatch
-        p.loss.multiplier = loss_scale_factor(self.optimizer.scaler.scale, group_size=self.dp_size, num_items=num_items)
+        scale = self.optimizer.scaler.scale
+        p.loss.multiplier = loss_scale_factor(scale, group_size=self.dp_size, num_items=num_items)
         args = (input_ids,) if p.has_first else ()
         scaled: list[torch.Tensor] = []
-        p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False,
-                        **model_kwargs)
+        with aux_loss_scale(scale, micro_batches=p.microbatches):
+            p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False,
+                            **model_kwargs)
         self.zero.set_grad_sync(True)
         self.optimizer.finish_backward()
         loss_sum = p.loss.true_sum(scaled) if p.has_last else torch.zeros((), device=device)

@@ -21,6 +21,7 @@ from torch import nn
 from deepshard.core.mesh import ParallelDims, build_mesh, local_device
 from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import parallelize_model
+from deepshard.core.step import aux_loss_scale, eval_mode, loss_scale_factor
 from deepshard.pipeline import DecoderSpec, build_pipeline, build_trainer
 
 from .config import CompatConfig
@@ -176,21 +177,18 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
         target = labels if p.has_last else None
         if train:
             self.trainer.zero.set_grad_sync(False)  # reduce once per batch, not once per micro-batch
-            p.loss.multiplier = self.trainer.optimizer.scaler.scale / n
+            scale = self.trainer.optimizer.scaler.scale  # DeepSpeed's contract: a mean of micro-batch means
+            p.loss.multiplier = loss_scale_factor(scale, group_size=self.mesh["dp"].size(), micro_batches=n)
             for m in p.modules:
                 m.train()
-            p.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            with aux_loss_scale(scale, micro_batches=n):
+                p.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             self.trainer.zero.set_grad_sync(True)
             self.trainer.optimizer.finish_backward()
         else:
             p.loss.multiplier = 1.0 / n
-            was = [m.training for m in p.modules]
-            for m in p.modules:
-                m.eval()
-            with torch.no_grad():
+            with torch.no_grad(), eval_mode(p.modules):
                 p.schedule.eval(*inputs, target=target, losses=losses)
-            for m, mode in zip(p.modules, was):
-                m.train(mode)
         device = local_device()
         total = (torch.stack([t.detach().float() for t in losses]).sum() / p.loss.multiplier / n if p.has_last
                  else torch.zeros((), device=device))
