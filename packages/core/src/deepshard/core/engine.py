@@ -10,18 +10,17 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.config import EngineConfig
-from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.memory import ModelStateBytes, model_state_memory
 from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed, local_device, zero_mesh
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.parallelize import ShardedPart, parallelize_model
 from deepshard.core.precision import LossScaler
 from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.step import aux_loss_scale, count_valid_tokens, loss_scale_factor, num_params
 from deepshard.core.zero import ParamOffload, ZeroStage
 from deepshard.core.zero.hsdp import hsdp_mesh
 
@@ -60,16 +59,10 @@ class Engine:
 
     def global_num_items(self, local_count: int | torch.Tensor) -> torch.Tensor:
         """This step's valid-label count (labels != -100 over all its micro-batches on this rank),
-        summed over the data-parallel ranks in one all-reduce: the ``num_items`` of :meth:`backward`.
-        With sequence parallelism each sp rank counts its own slice of the sequences, and the sum runs
-        over ``dp x sp`` (the ZeRO group, :func:`~deepshard.core.mesh.zero_mesh`).
-
-        Call it once per step, before the first backward.  The count stays on the compute device
-        (no host sync).
-        """
-        count = torch.as_tensor(local_count, dtype=torch.float32, device=local_device()).reshape(())
-        dist.all_reduce(count, group=zero_mesh(self.mesh).get_group())
-        return count
+        summed over the ZeRO group (dp, or ``dp x sp``: each sp rank counts its slice of the
+        sequences): the ``num_items`` of :meth:`backward` (:func:`~deepshard.core.step.count_valid_tokens`).
+        Call it once per step, before the first backward."""
+        return count_valid_tokens(local_count, group=zero_mesh(self.mesh).get_group(), device=local_device())
 
     def backward(self, loss: torch.Tensor, *, num_items: torch.Tensor | float | None = None) -> None:
         """Backpropagate one micro-batch; reduce only on the accumulation boundary where allowed.
@@ -83,14 +76,16 @@ class Engine:
         - ``num_items=None`` (DeepSpeed's contract): ``loss`` is the micro-batch's mean; it is
           divided by ``grad_accum`` and ranks are averaged: a mean of means, exact only when every
           micro-batch holds the same number of valid tokens.
+
+        Extra loss terms the forward attached (:func:`~deepshard.core.step.add_aux_loss`) get their
+        gradient here too, under either contract.
         """
         self.stage.set_grad_sync(self._is_boundary())
-        if num_items is None:
-            factor = self.scaler.scale / self.config.grad_accum
-        else:  # the reducers average over the ZeRO group: multiply back, so the result is sum / global count
-            count = torch.as_tensor(num_items, dtype=torch.float32, device=loss.device).clamp(min=1.0)
-            factor = (self.scaler.scale * zero_mesh(self.mesh).size()) / count
-        (loss * factor).backward()
+        scale, accum = self.scaler.scale, self.config.grad_accum
+        factor = loss_scale_factor(scale, group_size=zero_mesh(self.mesh).size(), num_items=num_items,
+                                   micro_batches=accum, device=loss.device)
+        with aux_loss_scale(scale, micro_batches=accum):
+            (loss * factor).backward()
         self.optimizer.finish_backward()
         self.micro_step += 1
 
@@ -157,7 +152,7 @@ def initialize(
         with torch.no_grad():
             materialize(model)
     optimizer = build_optimizer(part.zero, config, store_factory=store_factory, fp32_masters=part.fp32_masters)
-    num_params = part.num_params
-    if num_params is None:
-        num_params = sum(local_tensor(p).numel() for p in part.zero.params) * (zero_mesh(mesh).size() if stage_num == 3 else 1)
-    return Engine(model, part.zero, optimizer, config, mesh, num_params)
+    psi = part.num_params
+    if psi is None:
+        psi = num_params(part.zero.params, shards=zero_mesh(mesh).size() if stage_num == 3 else 1)
+    return Engine(model, part.zero, optimizer, config, mesh, psi)

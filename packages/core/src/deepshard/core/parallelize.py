@@ -19,15 +19,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import ZeroConfig
-from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.mesh import zero_mesh
 from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
+from deepshard.core.step import IGNORE_INDEX, num_params
 from deepshard.core.tensor_parallel import apply_tp
 from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
 from deepshard.core.zero.hsdp import hsdp_mesh
-
-IGNORE_INDEX = -100  # a label that does not count in the loss (prompt tokens, padding): torch's default
 
 __all__ = ["IGNORE_INDEX", "ShardedPart", "find_blocks", "parallelize_model"]
 
@@ -84,10 +82,10 @@ def parallelize_model(
         apply_ac(blocks, ac, offload=ac_offload)
     elif ac != "none":
         raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
-    num_params = sum(local_tensor(p.data).numel() for p in model.parameters() if p.requires_grad)
+    psi = num_params(p for p in model.parameters() if p.requires_grad)
     dp_mesh = zero_mesh(mesh)  # dp, or dp x sp flattened: sequence-parallel ranks share the shards
     torch_dtype = DTYPES[dtype]
     fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
     stage = apply_zero(model, dp_mesh, zero, blocks=list(blocks), param_dtype=torch_dtype,
                        offload_params=offload_params, shard_mesh=hsdp_mesh(mesh))
-    return ShardedPart(stage, fp32_masters, num_params)
+    return ShardedPart(stage, fp32_masters, psi)

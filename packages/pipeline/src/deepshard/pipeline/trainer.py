@@ -9,7 +9,6 @@ every pp stage and tp shard counts).  The loss is reported as the true global me
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -23,6 +22,15 @@ from deepshard.core.memory import ModelStateBytes, model_state_memory
 from deepshard.core.optim import StepStats, ZeroOptimizer, build_optimizer
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart
 from deepshard.core.state_store import StoreFactory
+from deepshard.core.step import (
+    aux_loss_scale,
+    count_valid_tokens,
+    eval_mode,
+    local_valid_tokens,
+    loss_scale_factor,
+    num_params,
+    token_mean,
+)
 from deepshard.core.zero import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
@@ -97,19 +105,6 @@ class PipelineStepResult:
     time_s: float  # wall time of the step on this rank
 
 
-@contextlib.contextmanager
-def _eval_mode(modules: list[torch.nn.Module]):
-    """Modules in eval mode (dropout off) for a forward-only pass; their training mode after."""
-    was = [m.training for m in modules]
-    for m in modules:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, was):
-            m.train(mode)
-
-
 class PipelineTrainer:
     """``trainer.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
 
@@ -164,21 +159,21 @@ class PipelineTrainer:
         self._check_rows(input_ids)
         device = p.stages[0].device
         # the step's valid-token count over every microbatch and dp replica, before any backward
-        num_items = (labels != IGNORE_INDEX).sum().to(device=device, dtype=torch.float32)
-        dist.all_reduce(num_items, group=self.dp_group)
-        num_items = num_items.clamp(min=1.0)
+        num_items = count_valid_tokens(local_valid_tokens(labels), group=self.dp_group, device=device)
         self.zero.set_grad_sync(False)  # reduce once per step, not once per microbatch
-        p.loss.multiplier = self.optimizer.scaler.scale * self.dp_size / num_items
+        scale = self.optimizer.scaler.scale
+        p.loss.multiplier = loss_scale_factor(scale, group_size=self.dp_size, num_items=num_items)
         args = (input_ids,) if p.has_first else ()
         scaled: list[torch.Tensor] = []
-        p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False,
-                        **model_kwargs)
+        with aux_loss_scale(scale, micro_batches=p.microbatches):
+            p.schedule.step(*args, target=labels if p.has_last else None, losses=scaled, return_outputs=False,
+                            **model_kwargs)
         self.zero.set_grad_sync(True)
         self.optimizer.finish_backward()
         loss_sum = p.loss.true_sum(scaled) if p.has_last else torch.zeros((), device=device)
         dist.all_reduce(loss_sum)  # only last-stage ranks contribute (one collective; nccl needs device tensors)
         tp = self.loss_ranks // self.dp_size  # the tp ranks of a replica each hold the same loss
-        return loss_sum / (tp * num_items)
+        return token_mean(loss_sum, num_items, copies=tp)
 
     def step(self) -> StepStats:
         """The optimizer step (clip, update, ZeRO's all-gather) over every stage this rank holds."""
@@ -202,7 +197,7 @@ class PipelineTrainer:
         p.loss.multiplier = 1.0
         args = (input_ids,) if p.has_first else ()
         losses: list[torch.Tensor] = []
-        with _eval_mode(p.modules):
+        with eval_mode(p.modules):
             p.schedule.eval(*args, target=labels if p.has_last else None, losses=losses, **model_kwargs)
         total = p.loss.true_sum(losses) if p.has_last else torch.zeros((), device=device)
         dist.all_reduce(total, group=p.pp_mesh.get_group())
@@ -217,7 +212,7 @@ class PipelineTrainer:
         device = p.stages[0].device
         args = (input_ids,) if p.has_first else ()
         unlearned = torch.full_like(input_ids, IGNORE_INDEX)  # the schedule computes a loss on the last stage
-        with _eval_mode(p.modules):
+        with eval_mode(p.modules):
             out = p.schedule.eval(*args, target=unlearned if p.has_last else None)
         tokens = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=device)
         if p.has_last:
@@ -232,8 +227,7 @@ class PipelineTrainer:
 
     def _rank_param_count(self) -> int:
         """Ψ of the README's ZeRO table for this rank: its stages' parameters after TP, before dp sharding."""
-        n = sum(local_tensor(q.data).numel() for q in self.zero.params)
-        return n * self.dp_size if self.zero.zero_stage == 3 else n
+        return num_params(self.zero.params, shards=self.dp_size if self.zero.zero_stage == 3 else 1)
 
     def memory(self) -> dict[str, ModelStateBytes]:
         """Measured and expected per-rank model-state bytes (as ``Engine.memory``)."""

@@ -11,7 +11,6 @@ evaluation), ``next_token(ids)`` (greedy decoding, for the end-of-run sample), a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.memory import ModelStateBytes
 from deepshard.core.mesh import axis_size, zero_mesh
 from deepshard.core.optim import StepStats
-from deepshard.core.parallelize import IGNORE_INDEX
 from deepshard.core.sequence_parallel import shard_sequence
+from deepshard.core.step import eval_mode, local_valid_tokens, token_mean
 
 
 @dataclass
@@ -85,7 +84,7 @@ class EngineStepper(_Stepper):
     def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
         """``grad_accum`` micro-batches' forward and backward; returns the step's loss on every rank."""
         micro_batches = [self._mine(next(batches)) for _ in range(self.grad_accum)]
-        num_items = self.engine.global_num_items(sum(valid_tokens(b["labels"]) for b in micro_batches))
+        num_items = self.engine.global_num_items(local_valid_tokens(b["labels"] for b in micro_batches))
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
             args, kwargs = model_inputs(batch, self.device)
@@ -95,14 +94,14 @@ class EngineStepper(_Stepper):
             with self.prof.phase("backward"):
                 self.engine.backward(loss_sum, num_items=num_items)
         dist.all_reduce(total, group=self.dp_group)
-        return total / num_items.clamp(min=1.0)
+        return token_mean(total, num_items)
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's summed token loss over the batch (forward only, the model in eval mode); with
         sequence parallelism, over the whole rows (the sp ranks' slices summed)."""
         args, kwargs = model_inputs(self._mine(batch), self.device)
-        with _eval_mode(self.engine.model):
+        with eval_mode(self.engine.model):
             loss = self.engine(*args, **kwargs, reduction="sum").detach().float()
         if self.sp_group is not None:
             dist.all_reduce(loss, group=self.sp_group)
@@ -115,7 +114,7 @@ class EngineStepper(_Stepper):
         context = ids[-(max_seq_len // n * n):]
         # sp: padded on the right to a multiple of sp (causal: nothing before the padding changes)
         row = torch.tensor([context + [0] * (-len(context) % n)], device=self.device)
-        with _eval_mode(self.engine.model):
+        with eval_mode(self.engine.model):
             logits = self.engine.model(self._mine({"input_ids": row})["input_ids"])
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor-parallel head)
             logits = logits.full_tensor()
@@ -136,21 +135,6 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[
     """Positional (input_ids, labels) and, for packed rows, ``doc_ids`` (attention within documents)."""
     args = (batch["input_ids"].to(device), batch["labels"].to(device))
     return args, ({"doc_ids": batch["doc_ids"].to(device)} if "doc_ids" in batch else {})
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def valid_tokens(labels: torch.Tensor) -> int:
-    """Label positions that count in the loss (labels != -100)."""
-    return int((labels != IGNORE_INDEX).sum())
 
 
 class PipelineStepper(_Stepper):

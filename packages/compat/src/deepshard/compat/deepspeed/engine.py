@@ -22,16 +22,19 @@ from deepshard.core import Engine
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
 from deepshard.core.checkpoint.json_state import rng_state, set_rng_state
 from deepshard.core.mesh import local_device
+from deepshard.core.optim import StepStats
 
 from .checkpoint import load_ds_style, rank0_tag, save_16bit, save_ds_style
 from .config import CompatConfig
 from .ds_files import check_tag
+from .queries import DeepSpeedQueries
 from .schedule import load_scheduler_state, scheduler_state, step_scheduler
 from .timer import ThroughputTimer
 
 
-class DeepSpeedEngine(nn.Module):
-    """What DeepSpeed users call on ``model_engine``; ``.engine`` is the deepshard Engine underneath."""
+class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
+    """What DeepSpeed users call on ``model_engine``; ``.engine`` is the deepshard Engine underneath.
+    DeepSpeed's config queries (``fp16_enabled()``...) come from :class:`DeepSpeedQueries`."""
 
     def __init__(self, engine: Engine, config: CompatConfig, ds_config: dict | None = None,
                  lr_scheduler: Any = None) -> None:
@@ -69,50 +72,9 @@ class DeepSpeedEngine(nn.Module):
     def dp_world_size(self) -> int:
         return self.world_size
 
-    def train_batch_size(self) -> int:
-        return self.compat.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.compat.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.compat.grad_accum
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True for the micro-batch whose ``step()`` will update (DeepSpeed's definition)."""
         return (self.micro_steps + 1) % self.compat.grad_accum == 0
-
-    def get_lr(self) -> list[float]:
-        """The rate of the next update, one per parameter group (we have one)."""
-        opt = self.engine.optimizer
-        return [opt.lr_at(opt.num_updates)]
-
-    # --- DeepSpeed's config queries
-    def fp16_enabled(self) -> bool:
-        """Whether the model computes in fp16 (an fp16 ds_config on a CPU host trains in fp32: False)."""
-        return self.engine.config.precision.dtype == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.engine.config.precision.dtype == "bf16"
-
-    bf16_enabled = bfloat16_enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self.engine.config.zero.stage
-
-    def zero_optimization(self) -> bool:
-        return self.engine.config.zero.stage > 0
-
-    def gradient_clipping(self) -> float:
-        return self.engine.config.optim.grad_clip
-
-    def steps_per_print(self) -> int:
-        return int(self.config.get("steps_per_print", 10))
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last update (before clipping, loss scale removed); None before one."""
-        stats = self.engine.last_stats
-        return None if stats is None else stats.grad_norm
 
     def empty_partition_cache(self) -> None:
         """Release gathered ZeRO-3 parameters (FSDP2 reshards every unit) and the allocator's cache."""
@@ -165,8 +127,8 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.optimizer
 
     @property
-    def loss_scale(self) -> float:
-        return float(self.engine.scaler.scale)
+    def last_stats(self) -> StepStats | None:
+        return self.engine.last_stats
 
     # --- the loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:

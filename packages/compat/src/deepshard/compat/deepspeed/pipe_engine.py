@@ -19,11 +19,14 @@ import torch.distributed as dist
 from torch import nn
 
 from deepshard.core.mesh import ParallelDims, build_mesh, local_device
+from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import parallelize_model
+from deepshard.core.step import aux_loss_scale, eval_mode, loss_scale_factor
 from deepshard.pipeline import DecoderSpec, build_pipeline, build_trainer
 
 from .config import CompatConfig
 from .pipe import PipelineModule, TiedLayer
+from .queries import DeepSpeedQueries
 from .schedule import step_scheduler
 
 _SPEC = DecoderSpec(layers="layers", first=(), last=())  # a PipelineModule is its layers, nothing around them
@@ -68,8 +71,9 @@ def _batch(data_iter: Any, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tens
     return args, torch.cat(labels).to(device)
 
 
-class PipelineEngine(nn.Module):
-    """What DeepSpeed scripts call on a pipeline ``model_engine``."""
+class PipelineEngine(nn.Module, DeepSpeedQueries):
+    """What DeepSpeed scripts call on a pipeline ``model_engine`` (DeepSpeed's config queries from
+    :class:`DeepSpeedQueries`, as its PipelineEngine inherits them from its DeepSpeedEngine)."""
 
     def __init__(self, model: PipelineModule, config: CompatConfig, ds_config: dict, *, mesh: Any) -> None:
         super().__init__()
@@ -82,6 +86,7 @@ class PipelineEngine(nn.Module):
         self.compat, self.config, self.mesh = config, dict(ds_config), mesh
         self.micro_batches = config.grad_accum
         self.global_steps = 0
+        self.last_stats: StepStats | None = None
         self.lr_scheduler: Any = None
         self.training_dataloader: Any = None
         self.data_iterator: Any = None  # over training_dataloader, repeated (DeepSpeed's default data_iter)
@@ -148,25 +153,6 @@ class PipelineEngine(nn.Module):
     def optimizer(self) -> Any:
         return self.trainer.optimizer
 
-    def train_batch_size(self) -> int:
-        return self.compat.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.compat.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.micro_batches
-
-    def get_lr(self) -> list[float]:
-        opt = self.trainer.optimizer
-        return [opt.lr_at(opt.num_updates)]
-
-    def zero_optimization_stage(self) -> int:
-        return self.compat.engine.zero.stage
-
-    def get_global_grad_norm(self) -> float | None:
-        return getattr(self, "_grad_norm", None)
-
     # --- DeepSpeed's pipeline calls
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's value averaged over dp, then on every pp stage (DeepSpeed's broadcast)."""
@@ -191,21 +177,18 @@ class PipelineEngine(nn.Module):
         target = labels if p.has_last else None
         if train:
             self.trainer.zero.set_grad_sync(False)  # reduce once per batch, not once per micro-batch
-            p.loss.multiplier = self.trainer.optimizer.scaler.scale / n
+            scale = self.trainer.optimizer.scaler.scale  # DeepSpeed's contract: a mean of micro-batch means
+            p.loss.multiplier = loss_scale_factor(scale, group_size=self.mesh["dp"].size(), micro_batches=n)
             for m in p.modules:
                 m.train()
-            p.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            with aux_loss_scale(scale, micro_batches=n):
+                p.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             self.trainer.zero.set_grad_sync(True)
             self.trainer.optimizer.finish_backward()
         else:
             p.loss.multiplier = 1.0 / n
-            was = [m.training for m in p.modules]
-            for m in p.modules:
-                m.eval()
-            with torch.no_grad():
+            with torch.no_grad(), eval_mode(p.modules):
                 p.schedule.eval(*inputs, target=target, losses=losses)
-            for m, mode in zip(p.modules, was):
-                m.train(mode)
         device = local_device()
         total = (torch.stack([t.detach().float() for t in losses]).sum() / p.loss.multiplier / n if p.has_last
                  else torch.zeros((), device=device))
@@ -220,8 +203,7 @@ class PipelineEngine(nn.Module):
         """One update over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
         loss = self._run(data_iter, train=True)
         self._sum_tied_grads()
-        stats = self.trainer.step()
-        self._grad_norm = stats.grad_norm
+        stats = self.last_stats = self.trainer.step()
         self.global_steps += 1
         if stats.applied and getattr(self.lr_scheduler, "optimizer", None) is not None:
             step_scheduler(self.lr_scheduler)
