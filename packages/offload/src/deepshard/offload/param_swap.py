@@ -205,6 +205,16 @@ class ParamSwap(UnitSwap):
 
     # -- for the optimizer ----------------------------------------------------------------------
 
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Core's ``ParamOffload``: the optimizer's gradients of ``params`` (store order), which are
+        in the grad file: their norms stand in (:meth:`grad_norms`)."""
+        assert len(params) == self.num_params, f"{len(params)} params, the swap holds {self.num_params}"
+        return self.grad_norms()
+
+    def param_bytes(self, params: list[nn.Parameter]) -> int:
+        """Core's ``ParamOffload``: the shards in memory right now (the rest are in the param file)."""
+        return self.resident_bytes()
+
     def grad_norms(self) -> list[torch.Tensor]:
         """One 1-element fp32 tensor per param (store order): the 2-norm of its local gradient
         shard, taken when written.  Their squares sum to the squared norm of all local gradients,
