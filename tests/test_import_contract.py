@@ -1,7 +1,8 @@
 """design.md's package boundaries, enforced with import-linter (contracts in pyproject.toml): kernels
 imports no other deepshard package; core imports neither offload, pipeline, launch, compat nor the
 app; offload and pipeline use core's public API only; nothing (compat and launch included) imports
-the app; launch imports no training package; Hydra/OmegaConf only in the app."""
+the app; launch imports no training package; Hydra/OmegaConf only in the app.  And offload's
+modules import each other without a cycle (function-level and TYPE_CHECKING imports included)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*sorted((ROOT / "packages").glob("*/src")), ROOT / "apps/finetune/src"]
@@ -45,3 +48,52 @@ def test_a_planted_violation_breaks_its_contract(tmp_path):
     out = proc.stdout
     assert f"{CONTRACTS - 2} kept, 2 broken" in out, out[-3000:]
     assert "deepshard.compat.planted -> deepshard.finetune" in out and "deepshard.core.planted -> deepshard.launch" in out
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """Each group of ``package``'s modules that import one another in a circle (a strongly connected
+    component of grimp's graph, which holds lazy and TYPE_CHECKING imports too), sorted."""
+    graph = grimp.build_graph(package, cache_dir=None)
+    mods = sorted(m for m in graph.modules if m == package or m.startswith(package + "."))
+    edges = {m: sorted(set(graph.find_modules_directly_imported_by(m)) & set(mods) - {m}) for m in mods}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in mods:
+        if m not in index:
+            visit(m)
+    return sorted(out)
+
+
+def test_offload_has_no_import_cycle():
+    cycles = import_cycles("deepshard.offload")
+    assert not cycles, "offload modules import each other in a circle: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_lazy_import_cycle_is_caught(tmp_path, monkeypatch):
+    """A circle closed by a function-level import (the old offload's trick) still counts."""
+    pkg = tmp_path / "planted_cycle"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from planted_cycle import b  # noqa\n")
+    (pkg / "b.py").write_text("def f():\n    from planted_cycle import a  # noqa\n")
+    (pkg / "c.py").write_text("from planted_cycle import a  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("planted_cycle") == [["planted_cycle.a", "planted_cycle.b"]]

@@ -108,13 +108,15 @@ def native_config(name: str):
 def native_loop(name: str, n_micro: int) -> list[float]:
     from deepshard.core import DeviceStateStore, init_distributed, initialize
     from deepshard.core.mesh import local_device
+    from deepshard.core.zero import CpuParamOffload
     from deepshard.offload import CpuStateStore
 
     rank, world = init_distributed()
     config, micro, offload, ds_lrs = native_config(name)
     model = tiny_llama(len(tokenizer())).to(local_device())
     engine = initialize(model, config, blocks=model.model.layers,
-                        store_factory=CpuStateStore if offload else DeviceStateStore, offload_params=offload)
+                        store_factory=CpuStateStore if offload else DeviceStateStore,
+                        offload_params=CpuParamOffload() if offload else None)
     ours = [engine.optimizer.lr_at(k) for k in range(len(ds_lrs))]  # core's schedule, no override
     assert max(abs(a - b) for a, b in zip(ours, ds_lrs)) < 1e-15, (ours, ds_lrs)
     losses = []

@@ -16,6 +16,7 @@ import torch
 
 from deepshard.core.mesh import ParallelDims, build_mesh, use_local_device
 from deepshard.core.optim import ZeroOptimizer, global_grad_sq_norm
+from deepshard.core.zero import CpuParamOffload
 from tests.core.zero_harness import MICRO, build_model, engine_config
 from tests.devices.device_recorder import CollectiveRecorder, fake_world
 
@@ -193,7 +194,8 @@ def test_sharded_init_buffers_live_on_compute_device(offload_params: bool) -> No
     with fake_world(world_size=1), use_local_device(META):
         with torch.device("meta"):
             model = Llama(MICRO)
-        initialize(model, engine_config(3), mesh=build_mesh(ParallelDims()), offload_params=offload_params,
+        initialize(model, engine_config(3), mesh=build_mesh(ParallelDims()),
+                   offload_params=CpuParamOffload() if offload_params else None,
                    materialize=lambda m: m.init_weights(0))
     buffers = {name: b.device for name, b in model.named_buffers()}
     assert buffers, "the model has no buffers: nothing checked"

@@ -40,9 +40,7 @@ ALLOWED = {
         "placeholders for views of the memory-mapped swap files a checkpoint saves from (host by design)",
     f"{OFFLOAD}/infinity_store.py:map_file.region":
         "an empty region of a memory-mapped swap file: the same host placeholder as the mapped ones",
-    f"{OFFLOAD}/param_swap.py:ParamSwap.open":
-        "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
-    f"{OFFLOAD}/param_swap.py:ParamSwap.zero_grad":
+    f"{OFFLOAD}/grad_norms.py:GradNorms.reset":
         "per-shard gradient norms of the host staging buffers; the optimizer's total moves to the compute device",
     f"{OFFLOAD}/param_swap.py:_slot_parts":
         "an empty view standing for no bytes of the host staging buffers a gradient is copied into",

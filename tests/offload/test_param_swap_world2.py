@@ -85,7 +85,8 @@ def _train(nvme_path: str | None, grad_accum: int, ac: str, reshard: bool, unit_
     stats: dict = {"step_buffers": 0}
 
     def census() -> None:  # after a forward: the deferred update's buffers, allocated now
-        buffers = getattr(engine.store, "buffers", [])
+        pool = getattr(engine.store, "pool", None)  # InfinityStore's PieceBuffers
+        buffers = pool.buffers if pool is not None else []
         stats["step_buffers"] = max(stats["step_buffers"], sum(b.raw.numel() for b in buffers))
 
     def record_held(step: int) -> None:

@@ -117,7 +117,7 @@ def initialize(
     blocks: Sequence[nn.Module] | None = None,
     parallelize_fn: Callable[[nn.Module], ShardedPart] | None = None,
     store_factory: StoreFactory = DeviceStateStore,
-    offload_params: bool | ParamOffload = False,
+    offload_params: ParamOffload | None = None,
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> Engine:
     """Parallelize ``model`` (fp32, on its device) and build its optimizer.
@@ -145,8 +145,8 @@ def initialize(
     part = parallelize_fn(model)
     if on_meta:
         device = local_device()
-        model.to_empty(device="cpu" if offload_params else device)
-        if offload_params:  # FSDP2 brings offloaded params to the device per all-gather, never buffers (RoPE)
+        model.to_empty(device="cpu" if offload_params is not None else device)
+        if offload_params is not None:  # FSDP2 brings offloaded params to the device per all-gather, never buffers (RoPE)
             for module in model.modules():
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
         with torch.no_grad():

@@ -62,7 +62,7 @@ def parallelize_model(
     ac: str = "none",
     blocks: Sequence[nn.Module] | nn.Module | None = None,
     tp_plan: Mapping[str, ParallelStyle] | None = None,
-    offload_params: bool | ParamOffload = False,
+    offload_params: ParamOffload | None = None,
     ac_offload: bool = False,
 ) -> ShardedPart:
     """TP over ``mesh["tp"]`` (when the mesh has that axis and ``tp_plan`` is given), activation

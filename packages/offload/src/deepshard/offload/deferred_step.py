@@ -5,56 +5,24 @@ forward).  It runs in *pieces* of at most ``sub_group_size`` elements of the uni
 (DeepSpeed's ZeRO-Infinity sub-groups): each piece's param, moments and gradient are read into
 one of ``buffer_count`` buffers of 16 bytes per piece element, updated, landed into the unit's
 shard storages and written back, so the step's buffers are bounded by the piece size, never by
-the largest unit.  Pieces start at multiples of 1024 elements (4096 bytes: O_DIRECT offsets) in
-a unit whose shards start at multiples of 16: every piece of a shard starts 16-aligned in it, so
-torch's fused CPU AdamW gives each element the same arithmetic as one whole-tensor update.
+the largest unit (pieces and their I/O: :mod:`.pieces`).  The store gives this class its
+collaborators (the swap, the pieces, the buffer pool and the update itself), not itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from .aio import AioRequest, align_up
-from .config import ALIGN
-from .nvme_store import _Buffer
+from .aio import AioRequest
+from .pieces import Piece, PieceBuffers, piece_io
+from .state_buffer import StateBuffer
 from .streaming import retire_write
-from .unit_swap import Unit
+from .unit_swap import Unit, UnitSwap
 
-if TYPE_CHECKING:
-    from .infinity_store import InfinityStore
-
-PIECE_ALIGN = ALIGN // 4  # elements: a piece's file offset is a multiple of 4096 bytes
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``numel`` elements of unit ``unit`` (its index) from element ``start`` of its flat layout."""
-
-    unit: int
-    start: int
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return align_up(self.numel * 4)
-
-
-def piece_size(sub_group_size: int, units: list[Unit]) -> int:
-    """Elements per piece: ``sub_group_size`` rounded down to a multiple of :data:`PIECE_ALIGN`
-    (at least one), never more than the largest unit (rounded up likewise)."""
-    size = max(PIECE_ALIGN, sub_group_size - sub_group_size % PIECE_ALIGN)
-    largest = max((u.numel for u in units), default=0)
-    return min(size, max(PIECE_ALIGN, -(-largest // PIECE_ALIGN) * PIECE_ALIGN))
-
-
-def cut_pieces(units: list[Unit], size: int) -> list[Piece]:
-    """Every unit cut into pieces of ``size`` elements (the last of each shorter), in unit order."""
-    return [Piece(u, start, min(size, unit.numel - start))
-            for u, unit in enumerate(units) for start in range(0, unit.numel, size)]
+Update = Callable[..., None]  # update(piece, buffer, *, lr, step, grad_scale): AdamW on the piece in place
 
 
 class DeferredStep:
@@ -75,35 +43,39 @@ class DeferredStep:
     and writes each piece's param and moments once (12 B/elt, behind the forward).  Otherwise they
     are freed at the backward's first gradient, so the backward's activations never meet them."""
 
-    def __init__(self, store: InfinityStore) -> None:
-        self.store = store
-        self.swap = store.swap
-        self.pieces = store.pieces
+    def __init__(self, *, swap: UnitSwap, pieces: list[Piece], pool: PieceBuffers, update: Update) -> None:
+        self.swap = swap
+        self.pieces = pieces
+        self.pool = pool
+        self.update = update
         self.index = {id(u): i for i, u in enumerate(self.swap.units)}
         self.of_unit: list[list[int]] = [[] for _ in self.swap.units]
         for k, p in enumerate(self.pieces):
             self.of_unit[p.unit].append(k)
-        self.resident = store.buffer_count() >= len(self.pieces)
+        self.resident = pool.count >= len(self.pieces)
         self.owed: dict[int, bool] = {}
         self.args: dict[str, float] = {}
-        self.reads: dict[int, tuple[_Buffer, list[AioRequest]]] = {}
-        self.writes: deque[tuple[_Buffer, list[AioRequest]]] = deque()
-        self.holds: dict[int, _Buffer] = {}
+        self.reads: dict[int, tuple[StateBuffer, list[AioRequest]]] = {}
+        self.writes: deque[tuple[StateBuffer, list[AioRequest]]] = deque()
+        self.holds: dict[int, StateBuffer] = {}
         self.grads: set[int] = set()
         self.overlap = self.swap.config.aio.overlap_events  # False: no read ahead, writes waited for
+
+    def _io(self, piece: Piece, buf: StateBuffer, keys: tuple[str, ...], *, write: bool) -> list[AioRequest]:
+        return piece_io(self.swap, piece, buf, keys, write=write)
 
     def _pieces(self, unit: Unit) -> list[int]:
         return self.of_unit[self.index[id(unit)]]
 
     def start(self, *, lr: float, step: int, grad_scale: float) -> None:
         assert not self.owed and not self.reads
-        self.store.ensure_buffers()
+        self.pool.ensure()
         self.args = {"lr": lr, "step": step, "grad_scale": grad_scale}
         units = self.swap.units
         self.owed = {k: units[p.unit].grad_written or k in self.grads for k, p in enumerate(self.pieces)}
         # the next forward's first pieces are read now, while the caller gets its next batch
         first = [k for k, p in enumerate(self.pieces) if p.unit <= self.swap.config.param_prefetch]
-        for k in first[:len(self.store.buffers)]:
+        for k in first[:len(self.pool.buffers)]:
             if not self._read_piece(k):
                 break
 
@@ -111,9 +83,9 @@ class DeferredStep:
         """Nothing owed (the forward has run every update; a backward is under way): unless resident,
         the buffers go back, so the backward's activations never meet them.  One allocation per
         step, not per piece."""
-        if not self.owed and self.store.buffers and not self.resident:
+        if not self.owed and self.pool.buffers and not self.resident:
             self.forget()
-            self.store.buffers = []
+            self.pool.free()
 
     def owes(self, unit: Unit) -> bool:
         return any(k in self.owed for k in self._pieces(unit))
@@ -157,17 +129,17 @@ class DeferredStep:
     def _read_piece(self, k: int) -> bool:
         return k in self.reads or (self.overlap and self._issue(k, wait=False))
 
-    def _free(self, *, wait: bool) -> _Buffer | None:
+    def _free(self, *, wait: bool) -> StateBuffer | None:
         buf = self._idle(wait=wait)
         if buf is not None:
             self.holds = {i: b for i, b in self.holds.items() if b is not buf}
         return buf
 
-    def _idle(self, *, wait: bool) -> _Buffer | None:
+    def _idle(self, *, wait: bool) -> StateBuffer | None:
         busy = {id(b) for b, _ in self.writes} | {id(b) for b, _ in self.reads.values()}
         kept = {id(self.holds[i]) for i in self.grads}  # a gradient lives there: never reused
         held = {id(b) for b in self.holds.values()}
-        for b in self.store.buffers:  # one holding no params first, then the params updated first
+        for b in self.pool.buffers:  # one holding no params first, then the params updated first
             if id(b) not in busy and id(b) not in held:
                 return b
         for b in self.holds.values():
@@ -198,10 +170,10 @@ class DeferredStep:
             keys += ("grad",)
         elif not self.owed[k]:
             buf.f32["grad"][:piece.numel].zero_()  # no gradient reached this unit that step
-        self.reads[k] = (buf, self.store._io(piece, buf, keys, write=False))
+        self.reads[k] = (buf, self._io(piece, buf, keys, write=False))
         return True
 
-    def _settle(self, buf: _Buffer) -> None:
+    def _settle(self, buf: StateBuffer) -> None:
         """Wait for the buffer's write-backs (a held piece's last update) before it is rewritten."""
         mine = [w for w in self.writes if w[0] is buf]
         for w in mine:
@@ -221,7 +193,7 @@ class DeferredStep:
         piece = self.pieces[k]
         if k not in self.reads:
             self._issue(k, wait=True)
-        ahead = max(1, len(self.store.buffers) - 2)
+        ahead = max(1, len(self.pool.buffers) - 2)
         for j in [j for j in sorted(self.owed) if j > k][:ahead]:  # the next pieces read behind this one
             if not self._read_piece(j):
                 break
@@ -229,14 +201,14 @@ class DeferredStep:
         for r in reqs:
             r.wait()
         self._settle(buf)
-        self.store.update(piece, buf, **self.args)
+        self.update(piece, buf, **self.args)
         del self.owed[k]
         self.grads.discard(k)
         if land:
             self.swap.fill_range(self.swap.units[piece.unit], piece.start, buf.f32["master"][:piece.numel])
         self.holds.pop(k, None)
         self.holds[k] = buf  # the most recently updated last
-        self.writes.append((buf, self.store._io(piece, buf, ("param", "exp_avg", "exp_avg_sq"), write=True)))
+        self.writes.append((buf, self._io(piece, buf, ("param", "exp_avg", "exp_avg_sq"), write=True)))
         if not self.overlap:
             self.drain()
 
@@ -260,7 +232,7 @@ class DeferredStep:
         free them): a gradient still in a buffer goes to the grad file first."""
         self.drain()
         for k in sorted(self.grads):
-            for r in self.store._io(self.pieces[k], self.holds[k], ("grad",), write=True):
+            for r in self._io(self.pieces[k], self.holds[k], ("grad",), write=True):
                 r.wait()
             self.swap.units[self.pieces[k].unit].grad_written = True
         self.grads.clear()

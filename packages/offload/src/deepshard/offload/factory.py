@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.zero import CpuParamOffload, ParamOffload
 
 from .config import OffloadConfig, validate_config
 from .cpu_store import CpuStateStore
@@ -48,10 +49,10 @@ def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFa
     return nvme
 
 
-def param_offload(config: OffloadConfig, store_factory: StoreFactory) -> bool | ParamSwap:
-    """What to pass as core's ``initialize(offload_params=...)``: False, True (``params=cpu``:
-    FSDP2's CPU offload) or the :class:`ParamSwap` of ``store_factory`` (``params=nvme``)."""
+def param_offload(config: OffloadConfig, store_factory: StoreFactory) -> ParamOffload | None:
+    """What to pass as core's ``initialize(offload_params=...)``: None, core's ``CpuParamOffload``
+    (``params=cpu``: FSDP2's CPU offload) or the :class:`ParamSwap` of ``store_factory`` (``params=nvme``)."""
     if config.params == "nvme":
         assert isinstance(store_factory, InfinityFactory), "params=nvme needs make_store_factory's factory"
         return store_factory.param_swap
-    return config.params == "cpu"
+    return CpuParamOffload() if config.params == "cpu" else None

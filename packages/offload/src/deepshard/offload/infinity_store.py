@@ -30,14 +30,13 @@ import torch
 
 from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
 
-from .aio import AioRequest, as_buffer
-from .deferred_step import DeferredStep, Piece, cut_pieces, piece_size
-from .nvme_store import _Buffer
+from .deferred_step import DeferredStep
 from .param_swap import ParamSwap
+from .pieces import REGION, Piece, PieceBuffers, cut_pieces, piece_io, piece_size
+from .state_buffer import StateBuffer
 from .streaming import stream_groups
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
-_REGION = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "grad": "grad"}
 
 
 class InfinityStore(StateStore):
@@ -51,41 +50,18 @@ class InfinityStore(StateStore):
         self.numel = sum(p.numel() for p in params)
         self.piece_numel = piece_size(min(swap.config.sub_group_size, swap.config.buffer_size), swap.units)
         self.pieces: list[Piece] = cut_pieces(swap.units, self.piece_numel)
-        self.buffers: list[_Buffer] = []  # while a step's updates are owed (see DeferredStep.idle)
-        self.deferred = DeferredStep(self)
+        self.pool = PieceBuffers(piece_numel=self.piece_numel,
+                                 count=min(swap.config.buffer_count, len(self.pieces)))
+        self.deferred = DeferredStep(swap=swap, pieces=self.pieces, pool=self.pool, update=self.update)
         swap.deferred = self.deferred
-
-    def buffer_count(self) -> int:
-        return min(self.swap.config.buffer_count, len(self.pieces))
-
-    def ensure_buffers(self) -> None:
-        if not self.buffers:
-            self.buffers = [_Buffer(self.piece_numel, torch.cuda.is_available()) for _ in range(self.buffer_count())]
-
-    def step_buffer_bytes(self) -> int:
-        """Bytes of the deferred step's buffers allocated right now (0 between a backward and a step)."""
-        return sum(b.raw.numel() for b in self.buffers)
-
-    def _io(self, piece: Piece, buf: _Buffer, keys: tuple[str, ...], *, write: bool) -> list[AioRequest]:
-        engine = self.swap.engine
-        assert engine is not None
-        op = engine.write if write else engine.read
-        n = piece.nbytes
-        offset = self.swap.units[piece.unit].offset + 4 * piece.start
-        raw = as_buffer(buf.raw)
-        out = []
-        for k in keys:
-            start = _offset(buf, _REGION[k])
-            out.append(op(self.swap.files[k].fd, raw[start:start + n], offset))
-        return out
 
     def _write_all(self, fn) -> None:
         """``fn(piece, buffer)`` fills each piece's states in a buffer, written behind the next."""
         pieces = self.pieces
         self.deferred.forget()  # every buffer free, no request in flight
-        self.ensure_buffers()
-        stream_groups(len(pieces), self.buffers, lambda g, b: fn(pieces[g], b), read_io=None,
-                      write_io=lambda g, b: self._io(pieces[g], b, STATES, write=True),
+        self.pool.ensure()
+        stream_groups(len(pieces), self.pool.buffers, lambda g, b: fn(pieces[g], b), read_io=None,
+                      write_io=lambda g, b: piece_io(self.swap, pieces[g], b, STATES, write=True),
                       overlap=self.swap.config.aio.overlap_events)
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
@@ -96,11 +72,11 @@ class InfinityStore(StateStore):
         swap.release_all()  # resident copies would be stale after the update
         self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
-    def update(self, piece: Piece, buf: _Buffer, *, lr: float, step: int, grad_scale: float) -> None:
+    def update(self, piece: Piece, buf: StateBuffer, *, lr: float, step: int, grad_scale: float) -> None:
         """AdamW on one piece whose param, moments and gradient are in ``buf``: on each shard's
         elements in it (its FSDP padding untouched), with that shard's weight decay."""
         cuts = _cuts(self.swap.units[piece.unit], piece)
-        views = {k: [buf.f32[_REGION[k]][lo:hi] for _, lo, hi in cuts] for k in STATES + ("grad",)}
+        views = {k: [buf.f32[REGION[k]][lo:hi] for _, lo, hi in cuts] for k in STATES + ("grad",)}
         adamw_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
                      [self.weight_decays[s.index] for s, _, _ in cuts], self.adamw, lr=lr, step=step,
                      grad_scale=grad_scale)
@@ -125,7 +101,7 @@ class InfinityStore(StateStore):
             for unit in self.swap.units:
                 for s in unit.slots:
                     views[s.index] = region(unit.offset + 4 * s.offset, s.local_numel).view(self.params[s.index].shape)
-            out[_REGION[k]] = views
+            out[REGION[k]] = views
         return out
 
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
@@ -135,14 +111,14 @@ class InfinityStore(StateStore):
         self.swap.release_all()
         flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in ("master", "exp_avg", "exp_avg_sq")}
 
-        def scatter(piece: Piece, buf: _Buffer) -> None:
+        def scatter(piece: Piece, buf: StateBuffer) -> None:
             cuts = _cuts(self.swap.units[piece.unit], piece)
             for k in STATES:
-                region = buf.f32[_REGION[k]]
+                region = buf.f32[REGION[k]]
                 region[:piece.numel].zero_()  # FSDP's padding stays zero
                 for s, lo, hi in cuts:
                     first = piece.start + lo - s.offset
-                    region[lo:hi].copy_(flat[_REGION[k]][s.index][first:first + hi - lo])
+                    region[lo:hi].copy_(flat[REGION[k]][s.index][first:first + hi - lo])
 
         self._write_all(scatter)
 
@@ -172,11 +148,6 @@ def _cuts(unit, piece: Piece) -> list[tuple]:
         if lo < hi:
             out.append((s, lo - piece.start, hi - piece.start))
     return out
-
-
-def _offset(buf: _Buffer, key: str) -> int:
-    """Byte offset of a region in the buffer's raw allocation."""
-    return buf.f32[key].data_ptr() - buf.raw.data_ptr()
 
 
 def map_file(path: str):

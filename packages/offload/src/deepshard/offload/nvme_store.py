@@ -34,44 +34,12 @@ import torch
 from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
 
 from . import scratch
-from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
+from .aio import AioEngine, AioRequest, SwapFile, align_up
 from .config import OffloadConfig, validate_nvme
+from .state_buffer import STATES, VEC, StateBuffer
 from .streaming import stream_groups
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
-VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
 Segment = tuple[int, int, int, int]  # (param index, offset in param, offset in group, length)
-
-
-class _Buffer:
-    """One page-aligned host buffer with a region per state plus an fp32 gradient region."""
-
-    def __init__(self, numel: int, pin: bool) -> None:
-        region = align_up(max(numel, 1) * 4)
-        self.raw = aligned_empty(4 * region, pin=pin)
-        parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(STATES + ("grad",))}
-        self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}
-        self.mv = {k: as_buffer(parts[k]) for k in STATES}
-        self.state_bytes = 3 * region
-        self._grad_raw = parts["grad"]
-        self.grads_landed: torch.cuda.Event | None = None  # device->host grad copies into this buffer
-        self.uploaded: torch.cuda.Event | None = None  # host->device weight copies out of this buffer
-
-    def staging(self, dtype: torch.dtype) -> torch.Tensor:
-        """The gradient region viewed as ``dtype`` (free once the group's update has run)."""
-        return self._grad_raw.view(dtype)
-
-    def wait_grads(self) -> None:
-        if self.grads_landed is not None:
-            self.grads_landed.synchronize()
-            self.grads_landed = None
-
-    def wait_copies(self) -> None:
-        """Before the host overwrites this buffer: every device copy into or out of it is done."""
-        self.wait_grads()
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
-            self.uploaded = None
 
 
 def _segments(numels: list[int], group_size: int) -> list[list[Segment]]:
@@ -134,7 +102,7 @@ class NvmeStateStore(StateStore):
             self.engine = AioEngine(config.aio)
             pin = torch.cuda.is_available()
             num_buffers = min(config.buffer_count, max(len(self.groups), 1))
-            self._buffers = [_Buffer(self.largest, pin) for _ in range(num_buffers)]
+            self._buffers = [StateBuffer(self.largest, pin) for _ in range(num_buffers)]
             self._stream(self._fill_initial, read=False, write=True)
             del self._initial
         except BaseException:
@@ -143,14 +111,14 @@ class NvmeStateStore(StateStore):
 
     # -- the pipeline -------------------------------------------------------------------------
 
-    def _io(self, g: int, buf: _Buffer, *, write: bool) -> list[AioRequest]:
+    def _io(self, g: int, buf: StateBuffer, *, write: bool) -> list[AioRequest]:
         assert self.engine is not None
         nbytes = align_up(self.group_numels[g] * 4)
         op = self.engine.write if write else self.engine.read
         return [op(self.files[k].fd, buf.mv[k][:nbytes], g * self.stride) for k in STATES]
 
-    def _stream(self, fn: Callable[[int, _Buffer], None], *, read: bool, write: bool,
-                assign: Callable[[int, _Buffer], None] | None = None) -> None:
+    def _stream(self, fn: Callable[[int, StateBuffer], None], *, read: bool, write: bool,
+                assign: Callable[[int, StateBuffer], None] | None = None) -> None:
         """Run ``fn(g, buffer)`` for every group in order, with reads ahead and writes behind
         (:func:`~deepshard.offload.streaming.stream_groups`).  ``assign(g, buffer)`` runs when a
         buffer is handed to group g (with the read ahead): where the step starts its gradient copies.
@@ -164,7 +132,7 @@ class NvmeStateStore(StateStore):
 
     # -- per-group work -------------------------------------------------------------------------
 
-    def _fill_initial(self, g: int, buf: _Buffer) -> None:
+    def _fill_initial(self, g: int, buf: StateBuffer) -> None:
         for pi, po, go, k in self.groups[g]:
             buf.f32["master"][go:go + k].copy_(self._initial[pi].detach().reshape(-1)[po:po + k])
         n = self.group_numels[g]
@@ -197,7 +165,7 @@ class NvmeStateStore(StateStore):
             raise
         compute.wait_stream(side)  # the next forward sees the new weights (no host wait)
 
-    def _to_params(self, g: int, buf: _Buffer) -> None:
+    def _to_params(self, g: int, buf: StateBuffer) -> None:
         """New masters -> params: cast on the host into the buffer's dead grad region, then copy
         (asynchronously on CUDA: a same-dtype copy from pinned memory is a plain DMA)."""
         with torch.no_grad():
@@ -215,7 +183,7 @@ class NvmeStateStore(StateStore):
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
         flat = [g.detach().reshape(-1) for g in grads]
 
-        def fetch_grads(g: int, buf: _Buffer) -> None:
+        def fetch_grads(g: int, buf: StateBuffer) -> None:
             """Device->host (cast to fp32) of group g's grads, in flight while earlier groups step."""
             gbuf = buf.f32["grad"]
             with self._on_side():
@@ -223,7 +191,7 @@ class NvmeStateStore(StateStore):
                     gbuf[go:go + k].copy_(flat[pi][po:po + k], non_blocking=flat[pi].is_cuda)
             buf.grads_landed = self._record()
 
-        def update(g: int, buf: _Buffer) -> None:
+        def update(g: int, buf: StateBuffer) -> None:
             segs = self.groups[g]
             buf.wait_grads()
             views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in STATES + ("grad",)}
@@ -245,7 +213,7 @@ class NvmeStateStore(StateStore):
         """Reads the swap files back into fresh fp32 tensors (checkpoints never point at scratch)."""
         out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params] for k in STATES}
 
-        def gather(g: int, buf: _Buffer) -> None:
+        def gather(g: int, buf: StateBuffer) -> None:
             for pi, po, go, k in self.groups[g]:
                 for key in STATES:
                     out[key][pi].view(-1)[po:po + k].copy_(buf.f32[key][go:go + k])
@@ -258,7 +226,7 @@ class NvmeStateStore(StateStore):
             assert len(state[key]) == len(self.params), f"{key}: {len(state[key])} tensors for {len(self.params)} params"
         flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in STATES}
 
-        def scatter(g: int, buf: _Buffer) -> None:
+        def scatter(g: int, buf: StateBuffer) -> None:
             for pi, po, go, k in self.groups[g]:
                 for key in STATES:
                     buf.f32[key][go:go + k].copy_(flat[key][pi][po:po + k])

@@ -13,14 +13,14 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if TYPE_CHECKING:
-    from .param_swap import ParamSwap
+from .fsdp_hooks import lazy_init, mutates, plain_tensor
+from .unit_swap import UnitSwap
 
 MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -41,39 +41,38 @@ class _InitWatch(TorchDispatchMode):
     """During initialization: refill a released unit before an op writes into it again, and flush
     a unit to NVMe once every one of its shards has been written."""
 
-    def __init__(self, swap: ParamSwap) -> None:
+    def __init__(self, swap: UnitSwap) -> None:
         super().__init__()
         self.swap = swap
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         target = None
-        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            t = getattr(args[0], "_local_tensor", args[0])
-            target = self.swap._by_storage.get(t.untyped_storage()._cdata)
+        if mutates(func) and args and isinstance(args[0], torch.Tensor):
+            target = self.swap.slot_of(plain_tensor(args[0]))
             if target is not None and not target[0].resident:
-                self.swap._ensure(target[0])
+                self.swap.ensure(target[0])
         out = func(*args, **(kwargs or {}))
         if target is not None:
             unit, slot = target
             unit.written.add(slot.offset)
             if len(unit.written) == len(unit.slots):
-                self.swap._flush(unit, release=True)
+                self.swap.flush(unit, release=True)
         return out
 
 
-def unit_by_unit(swap: ParamSwap, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+def unit_by_unit(swap: UnitSwap, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
     """``materialize(model)`` for core's ``initialize``: ``init_fn(model)`` under the watch, each unit
     written to the swap's param file and freed as soon as it is initialized."""
 
     def materialize(model: nn.Module) -> None:
-        model._get_fsdp_state()._lazy_init()  # FSDP re-pads shards at lazy init: do it while they exist
-        swap._layout()
+        lazy_init(model)  # FSDP re-pads shards at lazy init: do it while they exist
+        swap.layout()
         try:
             with _InitWatch(swap):
                 init_fn(model)
             for unit in swap.units:
                 if unit.resident:
-                    swap._flush(unit, release=True)
+                    swap.flush(unit, release=True)
         except BaseException:
             swap.close()
             raise

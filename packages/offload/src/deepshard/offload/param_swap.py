@@ -8,7 +8,7 @@ read ``param_prefetch`` units ahead of use: forward order in forward, reverse or
 on the same :class:`~deepshard.offload.aio.AioEngine` as the optimizer swap.
 
 Hooks: three methods of each unit's ``FSDPParamGroup`` are wrapped on the instance (never the
-class): ``unshard`` (refill first, then read ahead), ``wait_for_unshard`` (after it, the
+class, :mod:`.fsdp_hooks`): ``unshard`` (refill first, then read ahead), ``wait_for_unshard`` (after it, the
 unsharded params hold the data: free the shards) and ``post_backward`` (after the reduce-scatter,
 the unit's gradient shards go to the gradient swap file, accumulated there across micro-steps,
 and ``.grad`` is dropped, so no whole-model gradient is ever resident; when the optimizer's
@@ -16,7 +16,7 @@ buffers hold every unit (resident), into the unit's buffer instead of the file).
 taken when it is written, so the optimizer's global norm needs no gradient in memory
 (:meth:`ParamSwap.grad_norms`).  The optimizer step itself (:mod:`.infinity_store`) runs unit by
 unit on the same files, each unit's update deferred to its unshard in the next forward (a
-:class:`~.unit_swap.Deferred`): each shard is read once and written once per step, behind the
+:class:`~.units.Deferred`): each shard is read once and written once per step, behind the
 forward.
 """
 
@@ -24,32 +24,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from .config import OffloadConfig
-from .param_init import fixed_mmap_threshold
+from .fsdp_hooks import (
+    drop_grad,
+    foreach_norm,
+    hook_group,
+    in_backward,
+    is_sharded,
+    is_unit,
+    is_unsharded,
+    param_group,
+    take_local_grad,
+)
+from .grad_norms import GradNorms
+from .param_init import fixed_mmap_threshold, unit_by_unit
 from .tiled_shard import TiledShard
-from .unit_swap import Unit, UnitSwap
-
-
-def _wrap(obj: Any, name: str, *, before: Any = None, after: Any = None) -> None:
-    """Replace ``obj.name`` on the instance by the same bound method with hooks around it."""
-    orig = getattr(obj, name)
-
-    @functools.wraps(orig)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            before()
-        out = orig(*args, **kwargs)
-        if after is not None:
-            after()
-        return out
-
-    setattr(obj, name, wrapped)
+from .unit_swap import UnitSwap
+from .units import Unit
 
 
 def _units_in_order(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -61,7 +56,7 @@ def _units_in_order(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str
         if id(module) in inner:
             seen_block = seen_block or module is not model
             continue
-        if any(m is module for m in blocks) or not hasattr(module, "_get_fsdp_state"):
+        if any(m is module for m in blocks) or not is_unit(module):
             continue
         (after if seen_block else before).append((name, module))
     return [("root", model), *before, *[(f"block{i}", b) for i, b in enumerate(blocks)], *after]
@@ -87,7 +82,7 @@ class ParamSwap(UnitSwap):
     def __init__(self, config: OffloadConfig, *, rank: int = 0, run_id: str | None = None) -> None:
         super().__init__(config, rank=rank, run_id=run_id)
         self.num_params = 0
-        self._norms: list[torch.Tensor] = []
+        self.norms = GradNorms()
         self.tiled_shards: list[TiledShard] = []
 
     # -- wiring ---------------------------------------------------------------------------------
@@ -97,19 +92,17 @@ class ParamSwap(UnitSwap):
         in forward order.  Params may still be on the meta device; the files open in :meth:`open`."""
         fixed_mmap_threshold()
         for name, module in _units_in_order(model, blocks):
-            group = module._get_fsdp_state()._fsdp_param_group
+            group = param_group(module)
             if group is None:
                 continue
-            for attr in ("unshard", "wait_for_unshard", "post_backward", "fsdp_params", "is_sharded"):
-                assert hasattr(group, attr), f"torch's FSDPParamGroup has no {attr}: param swap needs updating"
             unit = Unit(name, group)
             self.units.append(unit)
-            _wrap(group, "unshard", before=functools.partial(self._before_unshard, unit))
-            _wrap(group, "wait_for_unshard", after=functools.partial(self._after_unshard, unit))
-            _wrap(group, "post_backward", after=functools.partial(self._after_post_backward, unit))
+            hook_group(group, before_unshard=functools.partial(self._before_unshard, unit),
+                       after_unshard=functools.partial(self._after_unshard, unit),
+                       after_post_backward=functools.partial(self._after_post_backward, unit))
             if getattr(module, "vocab_tiling", None) is not None:  # read in rows, never all-gathered
                 unit.tiled = True
-                module.shard_io = TiledShard(self, unit)
+                module.shard_io = TiledShard(swap=self, unit=unit, norms=self.norms)
                 self.tiled_shards.append(module.shard_io)
         for p in model.parameters():
             if not p.requires_grad:
@@ -121,66 +114,54 @@ class ParamSwap(UnitSwap):
 
         Without :meth:`materializer` the shards are laid out and written to the file here."""
         if self.engine is None:
-            self._layout()
+            self.layout()
             try:
                 for unit in self.units:
-                    self._flush(unit, release=False)
+                    self.flush(unit, release=False)
             except BaseException:
                 self.close()
                 raise
         for i, p in enumerate(params):
-            found = self._by_storage.get(p.untyped_storage()._cdata)
+            found = self.slot_of(p)
             assert found is not None, f"param {i} of the optimizer is not a swapped shard"
             found[1].index = i
         assert sorted(s.index for u in self.units for s in u.slots) == list(range(len(params)))
         self.num_params = len(params)
-        self._norms = [torch.zeros(1) for _ in params]
+        self.norms.reset(len(params))
 
     def materializer(self, init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
         """Wrap a sharded model's ``materialize(model)`` so no more than a unit or two is ever
         initialized in memory (:func:`.param_init.unit_by_unit`)."""
-        from .param_init import unit_by_unit
-
         return unit_by_unit(self, init_fn)
 
     # -- FSDP hooks -----------------------------------------------------------------------------
 
     def _before_unshard(self, unit: Unit) -> None:
-        if self.engine is None or not unit.group.is_sharded:
+        if self.engine is None or not is_sharded(unit.group):
             return  # not opened yet (a forward before the store exists), or nothing to gather
-        self._ensure(unit)
-        backward = unit.group._training_state == TrainingState.PRE_BACKWARD
-        order = self.units[::-1] if backward else self.units
+        self.ensure(unit)
+        order = self.units[::-1] if in_backward(unit.group) else self.units
         k = order.index(unit)
         for nxt in order[k + 1:k + 1 + self.config.param_prefetch]:
-            if not nxt.group.is_sharded:
+            if not is_sharded(nxt.group):
                 continue
-            if self._owed(nxt):
+            if self.owed(nxt):
                 assert self.deferred is not None
                 if not self.deferred.read_ahead(nxt):
                     break
-            elif not self._read_ahead(nxt, wait=False):
+            elif not self.read_ahead(nxt, wait=False):
                 break
 
     def _after_unshard(self, unit: Unit) -> None:
-        if self.engine is not None and unit.group.is_unsharded:
-            self._release(unit)  # the all-gather output holds the data now
+        if self.engine is not None and is_unsharded(unit.group):
+            self.release(unit)  # the all-gather output holds the data now
 
     def _after_post_backward(self, unit: Unit) -> None:
         """This unit's reduced gradient shards -> the gradient file (accumulated), then dropped."""
         if self.engine is None:
             return
-        assert not self._owed(unit), f"{unit.name}: a gradient reached a unit whose last update is still owed"
-        if self.deferred is not None:
-            self.deferred.idle()
-        grads = []
-        for s in unit.slots:
-            p = s.fsdp_param.sharded_param
-            event = getattr(s.fsdp_param, "grad_offload_event", None)
-            if event is not None:  # CPUOffloadPolicy's device->host copy of the reduced grad
-                event.synchronize()
-            g = p.grad
-            grads.append(None if g is None else g._local_tensor if hasattr(g, "_local_tensor") else g)
+        self.begin_grads(unit)
+        grads = [take_local_grad(s.fsdp_param) for s in unit.slots]
         if all(g is None for g in grads):
             return
         # resident (every unit's state in the deferred step's buffers): the gradient stays in its buffer
@@ -189,11 +170,11 @@ class ParamSwap(UnitSwap):
         if kept is not None:
             regions, accumulate = kept
         else:
-            buf = self._free_buffer(wait=True)
+            buf = self.free_buffer(wait=True)
             assert buf is not None
             regions, accumulate = [(0, buf[:unit.nbytes].view(torch.float32))], unit.grad_written
             if accumulate:  # grad accumulation: FSDP2 would add into .grad; add into the file's
-                self._io(unit, "grad", buf, write=False).wait()
+                self.io(unit, "grad", buf, write=False).wait()
         if not accumulate:
             for _, f32 in regions:
                 f32.zero_()
@@ -211,25 +192,35 @@ class ParamSwap(UnitSwap):
                             part.copy_(src)
                         pos += part.numel()
                 views.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-            for s, n in zip(unit.slots, torch._foreach_norm(views, 2, dtype=torch.float32)):
-                self._norms[s.index] = n.reshape(1)
+            for s, n in zip(unit.slots, foreach_norm(views)):
+                self.norms.record(s.index, n)
         if buf is None:
             assert self.deferred is not None
             self.deferred.keep_grad(unit)
         else:
-            self._writes.append((buf, [self._io(unit, "grad", buf, write=True)]))
+            self.write_behind(buf, [self.io(unit, "grad", buf, write=True)])
             unit.grad_written = True
         for s in unit.slots:
-            s.fsdp_param.sharded_param.grad = None
+            drop_grad(s.fsdp_param)
 
     # -- for the optimizer ----------------------------------------------------------------------
+
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Core's ``ParamOffload``: the optimizer's gradients of ``params`` (store order), which are
+        in the grad file: their norms stand in (:meth:`grad_norms`)."""
+        assert len(params) == self.num_params, f"{len(params)} params, the swap holds {self.num_params}"
+        return self.grad_norms()
+
+    def param_bytes(self, params: list[nn.Parameter]) -> int:
+        """Core's ``ParamOffload``: the shards in memory right now (the rest are in the param file)."""
+        return self.resident_bytes()
 
     def grad_norms(self) -> list[torch.Tensor]:
         """One 1-element fp32 tensor per param (store order): the 2-norm of its local gradient
         shard, taken when written.  Their squares sum to the squared norm of all local gradients,
         so the optimizer's global-norm all-reduce and clipping see the same value as with
         resident gradients (``||[n]|| = n`` exactly)."""
-        return list(self._norms)
+        return self.norms.values()
 
     def zero_grad(self) -> None:
         """The step consumed (or skipped) the gradients: the next backward starts a fresh sum."""
@@ -238,4 +229,4 @@ class ParamSwap(UnitSwap):
             self.deferred.drop_grads()
         for unit in self.units:
             unit.grad_written = False
-        self._norms = [torch.zeros(1) for _ in range(self.num_params)]
+        self.norms.reset(self.num_params)

@@ -7,7 +7,7 @@ contiguous; O_DIRECT needs 4096-aligned offsets and lengths, so an aligned super
 into an aligned tile buffer), after the unit's owed optimizer update has been applied (piece by
 piece, :mod:`.deferred_step`).  The tile's reduced gradient rows are added into the grad file's
 rows (a read-modify-write of the same superset: accumulated across micro-steps), and the norm of
-the accumulated gradient is kept per param as :meth:`ParamSwap.grad_norms` reports it.  Neither
+the accumulated gradient is kept per param as :class:`~.grad_norms.GradNorms` keeps them.  Neither
 the shard nor its gradient is ever whole in memory: one tile's rows of each, at most.
 """
 
@@ -16,30 +16,30 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from .aio import align_up, aligned_empty
 from .config import ALIGN
-
-if TYPE_CHECKING:
-    from .param_swap import ParamSwap
-    from .unit_swap import Unit
+from .fsdp_hooks import shard_width
+from .grad_norms import GradNorms
+from .unit_swap import UnitSwap
+from .units import Slot, Unit
 
 
 class TiledShard:
     """``deepshard.kernels.tiled_vocab.ShardIO`` for one tiled unit (one weight) of a param swap."""
 
-    def __init__(self, swap: ParamSwap, unit: Unit) -> None:
+    def __init__(self, *, swap: UnitSwap, unit: Unit, norms: GradNorms) -> None:
         self.swap = swap
         self.unit = unit
+        self.norms = norms
         self._bufs: dict[str, torch.Tensor] = {}  # "param" / "grad": one aligned tile buffer each
         self._sumsq = 0.0  # of the accumulated gradient, over this backward's tiles so far
         self._in_backward = False
 
     @property
-    def slot(self):
+    def slot(self) -> Slot:
         assert len(self.unit.slots) == 1, f"{self.unit.name}: a tiled unit holds one weight"
         return self.unit.slots[0]
 
@@ -51,7 +51,7 @@ class TiledShard:
         """(lo, hi, skip): the aligned byte range of the unit holding rows ``start ... start + rows``
         of the shard, and the rows' first byte within it."""
         s = self.slot
-        width = s.fsdp_param.sharded_param.shape[1]
+        width = shard_width(s.fsdp_param)
         first = 4 * (s.offset + start * width)
         lo = first - first % ALIGN
         hi = align_up(first + 4 * rows * width)
@@ -65,10 +65,10 @@ class TiledShard:
 
     def _read(self, key: str, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """(the aligned superset read, the rows' [rows, width] view in it, its span)."""
-        width = self.slot.fsdp_param.sharded_param.shape[1]
+        width = shard_width(self.slot.fsdp_param)
         lo, hi, skip = self._span(start, rows)
         buf = self._buffer(key, hi - lo)
-        self.swap._io(self.unit, key, buf, write=False, span=(lo, hi)).wait()
+        self.swap.io(self.unit, key, buf, write=False, span=(lo, hi)).wait()
         rows_view = buf[skip:skip + 4 * rows * width].view(torch.float32).view(rows, width)
         return buf, rows_view, (lo, hi)
 
@@ -78,19 +78,16 @@ class TiledShard:
         (no store yet, or ``max_in_cpu`` keeps it), else from the param file."""
         swap, unit = self.swap, self.unit
         if swap.engine is not None and unit.resident:
-            swap._release(unit)  # its file is current; it stays only where max_in_cpu lets it
+            swap.release(unit)  # its file is current; it stays only where max_in_cpu lets it
         if rows == 0:  # a rank that owns fewer rows than the tile: nothing to read
-            yield torch.zeros((0, self.slot.fsdp_param.sharded_param.shape[1]))
+            yield torch.zeros((0, shard_width(self.slot.fsdp_param)))
             return
         if swap.engine is None or unit.resident:
-            width = self.slot.fsdp_param.sharded_param.shape[1]
+            width = shard_width(self.slot.fsdp_param)
             yield self.slot.data[start * width:(start + rows) * width].view(rows, width)
             return
-        if swap._owed(unit):  # the last step's update of the whole shard first, piece by piece
-            assert swap.deferred is not None
-            swap.reads["demand"] += 1
-            swap.deferred.apply(unit, land=False)
-            swap.deferred.flush_writes()
+        if swap.owed(unit):  # the last step's update of the whole shard first, piece by piece
+            swap.update_in_file(unit)
         _, view, _ = self._read("param", start, rows)
         yield view
 
@@ -100,9 +97,7 @@ class TiledShard:
         swap, unit = self.swap, self.unit
         assert swap.engine is not None, f"{unit.name}: a gradient before the swap files exist"
         if not self._in_backward:  # the backward's first tile: the step's buffers go back (as at a unit's)
-            assert not swap._owed(unit), f"{unit.name}: a gradient reached a unit whose last update is still owed"
-            if swap.deferred is not None:
-                swap.deferred.idle()
+            swap.begin_grads(unit)
             self._in_backward, self._sumsq = True, 0.0
         rows = grad.shape[0]
         if rows == 0:
@@ -115,7 +110,7 @@ class TiledShard:
             else:
                 view.copy_(grad.reshape(view.shape))
             self._sumsq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
-        swap._io(unit, "grad", buf, write=True, span=span).wait()
+        swap.io(unit, "grad", buf, write=True, span=span).wait()
 
     def grads_done(self) -> None:
         """Every tile's gradient is in the file: the unit's gradient is written, its norm known."""
@@ -123,7 +118,7 @@ class TiledShard:
             return
         self._in_backward = False
         self.unit.grad_written = True
-        self.swap._norms[self.slot.index] = torch.tensor([math.sqrt(self._sumsq)], dtype=torch.float32)
+        self.norms.record(self.slot.index, torch.tensor([math.sqrt(self._sumsq)], dtype=torch.float32))
 
     def close(self) -> None:
         self._bufs = {}

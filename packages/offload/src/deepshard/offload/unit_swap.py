@@ -6,7 +6,9 @@ files, keeps a small pool of page-aligned buffers (O_DIRECT), reads a unit ahead
 lands it in the unit's FSDPParam shard storages, and frees those storages again
 (``untyped_storage().resize_(0)``, FSDP2's own way of freeing unsharded params).  A unit whose
 optimizer update is still owed (a :class:`Deferred`, :mod:`.infinity_store`) is refilled by the
-update itself, or from the update's buffer while that still holds it.
+update itself, or from the update's buffer while that still holds it.  Its public methods are
+what the hooks (:mod:`.param_swap`), the sharded init (:mod:`.param_init`), a tiled unit's rows
+(:mod:`.tiled_shard`) and the deferred step (:mod:`.pieces`) call; none of them reaches inside.
 
 File layout (one set per rank, all four files alike): unit ``u`` at byte ``unit.offset``; inside
 it each FSDPParam's padded flat shard at a multiple of 16 elements; fp32 throughout (stage 3's
@@ -18,81 +20,16 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterator
 
 import torch
 
 from . import scratch
-from .aio import AioEngine, AioRequest, SwapFile, align_up, aligned_empty, as_buffer
+from .aio import AioEngine, AioRequest, SwapFile, aligned_empty, as_buffer
 from .config import OffloadConfig, validate_param_swap
-from .nvme_store import VEC  # every shard starts on a 64-byte line (torch's fused CPU AdamW unit)
+from .fsdp_hooks import group_params, local_numel, preserve_version, shard_data, storage_key
 from .streaming import retire_write
-
-FILES = ("param", "exp_avg", "exp_avg_sq", "grad")
-
-
-class Deferred(Protocol):
-    """The optimizer's update of each unit, deferred until the unit is next needed (the next
-    forward's unshard): :mod:`.infinity_store` implements it."""
-
-    def owes(self, unit: Unit) -> bool: ...
-    def reading(self, unit: Unit) -> bool: ...
-    def held(self, unit: Unit) -> list[tuple[int, torch.Tensor]] | None: ...
-    def grad_region(self, unit: Unit) -> tuple[list[tuple[int, torch.Tensor]], bool] | None: ...
-    def keep_grad(self, unit: Unit) -> None: ...
-    def drop_grads(self) -> None: ...
-    def read_ahead(self, unit: Unit) -> bool: ...
-    def apply(self, unit: Unit, *, land: bool) -> None: ...
-    def drain(self) -> None: ...
-    def flush_writes(self) -> None: ...
-    def idle(self) -> None: ...
-
-
-def slot_offsets(numels: Iterable[int]) -> tuple[list[int], int]:
-    """Where each of a unit's padded shards (``numels`` elements, in FSDP2's order) starts in the unit,
-    each at a multiple of ``VEC``, and the unit's length in elements."""
-    starts, pos = [], 0
-    for n in numels:
-        pos = -(-pos // VEC) * VEC
-        starts.append(pos)
-        pos += n
-    return starts, pos
-
-
-@dataclass
-class Slot:
-    """One FSDPParam's place in its unit: ``numel`` padded elements from ``offset``; the first
-    ``local_numel`` are the shard the optimizer updates; ``index`` in the store's param list."""
-
-    fsdp_param: Any
-    offset: int
-    numel: int
-    local_numel: int
-    index: int
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.fsdp_param._sharded_param_data
-
-
-@dataclass
-class Unit:
-    name: str
-    group: Any  # FSDPParamGroup
-    slots: list[Slot] = field(default_factory=list)
-    numel: int = 0
-    offset: int = 0  # bytes into every swap file
-    resident: bool = True  # materialized params start in memory (written to the file on open)
-    pending: tuple[torch.Tensor, list[AioRequest]] | None = None  # a read in flight into a pool buffer
-    grad_written: bool = False  # this step's gradient (so far) is in the grad file
-    written: set[int] = field(default_factory=set)  # slots the materializer saw written
-    tiled: bool = False  # never all-gathered (vocabulary tiling): read and written in rows, not whole
-
-    @property
-    def nbytes(self) -> int:
-        return align_up(self.numel * 4)
+from .units import FILES, Deferred, Slot, Unit, slot_offsets
 
 
 class UnitSwap:
@@ -114,23 +51,23 @@ class UnitSwap:
         self.reset_io_stats()
         self.deferred: Deferred | None = None  # the optimizer's update still owed to some units
 
-    def _layout(self) -> None:
+    def layout(self) -> None:
         """Place the (materialized, maybe still untouched) shards; check space and buffers; create
         the files (fresh: unwritten preallocated blocks read as zeros, the moments' initial value)."""
         offset = 0
         for unit in self.units:
-            fps = unit.group.fsdp_params
+            fps = group_params(unit.group)
             for fp in fps:
-                data = fp._sharded_param_data
+                data = shard_data(fp)
                 assert data.dtype == torch.float32, f"{fp}: sharded params must be fp32 masters, got {data.dtype}"
                 assert data.storage_offset() == 0 and data.untyped_storage().nbytes() == data.numel() * 4, \
                     f"{fp}: the shard does not own its storage; it cannot be swapped"
-            starts, unit.numel = slot_offsets(fp._sharded_param_data.numel() for fp in fps)
-            unit.slots.extend(Slot(fp, start, fp._sharded_param_data.numel(), fp.sharded_param._local_tensor.numel(), -1)
+            starts, unit.numel = slot_offsets(shard_data(fp).numel() for fp in fps)
+            unit.slots.extend(Slot(fp, start, shard_data(fp).numel(), local_numel(fp), -1)
                               for fp, start in zip(fps, starts))
             unit.offset = offset
             offset += unit.nbytes
-        self._by_storage = {s.data.untyped_storage()._cdata: (u, s) for u in self.units for s in u.slots}
+        self._by_storage = {storage_key(s.data): (u, s) for u in self.units for s in u.slots}
         # the pool holds gathered units whole; a tiled unit goes through it in pool-sized chunks
         largest = max((u for u in self.units if not u.tiled), key=lambda u: u.numel)
         validate_param_swap(self.config, len(FILES) * max(offset, 1), largest.numel, largest.name)
@@ -147,9 +84,9 @@ class UnitSwap:
             self.close()
             raise
 
-    def _flush(self, unit: Unit, *, release: bool) -> None:
+    def flush(self, unit: Unit, *, release: bool) -> None:
         """The unit's shards -> the param file (through a pool buffer); then free them if ``release``."""
-        buf = self._free_buffer(wait=True)
+        buf = self.free_buffer(wait=True)
         assert buf is not None
         for lo, hi in self._chunks(unit, buf):
             f32 = buf[:hi - lo].view(torch.float32)
@@ -159,14 +96,14 @@ class UnitSwap:
                 a, b = max(first, s.offset), min(first + f32.numel(), s.offset + s.numel)
                 if a < b:
                     f32[a - first:b - first].copy_(s.data[a - s.offset:b - s.offset])
-            self._io(unit, "param", buf, write=True, span=(lo, hi)).wait()
+            self.io(unit, "param", buf, write=True, span=(lo, hi)).wait()
         if release:
-            self._release(unit, force=True)
+            self.release(unit, force=True)
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
-    def _io(self, unit: Unit, key: str, buf: torch.Tensor, *, write: bool,
-            span: tuple[int, int] | None = None) -> AioRequest:
+    def io(self, unit: Unit, key: str, buf: torch.Tensor, *, write: bool,
+           span: tuple[int, int] | None = None) -> AioRequest:
         """The unit's bytes (or ``span``: bytes ``lo ... hi`` of it) between ``buf`` and a file."""
         assert self.engine is not None
         lo, hi = span if span is not None else (0, unit.nbytes)
@@ -174,13 +111,17 @@ class UnitSwap:
         op = self.engine.write if write else self.engine.read
         return op(self.files[key].fd, view, unit.offset + lo)
 
+    def write_behind(self, buf: torch.Tensor, requests: list[AioRequest]) -> None:
+        """A write out of pool buffer ``buf`` in flight: the buffer is reused once it is done."""
+        self._writes.append((buf, requests))
+
     @staticmethod
     def _chunks(unit: Unit, buf: torch.Tensor) -> list[tuple[int, int]]:
         """The unit's bytes in ranges that fit ``buf`` (one range for a unit the pool holds whole)."""
         step = buf.numel() - buf.numel() % 4096
         return [(lo, min(lo + step, unit.nbytes)) for lo in range(0, unit.nbytes, step)]
 
-    def _free_buffer(self, *, wait: bool) -> torch.Tensor | None:
+    def free_buffer(self, *, wait: bool) -> torch.Tensor | None:
         """A pool buffer no read or write targets; retires finished (or, with ``wait``, the oldest)
         gradient writes to find one.  None when every buffer holds a read ahead and not ``wait``."""
         busy = {id(b) for b, _ in self._writes} | {id(u.pending[0]) for u in self.units if u.pending}
@@ -200,13 +141,13 @@ class UnitSwap:
     def _held(self, unit: Unit) -> list[tuple[int, torch.Tensor]] | None:
         return None if self.deferred is None else self.deferred.held(unit)
 
-    def _read_ahead(self, unit: Unit, *, wait: bool) -> bool:
+    def read_ahead(self, unit: Unit, *, wait: bool) -> bool:
         if unit.resident or unit.pending is not None or self._held(unit) is not None or unit.tiled:
-            return True  # (a tiled unit is read in rows by its op, or in chunks by _ensure)
-        buf = self._free_buffer(wait=wait)
+            return True  # (a tiled unit is read in rows by its op, or in chunks by ensure)
+        buf = self.free_buffer(wait=wait)
         if buf is None:
             return False
-        unit.pending = (buf, [self._io(unit, "param", buf, write=False)])
+        unit.pending = (buf, [self.io(unit, "param", buf, write=False)])
         return True
 
     def _land(self, unit: Unit) -> None:
@@ -224,7 +165,7 @@ class UnitSwap:
             for s in unit.slots:
                 data = s.data
                 data.untyped_storage().resize_(s.numel * 4)
-                with torch.autograd._unsafe_preserve_version_counter(data):
+                with preserve_version(data):
                     data.copy_(f32[s.offset:s.offset + s.numel])
         unit.resident = True
 
@@ -241,16 +182,36 @@ class UnitSwap:
                 data = s.data
                 if data.untyped_storage().nbytes() != s.numel * 4:
                     data.untyped_storage().resize_(s.numel * 4)
-                with torch.autograd._unsafe_preserve_version_counter(data):
+                with preserve_version(data):
                     data[lo - s.offset:hi - s.offset].copy_(f32[lo - start:hi - start])
 
-    def _owed(self, unit: Unit) -> bool:
+    def slot_of(self, t: torch.Tensor) -> tuple[Unit, Slot] | None:
+        """The unit and slot whose shard storage ``t`` views (after :meth:`layout`), or None."""
+        return self._by_storage.get(storage_key(t))
+
+    def owed(self, unit: Unit) -> bool:
+        """Whether the last step's update of the unit has not run yet (it runs at the unit's next use)."""
         return self.deferred is not None and self.deferred.owes(unit)
 
-    def _ensure(self, unit: Unit) -> None:
+    def update_in_file(self, unit: Unit) -> None:
+        """Run the owed update of the unit now, into its files (not landed in memory): before the
+        param file is read directly (a tiled unit's rows)."""
+        assert self.deferred is not None
+        self.reads["demand"] += 1
+        self.deferred.apply(unit, land=False)
+        self.deferred.flush_writes()
+
+    def begin_grads(self, unit: Unit) -> None:
+        """A gradient of the unit is about to be written: the forward ran every owed update, so
+        the step's buffers can go back (unless resident)."""
+        assert not self.owed(unit), f"{unit.name}: a gradient reached a unit whose last update is still owed"
+        if self.deferred is not None:
+            self.deferred.idle()
+
+    def ensure(self, unit: Unit) -> None:
         if unit.resident:
             return
-        if self._owed(unit):  # the last step's update of this unit runs now, and lands its params
+        if self.owed(unit):  # the last step's update of this unit runs now, and lands its params
             assert self.deferred is not None
             self.reads["prefetched" if self.deferred.reading(unit) else "demand"] += 1
             self.deferred.apply(unit, land=True)
@@ -264,17 +225,17 @@ class UnitSwap:
             return
         self.reads["prefetched" if unit.pending is not None else "demand"] += 1
         if unit.tiled:  # whole only for inspection (resident()): chunk by chunk through a pool buffer
-            buf = self._free_buffer(wait=True)
+            buf = self.free_buffer(wait=True)
             assert buf is not None
             for lo, hi in self._chunks(unit, buf):
-                self._io(unit, "param", buf, write=False, span=(lo, hi)).wait()
+                self.io(unit, "param", buf, write=False, span=(lo, hi)).wait()
                 self.fill_range(unit, lo // 4, buf[:hi - lo].view(torch.float32))
             unit.resident = True
             return
-        self._read_ahead(unit, wait=True)
+        self.read_ahead(unit, wait=True)
         self._land(unit)
 
-    def _release(self, unit: Unit, *, force: bool = False) -> None:
+    def release(self, unit: Unit, *, force: bool = False) -> None:
         """Free the unit's shard storages (its file copy is current), unless ``max_in_cpu`` lets
         used shards stay resident."""
         if not unit.resident:
@@ -300,13 +261,13 @@ class UnitSwap:
         for unit in self.units:
             if unit.pending is not None:
                 self._land(unit)
-            self._release(unit, force=True)
+            self.release(unit, force=True)
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """All shards in memory inside the block (inspection, small exports), released after."""
         for unit in self.units:
-            self._ensure(unit)
+            self.ensure(unit)
         try:
             yield
         finally:

@@ -67,7 +67,7 @@ def unit_shards(model_cfg, world: int, *, tiled: bool = False, gathered: bool = 
     (``slot_offsets``).  ``gathered``: only the units all-gathered whole (not a tiled embedding or
     head, which are read in rows): those the parameter pool holds."""
     from deepshard.finetune.models.llama import Llama
-    from deepshard.offload.unit_swap import slot_offsets
+    from deepshard.offload.units import slot_offsets
 
     with torch.device("meta"):
         model = Llama(model_cfg)
@@ -108,7 +108,7 @@ def infinity_buffers(model_cfg, *, world: int, param_buffer_count: int, buffer_c
     buffer_size)`` elements) and the tiled units' row buffers (``tile_rows`` gathered rows per tile)
     allocate, each region rounded up to the O_DIRECT alignment."""
     from deepshard.offload.aio import align_up
-    from deepshard.offload.deferred_step import PIECE_ALIGN
+    from deepshard.offload.pieces import PIECE_ALIGN
 
     shards = unit_shards(model_cfg, world, tiled=tiled)
     gathered = unit_shards(model_cfg, world, tiled=tiled, gathered=True)

@@ -85,7 +85,7 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
-                      ac: str = "none", offload_params: bool | ParamOffload = False,
+                      ac: str = "none", offload_params: ParamOffload | None = None,
                       ac_offload: bool = False) -> ShardedPart:
     """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
 
@@ -151,7 +151,7 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
                    microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
                    init_fn: Callable[[nn.Module], None] | None = None, store_factory: StoreFactory = DeviceStateStore,
-                   offload_params: bool = False, device: torch.device | None = None) -> PipelineTrainer:
+                   offload_params: ParamOffload | None = None, device: torch.device | None = None) -> PipelineTrainer:
     """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
     ZeRO per ``config``), and return the trainer (``train_step(input_ids, labels)``).
 

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.checkpoint import progress as save_progress
 from deepshard.core.mesh import local_device
+from deepshard.core.zero import ParamOffload
 from deepshard.finetune.config import Settings
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.chat import resolve_template
@@ -41,7 +42,7 @@ from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper
 from deepshard.finetune.recipe.trainer import FinetuneTrainer, SampleConfig
 from deepshard.launch.heartbeat import Heartbeat
 from deepshard.launch.local import worker_threads
-from deepshard.offload import make_store_factory, param_offload
+from deepshard.offload import ParamSwap, make_store_factory, param_offload
 
 
 def run_id() -> str:
@@ -76,11 +77,11 @@ def build_model(s: Settings, device: torch.device, *, materialize: bool = True) 
     return model
 
 
-def _materializer(s: Settings, offload_params: object):
+def _materializer(s: Settings, offload_params: ParamOffload | None):
     """The ZeRO-3 init; with offload.params=nvme through the swap, which writes each block to NVMe
     as soon as it is initialized (the model is never whole in memory)."""
     init = lambda m: init_model(m, s)  # noqa: E731
-    return offload_params.materializer(init) if hasattr(offload_params, "materializer") else init
+    return offload_params.materializer(init) if isinstance(offload_params, ParamSwap) else init
 
 
 def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineStepper | PipelineStepper:
@@ -90,7 +91,7 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
 
     device = local_device()
     store_factory = make_store_factory(s.offload, rank, run_id())
-    offload_params = param_offload(s.offload, store_factory)  # False, True (cpu) or the NVMe param swap
+    offload_params = param_offload(s.offload, store_factory)  # None, CPU offload or the NVMe param swap
     t, e = s.train, s.engine
     if s.uses_pipeline:
         model = build_model(s, device, materialize=False)  # on meta (+peft=lora: with its adapters)

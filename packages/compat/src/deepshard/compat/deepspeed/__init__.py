@@ -20,6 +20,7 @@ from torch import nn
 
 from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
+from deepshard.core.zero import CpuParamOffload, ParamOffload
 
 from . import accelerator, comm, moe, ops, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
@@ -89,12 +90,12 @@ def _dataloader(training_data: Any, cfg: CompatConfig, collate_fn: Callable | No
     return DataLoader(training_data, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
 
 
-def _store(cfg: CompatConfig, stage: int) -> tuple[Any, bool]:
+def _store(cfg: CompatConfig, stage: int) -> tuple[Any, ParamOffload | None]:
     off = {k: v for k, v in cfg.offload.items() if not k.startswith("aio")}
     if not off:
         from deepshard.core import DeviceStateStore
 
-        return DeviceStateStore, False
+        return DeviceStateStore, None
     from deepshard.offload import OffloadConfig, make_store_factory, validate_offload
 
     config = OffloadConfig(**off)
@@ -103,7 +104,7 @@ def _store(cfg: CompatConfig, stage: int) -> tuple[Any, bool]:
     except ValueError as err:
         raise ValueError(f"zero_optimization.offload_*: {err}") from None
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    return make_store_factory(config, comm.get_rank(), run_id), config.params == "cpu"
+    return make_store_factory(config, comm.get_rank(), run_id), CpuParamOffload() if config.params == "cpu" else None
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
-from deepshard.core.zero.fsdp import FullyShardedStage, ParamOffload, apply_fsdp
+from deepshard.core.zero.fsdp import CpuParamOffload, FullyShardedStage, ParamOffload, apply_fsdp
 from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.hsdp import hpz_reshard
@@ -24,7 +24,7 @@ from deepshard.core.zero.stages import (
     trainable,
 )
 
-__all__ = ["GradHandoff", "ParamOffload", "ZeroStage", "apply_fsdp", "apply_zero"]
+__all__ = ["CpuParamOffload", "GradHandoff", "ParamOffload", "ZeroStage", "apply_fsdp", "apply_zero"]
 
 
 def apply_zero(
@@ -34,7 +34,7 @@ def apply_zero(
     *,
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype = torch.float32,
-    offload_params: bool | ParamOffload = False,
+    offload_params: ParamOffload | None = None,
     shard_mesh: DeviceMesh | None = None,
 ) -> ZeroStage:
     """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle,
@@ -56,7 +56,7 @@ def apply_zero(
 
             gather = zeropp_all_gather(mesh)
         apply_fsdp(model, blocks, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=hpz_reshard(config, mesh, offload_params=bool(offload_params)),
+                   reshard_after_forward=hpz_reshard(config, mesh, offload_params=offload_params is not None),
                    offload_params=offload_params,
                    prefetch=config.prefetch, all_gather=gather)
         feedback = None
@@ -67,9 +67,9 @@ def apply_zero(
             feedback = ErrorFeedback(err_beta=config.loco_err_beta, reset_t=config.loco_reset_t) if config.loco else None
             attach_qgz([*blocks, model], mesh, bits=config.quantized_gradients_bits,
                        node_size=config.quantized_gradients_node_size, feedback=feedback)
-        return FullyShardedStage(model, param_offload=offload_params if isinstance(offload_params, ParamOffload) else None,
+        return FullyShardedStage(model, param_offload=offload_params,
                                  error_feedback=feedback)
-    if offload_params:
+    if offload_params is not None:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
     group = dp_mesh.get_group()
     names, params = trainable(model)

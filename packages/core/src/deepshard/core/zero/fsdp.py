@@ -25,13 +25,32 @@ from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, 
 
 @runtime_checkable
 class ParamOffload(Protocol):
-    """A parameter swap (offload's ``ParamSwap``, ``offload.params=nvme``) passed as ``offload_params``:
-    it hooks the FSDP units, keeps gradients out of ``.grad`` and answers for them."""
+    """Stage 3's sharded params rest in host memory between uses (FSDP2's CPU offload policy on
+    every unit), passed as ``offload_params``: :class:`CpuParamOffload` (``offload.params=cpu``), or
+    offload's ``ParamSwap`` (``offload.params=nvme``), which hooks the units, keeps gradients out of
+    ``.grad`` and answers for them."""
 
     def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None: ...
-    def grad_norms(self) -> list[torch.Tensor]: ...
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]: ...
     def zero_grad(self) -> None: ...
-    def resident_bytes(self) -> int: ...
+    def param_bytes(self, params: list[nn.Parameter]) -> int: ...
+
+
+class CpuParamOffload:
+    """``offload.params=cpu``: FSDP2 keeps the shards in host memory and moves them per all-gather;
+    gradients stay in ``.grad``.  Holds nothing, so one serves every pipeline stage."""
+
+    def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        pass
+
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        return param_grads(params)
+
+    def zero_grad(self) -> None:
+        pass
+
+    def param_bytes(self, params: list[nn.Parameter]) -> int:
+        return sum(local_tensor(p.data).nbytes for p in params)
 
 
 def apply_fsdp(
@@ -42,7 +61,7 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool | int,
-    offload_params: bool | ParamOffload = False,
+    offload_params: ParamOffload | None = None,
     prefetch: int = 1,
     all_gather: AllGather | None = None,
     reduce_scatter: ReduceScatter | None = None,
@@ -57,13 +76,13 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinning needs an accelerator: on a CPU-only host the params simply stay in (plain) host memory.
-    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params is not None
                               else OffloadPolicy())
     blocks = list(blocks)
     for i, block in enumerate(blocks):
         # The last block is the first backward needs: resharding it after forward would only gather it
         # again at once (torchtitan's default; FSDP2 keeps the root gathered for the same reason).
-        last = i == len(blocks) - 1 and not offload_params
+        last = i == len(blocks) - 1 and offload_params is None
         # an int N (hpZ): after forward each block keeps a secondary shard over groups of N consecutive ranks
         # (a node), so backward all-gathers it inside the node (FSDP2's post-forward mesh)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False if last else reshard_after_forward,
@@ -81,7 +100,7 @@ def apply_fsdp(
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
             block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - prefetch):i])))
-    if isinstance(offload_params, ParamOffload):
+    if offload_params is not None:
         offload_params.attach(model, blocks)
 
 
@@ -110,8 +129,8 @@ class FullyShardedStage(ZeroStage):
         return [local_tensor(p.data) for p in self.params]
 
     def local_grads(self) -> list[torch.Tensor]:
-        if self.param_offload is not None:  # gradients went to NVMe as reduced: their norms stand in
-            return self.param_offload.grad_norms()
+        if self.param_offload is not None:  # with NVMe the gradients went to a file: their norms stand in
+            return self.param_offload.local_grads(self.params)
         return param_grads(self.params)
 
     def replication(self) -> list[int]:
@@ -127,6 +146,6 @@ class FullyShardedStage(ZeroStage):
         return held_grad_bytes(self.params)
 
     def param_bytes(self) -> int:
-        if self.param_offload is not None:  # shards in memory right now (the rest are on NVMe)
-            return self.param_offload.resident_bytes()
+        if self.param_offload is not None:  # shards in memory right now (with NVMe: the rest are in a file)
+            return self.param_offload.param_bytes(self.params)
         return sum(local_tensor(p.data).nbytes for p in self.params)

@@ -1,0 +1,46 @@
+"""A page-aligned host buffer with one region per optimizer state and one for the gradient.
+
+Shared by the NVMe optimizer store (:mod:`.nvme_store`, a buffer per sub-group) and ZeRO-Infinity's
+deferred step (:mod:`.deferred_step`, a buffer per piece): both read a group's states into it with
+O_DIRECT, update them in place and write them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aio import align_up, aligned_empty, as_buffer
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
+
+
+class StateBuffer:
+    """One page-aligned host buffer with a region per state plus an fp32 gradient region."""
+
+    def __init__(self, numel: int, pin: bool) -> None:
+        region = align_up(max(numel, 1) * 4)
+        self.raw = aligned_empty(4 * region, pin=pin)
+        parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(STATES + ("grad",))}
+        self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}
+        self.mv = {k: as_buffer(parts[k]) for k in STATES}
+        self.state_bytes = 3 * region
+        self._grad_raw = parts["grad"]
+        self.grads_landed: torch.cuda.Event | None = None  # device->host grad copies into this buffer
+        self.uploaded: torch.cuda.Event | None = None  # host->device weight copies out of this buffer
+
+    def staging(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient region viewed as ``dtype`` (free once the group's update has run)."""
+        return self._grad_raw.view(dtype)
+
+    def wait_grads(self) -> None:
+        if self.grads_landed is not None:
+            self.grads_landed.synchronize()
+            self.grads_landed = None
+
+    def wait_copies(self) -> None:
+        """Before the host overwrites this buffer: every device copy into or out of it is done."""
+        self.wait_grads()
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+            self.uploaded = None
