@@ -42,7 +42,7 @@ def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False) -
     from deepshard.core.mesh import local_device
     from deepshard.core.sequence_parallel import shard_sequence
     from deepshard.finetune.models.llama import Llama, LlamaConfig
-    from deepshard.finetune.models.parallelize import parallelize_llama
+    from deepshard.finetune.models.llama.parallelize import parallelize_llama
 
     cfg = LlamaConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
                       max_seq_len=max(SEQS), mlp_tiles=tiles)

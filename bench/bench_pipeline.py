@@ -43,7 +43,7 @@ def _measure(pp: int, schedule: str, m: int, args: argparse.Namespace) -> dict[s
     """Step and schedule times and the busy fraction on this rank (a process group exists)."""
     from deepshard.core import EngineConfig, OptimConfig, ParallelDims, ZeroConfig, build_mesh
     from deepshard.finetune.models.llama import Llama, LlamaConfig
-    from deepshard.finetune.models.parallelize import pipeline_llama
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
     cfg = LlamaConfig(vocab_size=2048, dim=256, n_layers=args.layers, n_heads=8, n_kv_heads=4, ffn_hidden=704,
                       max_seq_len=args.seq)

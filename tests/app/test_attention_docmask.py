@@ -95,10 +95,10 @@ def test_model_logits_same_through_either_mask(monkeypatch):
     ids = torch.randint(0, 97, (2, 300), generator=torch.Generator().manual_seed(0))
     doc_ids = packed_doc_ids(2, 300, seed=5)
     dense = model(ids, doc_ids=doc_ids)
-    monkeypatch.setattr("deepshard.finetune.models.llama.use_flex", lambda device, backend: True)
+    monkeypatch.setattr("deepshard.finetune.models.llama.model.use_flex", lambda device, backend: True)
     seen = []
     real = attention.attend
-    monkeypatch.setattr("deepshard.finetune.models.llama.attend",
+    monkeypatch.setattr("deepshard.finetune.models.llama.model.attend",
                         lambda q, k, v, mask=None: seen.append(type(mask)) or real(q, k, v, mask))
     fused = model(ids, doc_ids=doc_ids)
     assert seen == [BlockMask] * cfg.n_layers  # one mask, built once, reaches every layer

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from deepshard.core.checkpoint.consolidate import iter_full_tensors
-from deepshard.finetune.models.hf import llama_config_from_hf, load_hf_weights
+from deepshard.finetune.models.hf import load_hf_weights
 from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.models.llama.hf import llama_config_from_hf
 from deepshard.finetune.tools.export import main
 from deepshard.finetune.tools.hf_export import export_checkpoint
 from tests.checkpoint.ckpt_harness import MICRO, SPLIT

@@ -139,7 +139,7 @@ def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
 def _pipe_run(axis: str, size: int) -> tuple[list[float], dict]:
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.mesh import local_device
-    from deepshard.finetune.models.parallelize import pipeline_llama
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
     from deepshard.finetune.recipe.steppers import PipelineStepper
 
     mesh = build_mesh(ParallelDims(**{axis: size}))

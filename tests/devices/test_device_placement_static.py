@@ -60,7 +60,7 @@ ALLOWED = {
         "a module parameter: follows the caller's torch.device context (meta, then to_empty)",
     f"{FINETUNE}/data/packing.py:*": "data pipeline: host tensors, moved to the device by steppers.model_inputs",
     f"{FINETUNE}/data/resumable.py:*": "data order from a seeded host generator (identical on every rank)",
-    f"{FINETUNE}/models/llama.py:Llama.init_weights":
+    f"{FINETUNE}/models/llama/model.py:Llama.init_weights":
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",
     f"{FINETUNE}/models/lora.py:init_adapters":
         "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",

@@ -84,8 +84,9 @@ def runs(tmp_path_factory):
 
 def _ours(base: Path, ckpt: Path):
     """Our Llama on the HF base, the checkpoint's adapters (and head) copied in by name."""
-    from deepshard.finetune.models.hf import llama_config_from_hf, load_hf_weights
+    from deepshard.finetune.models.hf import load_hf_weights
     from deepshard.finetune.models.llama import Llama
+    from deepshard.finetune.models.llama.hf import llama_config_from_hf
     from deepshard.finetune.models.lora import apply_lora
 
     model = Llama(llama_config_from_hf(base))
@@ -173,8 +174,8 @@ def test_merged_export_loads_in_transformers_with_our_logits(runs, tmp_path, cap
 
 
 def test_init_from_a_peft_adapter_folder(runs, tmp_path):
-    from deepshard.finetune.models.hf import llama_config_from_hf
     from deepshard.finetune.models.llama import Llama
+    from deepshard.finetune.models.llama.hf import llama_config_from_hf
     from deepshard.finetune.models.lora import LoraConfig, apply_lora
     from deepshard.finetune.models.peft_adapter import check_init_from, load_peft_adapter
     from deepshard.finetune.tools.adapter_export import export_adapter

@@ -76,8 +76,8 @@ def _resume(ckpt: str, pp: int, dp: int, tp: int, stage: int) -> dict:
     """A pp/tp run's LoRA checkpoint loaded into another layout and ZeRO stage: the trainable params."""
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.checkpoint.state import load_checkpoint
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
     from deepshard.finetune.models.lora import apply_lora
-    from deepshard.finetune.models.parallelize import pipeline_llama
 
     model = base_model()
     apply_lora(model, r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=("lm_head",))
@@ -93,8 +93,8 @@ def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.checkpoint.state import save_checkpoint
     from deepshard.core.dtensor_utils import local_tensor
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
     from deepshard.finetune.models.lora import LoraConfig, apply_lora
-    from deepshard.finetune.models.parallelize import pipeline_llama
 
     config = _config(stage)
     model = base_model()

@@ -60,7 +60,7 @@ def _app_run(nvme_path: str | None, grad_accum: int = 1) -> dict:
 
     from deepshard.core import ParallelDims, build_mesh, initialize
     from deepshard.finetune.models.llama import Llama
-    from deepshard.finetune.models.parallelize import parallelize_llama
+    from deepshard.finetune.models.llama.parallelize import parallelize_llama
     from deepshard.offload import OffloadConfig, make_store_factory, param_offload
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -22,7 +22,7 @@ def _status(key: str) -> int:
 def main(overrides: list[str]) -> dict:
     import torch
 
-    import deepshard.finetune.models.parallelize  # noqa: F401 - imports are the baseline, not the run
+    import deepshard.finetune.models.llama.parallelize  # noqa: F401 - imports are the baseline, not the run
     import deepshard.offload  # noqa: F401
     import deepshard.pipeline  # noqa: F401
     from deepshard.core import build_mesh, init_distributed

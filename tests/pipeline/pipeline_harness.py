@@ -80,7 +80,7 @@ def engine_config(case: Case) -> EngineConfig:
 def run_case(case: Case, num_steps: int = STEPS) -> dict:
     """On every rank: train ``num_steps`` and return losses, this rank's full params by FQN, sizes."""
     from deepshard.core import build_mesh
-    from deepshard.finetune.models.parallelize import pipeline_llama
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
     mesh = build_mesh(ParallelDims(pp=case.pp, dp=case.dp, tp=case.tp))
     trainer = pipeline_llama(build_model(), mesh, engine_config(case), schedule=case.schedule,

@@ -41,7 +41,7 @@ def _worker(cases: list[Case]) -> dict:
         out[FP16] = run_case(FP16)
         # a batch the microbatches cannot split fails before any compute
         from deepshard.core import ParallelDims, build_mesh
-        from deepshard.finetune.models.parallelize import pipeline_llama
+        from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
         trainer = pipeline_llama(build_model(), build_mesh(ParallelDims(pp=2)), engine_config(Case()),
                                  schedule="gpipe", microbatches=4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepshard.finetune.models.llama import Llama, LlamaConfig
-from deepshard.finetune.models.parallelize import check_tp, llama_stage_init, llama_tp_plan
+from deepshard.finetune.models.llama.parallelize import check_tp, llama_stage_init, llama_tp_plan
 from deepshard.pipeline import StageLayers, partition_layers, split_model, validate_pipeline
 from deepshard.pipeline.partition import partition_balanced, partition_uniform
 from tests.pipeline.pipeline_harness import MICRO, build_model

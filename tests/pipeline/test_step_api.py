@@ -86,7 +86,7 @@ def _engine(aux: bool) -> tuple[float, dict]:
 def _pipeline(aux: bool) -> tuple[float, dict]:
     from deepshard.core import ParallelDims, build_mesh
     from deepshard.core.mesh import local_device
-    from deepshard.finetune.models.parallelize import pipeline_llama
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
     trainer = pipeline_llama(model(), build_mesh(ParallelDims(pp=2)), _config(), schedule="1f1b", microbatches=2)
     if aux:

@@ -131,7 +131,7 @@ def _run(sp: int | tuple[int, int], stage: int, micro: int, accum: int, ac: str,
         initialize,
     )
     from deepshard.core.mesh import local_device
-    from deepshard.finetune.models.parallelize import parallelize_llama
+    from deepshard.finetune.models.llama.parallelize import parallelize_llama
     from deepshard.finetune.recipe.steppers import EngineStepper
     from deepshard.offload import CpuStateStore
 

@@ -55,9 +55,10 @@ def check_inputs(settings: Settings) -> None:
     """User data read through once (ValueError naming file and line), and model=hf's files."""
     check_records(settings.data)
     if settings.model_name == "hf":  # config.json was read by validate(); here the tokenizer and weights' headers
-        from deepshard.finetune.models.hf import check_hf_dir
+        from deepshard.finetune.models import registry
 
-        check_hf_dir(settings.model_path, dataclasses.replace(settings.model, kernels="torch"))
+        cfg = dataclasses.replace(settings.model, kernels="torch")
+        registry.spec_of(cfg).hf.check_dir(settings.model_path, registry.build_meta(cfg))
 
 
 def check_data_fits(settings: Settings) -> tuple[Dataset, Dataset | None]:

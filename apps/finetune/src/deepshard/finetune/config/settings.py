@@ -1,6 +1,6 @@
 """The app's typed config: dataclasses registered in Hydra's ConfigStore, and their validation.
 
-Library configs (core's ``ZeroConfig``, ``OptimConfig``, ``LlamaConfig``, ``LoraConfig``, ...) are
+Library configs (core's ``ZeroConfig``, ``OptimConfig``, a model family's config, ``LoraConfig``, ...) are
 frozen and validate themselves; Hydra needs mutable twins with the same fields, made here so the two
 can never drift apart.  Every default lives in one place: these dataclasses (a twin's are its library
 config's); a file under conf/ sets only what its choice changes (``+zero=stage3`` sets ``stage: 3``).
@@ -37,8 +37,7 @@ from deepshard.finetune.config.layout_checks import (
     validate_zeropp,
 )
 from deepshard.finetune.config.world import host_world_size, resolve_nproc
-from deepshard.finetune.models.hf import llama_config_from_hf
-from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.finetune.models import registry
 from deepshard.finetune.models.lora import LoraConfig, check_lora_parallel, lora_settings
 from deepshard.kernels import resolve_backend
 from deepshard.offload import AioConfig, OffloadConfig, validate_config, validate_offload
@@ -87,11 +86,12 @@ ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
 
 
-# the architecture's defaults are LlamaConfig's (the tiny preset); ``kernels`` is the top-level key
+# the architecture's keys and defaults are the default family's config's (the tiny preset); ``kernels``
+# is the top-level key
 ModelSchema = dataclasses.make_dataclass(
     "ModelSchema", [("name", str, field(default="tiny")),  # tiny | small | hf
                     ("path", typing.Optional[str], field(default=None))],  # noqa: UP045 - OmegaConf needs Optional
-    bases=(hydra_twin(LlamaConfig, "LlamaTwin", exclude=("kernels",)),))
+    bases=(hydra_twin(registry.get(registry.DEFAULT_FAMILY).config, "ArchTwin", exclude=("kernels",)),))
 
 
 AUTO = ("auto", "auto_or_fresh")  # checkpoint.resume values that search checkpoint.dir
@@ -270,7 +270,7 @@ class Settings:
     """Everything a worker needs, typed and validated once, before any worker starts (it pickles)."""
 
     engine: EngineConfig
-    model: LlamaConfig
+    model: Any  # a model family's config (``registry.spec_of(model)``: its family)
     model_name: str
     model_path: str | None
     world_size: int  # torchrun's, or the local workers the app starts
@@ -367,19 +367,21 @@ def _validate_profile(c: dict) -> ProfileConfig:
     return p
 
 
-def _validate_model(c: dict, kernels: str, seq_len: int) -> LlamaConfig:
-    """The architecture: a preset's keys (LlamaConfig checks the head split), or model=hf's config.json."""
+def _validate_model(c: dict, kernels: str, seq_len: int) -> Any:
+    """The architecture: a preset's keys (the default family's config checks the head split), or
+    model=hf's config.json (read by the family its model_type names)."""
     if c["name"] not in ("tiny", "small", "hf"):
         raise ValueError(f"model.name={c['name']!r}: valid values are ['tiny', 'small', 'hf']")
     if c["name"] == "hf":
         if not c["path"]:
             raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
-        model = dataclasses.replace(llama_config_from_hf(c["path"]), mlp_tiles=c.get("mlp_tiles", 1))
+        hf = registry.for_hf(c["path"]).hf
+        model = dataclasses.replace(hf.config_from_hf(c["path"]), mlp_tiles=c.get("mlp_tiles", 1))
     else:
         arch = {k: v for k, v in c.items() if k not in ("name", "path")}
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             _positive(f"model.{key}", arch[key])
-        model = LlamaConfig(**arch)
+        model = registry.get(registry.DEFAULT_FAMILY).config(**arch)
     if seq_len > model.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
     return dataclasses.replace(model, kernels=_kernels_backend(kernels))
@@ -474,9 +476,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
         settings = dataclasses.replace(settings, offload=check_param_swap(settings, world))
     if parallel.tp > 1:
-        from deepshard.finetune.models.parallelize import check_tp
-
-        check_tp(settings.model, parallel.tp)
+        registry.spec_of(settings.model).check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:
         validate_sp(settings)
     if settings.model.mlp_tiles > 1:  # (one tile always fits; the layout's own checks come first)

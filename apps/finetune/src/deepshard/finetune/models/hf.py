@@ -1,8 +1,9 @@
-"""The HF Llama family <-> our Llama: config mapping, parameter names, safetensors in and out.
+"""HF checkpoints in and out, whatever the family: parameter names, safetensors reading and
+streamed writing, a folder's checks.  A family's own config.json mapping lives with it
+(``models/<family>/hf.py``) and reaches the app through its spec's ``HFAdapter``.
 
-Our module names are HF's minus the ``model.`` prefix (``lm_head`` has none), and our RoPE is
-HF's rotate-half convention, so weights move across unchanged.  Only what our model can
-represent is accepted; anything else (biases, RoPE scaling, another head_dim) is refused by name.
+Our module names are HF transformers' causal-LM names minus the ``model.`` prefix (``lm_head``
+has none), so weights move across unchanged; anything without a place in our model is refused by name.
 """
 
 from __future__ import annotations
@@ -14,20 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from deepshard.finetune.models.llama import Llama, LlamaConfig, copy_global
+from deepshard.core.dtensor_utils import copy_global
 
-HF_ARCH = "LlamaForCausalLM"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
 
 
-def _read_json(f: Path) -> Any:
+def read_json(f: Path) -> Any:
     try:
         return json.loads(f.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
@@ -44,66 +44,15 @@ def from_hf_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _bad(path: str | Path, key: str, value: Any, valid: str) -> ValueError:
+def bad_value(path: str | Path, key: str, value: Any, valid: str) -> ValueError:
     return ValueError(f"model.path={str(path)!r}: config.json has {key}={value!r}; {valid}")
-
-
-def llama_config_from_hf(path: str | Path) -> LlamaConfig:
-    """Our LlamaConfig from a HF ``config.json`` (read as JSON: no transformers import needed)."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"model.path={str(path)!r}: no config.json there (expected a HF checkpoint directory)")
-    c = _read_json(f)
-    if not isinstance(c, dict):
-        raise ValueError(f"{f}: expected a JSON object, got {type(c).__name__}")
-    missing = [k for k in REQUIRED_KEYS if k not in c]
-    if missing:
-        raise ValueError(f"{f}: missing key {missing[0]!r} (a Llama config.json needs {list(REQUIRED_KEYS)})")
-    if c.get("model_type") not in ("llama", "mistral", "qwen2", None):
-        raise _bad(path, "model_type", c.get("model_type"), "only the Llama family is supported")
-    if c.get("hidden_act", "silu") != "silu":
-        raise _bad(path, "hidden_act", c["hidden_act"], "only silu (SwiGLU) is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            raise _bad(path, key, c[key], "our Llama has no biases")
-    rope = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise _bad(path, "rope_type", rope_type, "only default RoPE is supported")
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    if head_dim * heads != c["hidden_size"]:
-        raise _bad(path, "head_dim", head_dim, "must be hidden_size / num_attention_heads")
-    return LlamaConfig(
-        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads") or heads, ffn_hidden=c["intermediate_size"],
-        max_seq_len=c.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta",
-                                                                                   c.get("rope_theta", 10000.0))),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-    )
-
-
-def hf_config_dict(cfg: LlamaConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
-                   eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
-    """A ``config.json`` for LlamaForCausalLM describing ``cfg`` (built by transformers itself)."""
-    from transformers import LlamaConfig as HFLlamaConfig
-
-    hf = HFLlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, head_dim=cfg.head_dim, architectures=[HF_ARCH], dtype=dtype,
-    )
-    return hf.to_dict()
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         files = [path / n for n in sorted(set(weight_map.values()))]
@@ -120,17 +69,16 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def check_hf_dir(path: str | Path, cfg: LlamaConfig) -> None:
-    """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly our
-    model's weights with our shapes (headers only: no tensor is read)."""
+def check_hf_dir(path: str | Path, model: nn.Module) -> None:
+    """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly the
+    weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
         raise ValueError(f"model.path={str(path)!r}: no tokenizer there (expected one of {list(TOKENIZER_MARKERS)}; "
                          f"save it with tokenizer.save_pretrained(DIR))")
-    with torch.device("meta"):
-        shapes = {n: list(p.shape) for n, p in Llama(cfg).named_parameters()}
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     missing = set(shapes)
     for f in safetensors_files(path):
         try:
@@ -143,7 +91,7 @@ def check_hf_dir(path: str | Path, cfg: LlamaConfig) -> None:
             if name not in shapes:
                 if "rotary_emb" in name:
                     continue
-                raise ValueError(f"{f}: weight {hf_name!r} has no place in our Llama")
+                raise ValueError(f"{f}: weight {hf_name!r} has no place in our model")
             if shape != shapes[name]:
                 raise ValueError(f"{f}: {hf_name} has shape {shape}, config.json implies {shapes[name]}")
             missing.discard(name)
@@ -152,7 +100,7 @@ def check_hf_dir(path: str | Path, cfg: LlamaConfig) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: Llama, path: str | Path) -> None:
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time."""
     from safetensors import safe_open
 
@@ -165,7 +113,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
                 if name not in params:
                     if "rotary_emb" in name:
                         continue
-                    raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our Llama")
+                    raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our model")
                 t = st.get_tensor(hf_name)
                 if t.shape != params[name].shape:
                     raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(t.shape)}, "

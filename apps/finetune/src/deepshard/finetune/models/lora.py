@@ -4,7 +4,7 @@ Each targeted ``nn.Linear`` becomes a :class:`LoraLinear` computing
 ``x W^T + (alpha / r) * B(A(dropout(x)))``: ``W`` is the frozen base weight (its name is unchanged,
 ``layers.0.self_attn.q_proj.weight``, so HF loading, checkpoints and the TP plan see the same
 model), ``A`` (``r x in``) and ``B`` (``out x r``) are the trainable adapters, named as PEFT names
-them for ``LlamaForCausalLM`` (``...q_proj.lora_A.weight``): an adapter's PEFT key is
+them for a HF causal LM (``...q_proj.lora_A.weight``): an adapter's PEFT key is
 ``base_model.model.`` + its HF name (:func:`peft_key`).  ``modules_to_save`` (the embedding, the
 head, the norms) stay fully trainable, as PEFT's ``modules_to_save`` do.  Every other parameter
 gets ``requires_grad=False``: the ZeRO stages, the optimizer and its state cover adapters only,
@@ -184,7 +184,7 @@ def init_adapters(model: nn.Module, *, seed: int = 0) -> None:
 
 
 def peft_key(name: str) -> str:
-    """Our parameter name -> its key in PEFT's ``adapter_model.safetensors`` for LlamaForCausalLM."""
+    """Our parameter name -> its key in PEFT's ``adapter_model.safetensors`` for a HF causal LM."""
     name = name.replace("_checkpoint_wrapped_module.", "")
     hf = name if name.startswith("lm_head.") else "model." + name
     return "base_model.model." + hf
@@ -215,7 +215,7 @@ def lora_settings(c: dict | None) -> LoraConfig | None:
 
 
 def count_lora_params(model: nn.Module, lora: LoraConfig) -> int:
-    """Trainable parameters of ``model`` (a plain, e.g. meta-device, Llama) under ``lora``: r x (in + out)
+    """Trainable parameters of ``model`` (a plain, e.g. meta-device, model of any family) under ``lora``: r x (in + out)
     per targeted projection, plus every parameter of the modules to save."""
     n = 0
     for _, _, child in _targets(model, lora.target_modules):

@@ -1,6 +1,7 @@
-"""The Llama family's memory plan: parameter counts (LoRA too), the largest ZeRO-3 unit, the
-ZeRO-Infinity buffers, and model-state bytes per rank by the README's ZeRO table (core's
-``expected_bytes``); the estimate CLI and the config's checks use it."""
+"""A model's memory plan: parameter counts (LoRA too), the largest ZeRO-3 unit, the ZeRO-Infinity
+buffers, and model-state bytes per rank by the README's ZeRO table (core's ``expected_bytes``); the
+estimate CLI and the config's checks use it.  The model comes from its config's family (the
+registry), built on the meta device; units are its ``layers`` and the rest (the root)."""
 
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from deepshard.core.memory import expected_bytes
+from deepshard.finetune.models.registry import build_meta
 
 OFFLOADS = ("none", "cpu", "nvme")
 
@@ -38,11 +40,9 @@ class Estimate:
 def count_params(model_cfg, lora=None) -> int:
     """Trainable parameters of the model config, built on the meta device (``lora``: a LoraConfig,
     then the adapters and the modules to save only)."""
-    from deepshard.finetune.models.llama import Llama
     from deepshard.finetune.models.lora import count_lora_params
 
-    with torch.device("meta"):
-        model = Llama(model_cfg)
+    model = build_meta(model_cfg)
     if lora is not None:
         return count_lora_params(model, lora)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -51,10 +51,7 @@ def count_params(model_cfg, lora=None) -> int:
 def largest_unit(model_cfg, *, tiled: bool = False) -> int:
     """Parameters of the largest ZeRO-3 unit all-gathered whole: one block, or the root (embeddings,
     final norm, head; ``tiled``: the final norm only, the vocabulary ops run in tiles)."""
-    from deepshard.finetune.models.llama import Llama
-
-    with torch.device("meta"):
-        model = Llama(model_cfg)
+    model = build_meta(model_cfg)
     block = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
     vocab = sum(p.numel() for m in (model.embed_tokens, model.lm_head) for p in m.parameters()) if tiled else 0
     return max(block, sum(p.numel() for p in model.parameters()) - len(model.layers) * block - vocab)
@@ -66,11 +63,9 @@ def unit_shards(model_cfg, world: int, *, tiled: bool = False, gathered: bool = 
     pads every param's dim 0 to a multiple of ``world``, and the swap places the padded shards
     (``slot_offsets``).  ``gathered``: only the units all-gathered whole (not a tiled embedding or
     head, which are read in rows): those the parameter pool holds."""
-    from deepshard.finetune.models.llama import Llama
     from deepshard.offload.units import slot_offsets
 
-    with torch.device("meta"):
-        model = Llama(model_cfg)
+    model = build_meta(model_cfg)
     own = [list(m.parameters()) for m in (model.embed_tokens, model.lm_head)] if tiled else []
     in_blocks = {id(p) for block in model.layers for p in block.parameters()} | {id(p) for u in own for p in u}
     units = [[p for p in model.parameters() if id(p) not in in_blocks]] + ([] if gathered else own) + [
@@ -126,11 +121,10 @@ def count_frozen(model_cfg, lora) -> int:
     """Under LoRA: the base parameters that are frozen (no grads, no optimizer state); 0 otherwise."""
     if lora is None:
         return 0
-    from deepshard.finetune.models.llama import Llama
     from deepshard.finetune.models.lora import apply_lora
 
+    model = build_meta(model_cfg)
     with torch.device("meta"):
-        model = Llama(model_cfg)
         apply_lora(model, r=lora.r, alpha=lora.alpha, target_modules=lora.target_modules,
                    modules_to_save=lora.modules_to_save, seed=None)
     return sum(p.numel() for p in model.parameters() if not p.requires_grad)

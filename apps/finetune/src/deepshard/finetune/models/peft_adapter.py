@@ -1,4 +1,4 @@
-"""A PEFT LoRA adapter folder (``peft.init_from=DIR``) read into our Llama: its settings checked
+"""A PEFT LoRA adapter folder (``peft.init_from=DIR``) read into our model: its settings checked
 against the run's before start, its weights copied into the adapters (plain or sharded params).
 Safetensors only: pickled ``.bin`` adapters are never loaded."""
 
@@ -52,7 +52,7 @@ def load_peft_adapter(model: nn.Module, path: str) -> int:
     loaded = set()
     for key, t in weights.items():
         if not key.startswith(PEFT_PREFIX):
-            raise ValueError(f"peft.init_from={path!r}: key {key!r} is not a PEFT LlamaForCausalLM adapter key")
+            raise ValueError(f"peft.init_from={path!r}: key {key!r} is not a PEFT causal-LM adapter key")
         name = from_hf_name(key[len(PEFT_PREFIX):]).replace(".modules_to_save", "")
         if name not in wanted:
             raise ValueError(f"peft.init_from={path!r}: {key!r} has no trainable place in this run "

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism applied to a Llama from outside (``parallel.sp``), as TP is.
+"""Ulysses sequence parallelism applied to a model from outside (``parallel.sp``), as TP is.
 
 Each sp rank runs the model on its consecutive slice of every sequence (``input_ids``, ``labels``
 and ``doc_ids`` all sliced alike; the labels were aligned on the whole sequence first, so the last
@@ -17,13 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.sequence_parallel import gather_sequence
-from deepshard.finetune.models.llama import Attention, LlamaConfig
 
 __all__ = ["apply_ulysses", "check_sp"]
 
 
-def check_sp(cfg: LlamaConfig, *, sp: int, tp: int = 1, seq_len: int | None = None) -> None:
-    """ValueError unless ``sp`` splits the sequence and each tp rank's heads evenly."""
+def check_sp(cfg: Any, *, sp: int, tp: int = 1, seq_len: int | None = None) -> None:
+    """ValueError unless ``sp`` splits the sequence and each tp rank's heads evenly (``cfg``: a
+    family's model config, with ``n_heads``)."""
     if sp == 1:
         return
     heads = cfg.n_heads // tp  # each tp rank's heads are what its sp ranks share
@@ -50,13 +50,14 @@ def _gather_doc_ids(group: Any):
 
 
 def apply_ulysses(model: nn.Module, sp_mesh: DeviceMesh) -> None:
-    """Every attention of ``model`` (a Llama) attends over whole sequences through ``sp_mesh``'s
-    all-to-alls; ``doc_ids`` are all-gathered over it.  In place; nothing to do at sp=1."""
+    """Every attention of ``model`` attends over whole sequences through ``sp_mesh``'s all-to-alls;
+    ``doc_ids`` are all-gathered over it.  In place; nothing to do at sp=1.  An attention module is
+    one with an ``sp_group`` attribute (None until set here), whatever its family."""
     if sp_mesh.size() == 1:
         return
     group = sp_mesh.get_group()
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    assert attentions, "apply_ulysses: the model has no Attention module"
+    attentions = [m for m in model.modules() if hasattr(m, "sp_group")]
+    assert attentions, "apply_ulysses: the model has no attention module (none has an sp_group)"
     for attn in attentions:
         attn.sp_group = group
     model.register_forward_pre_hook(_gather_doc_ids(group), with_kwargs=True)

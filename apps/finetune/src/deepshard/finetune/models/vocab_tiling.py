@@ -1,8 +1,8 @@
 """ZeRO-3's embedding and LM head in vocabulary tiles: never gathered whole (``model.vocab_tile_size``).
 
 Under ZeRO-3 the root unit (embeddings, final norm, head) is all-gathered whole at every forward and
-backward, and at a real vocabulary it is the largest unit by far (Llama-3: 1.05B of 8B parameters),
-so it sizes every gathered buffer, every gradient and every swap buffer.  :func:`apply_vocab_tiling`
+backward, and at a real vocabulary it is the largest unit by far (an 8B model with a 128K
+vocabulary: 1.05B of its parameters), so it sizes every gathered buffer, every gradient and every swap buffer.  :func:`apply_vocab_tiling`
 gives the embedding and the head FSDP2 units of their own whose forward is never called: the model
 reads their ``Shard(0)`` weights and runs ``deepshard.kernels.tiled_vocab`` on them (tiles of
 ``tile_size`` vocabulary rows gathered, used and freed; the tile's gradient reduce-scattered into
@@ -33,7 +33,7 @@ AUTO_TILE_ROWS = 4096  # gathered rows per tile under auto: [4096, dim] of the w
 
 @dataclass
 class VocabTiling:
-    """Set on the embedding and the head by :func:`apply_vocab_tiling`; read by ``Llama.forward``."""
+    """Set on the embedding and the head by :func:`apply_vocab_tiling`; read by the model's forward."""
 
     rows_per_rank: int  # rows of each rank's shard per tile (the gathered tile: world x this)
     dtype: torch.dtype  # the compute dtype (FSDP2's param_dtype): tiles are cast to it as gathered

@@ -10,7 +10,8 @@ a CPU-only host is the same RAM):
   the deferred step's buffers),
 - ZeRO-3's gathered units: the unit in use and ``zero.prefetch`` ahead, in the compute dtype, and
   its unsharded gradient; stages 0-2 their gradient buckets,
-- activations for ``data.seq_len`` x ``train.micro_batch_size`` under ``ac``, and the loss's
+- activations for ``data.seq_len`` x ``train.micro_batch_size`` under ``ac`` (the family's
+  ``activation_memory``), and the loss's
   logits chunk and gradient accumulators (a vocabulary tile under tiling),
 - a worker's own pages before training (``process_memory``: what the host's processes hold once,
   the forkserver's image among them, is counted by the caller, once per host).
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepshard.finetune.models.memory_plan import estimate, infinity_buffers, largest_unit
+from deepshard.finetune.models.registry import spec_of
 from deepshard.finetune.process_memory import WORKER_OWN
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -70,43 +72,6 @@ class WorkingSet:
         return self.host_total + (0 if on_device else self.device_total)
 
 
-def _block(cfg, s: RunShape, tokens: int) -> tuple[int, int]:
-    """(saved, backward transient) of one block for a rank's ``tokens``.  Saved: the block input and
-    norms, the rotated q/k, v, attention's output and log-sum-exp per head (under sp attention runs on
-    whole sequences for heads/sp heads: the same bytes per rank, kv heads repeated up to sp), the MLP's
-    input and SwiGLU's gate/silu/up/product.  Under ``mlp_tiles`` the MLP keeps only its input, and one
-    tile's intermediates exist in backward (the transient); untiled, the MLP's backward adds about one
-    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/bench_long_context.py (tests/sp/test_sp_estimate.py)."""
-    b = BYTES[s.dtype]
-    kv = max(cfg.n_kv_heads, s.sp if s.sp > 1 else 1) * cfg.head_dim
-    attn = tokens * b * (8 * cfg.dim + 3 * kv) + tokens * 4 * cfg.n_heads
-    tiles = max(1, min(s.mlp_tiles, tokens))
-    if tiles == 1:
-        return attn + tokens * b * (cfg.dim + 4 * cfg.ffn_hidden), tokens * b * cfg.ffn_hidden
-    return attn + tokens * b * cfg.dim, 4 * -(-tokens // tiles) * b * cfg.ffn_hidden
-
-
-def _activations(cfg, s: RunShape) -> tuple[int, int, int]:
-    """Activations of one micro-batch on one rank (``micro_batch_size x seq_len`` tokens, seq_len being
-    the rank's slice under sp) as (device, host, transient): every block's saved tensors (``_block``),
-    or with ``ac`` only the checkpointed blocks' inputs (the host's under ``ac_offload``, one streamed
-    back at a time), and the final norm's; plus the backward transient (under ``ac`` one block
-    recomputed), which the loss's logits block never meets (the loss is done before backward reaches
-    the blocks)."""
-    b = BYTES[s.dtype]
-    tokens = s.micro_batch_size * s.seq_len
-    saved, transient = _block(cfg, s, tokens)
-    if s.ac == "none":
-        return cfg.n_layers * saved + 3 * tokens * b * cfg.dim + transient, 0, transient
-    every = int(s.ac.split("_")[1]) if s.ac.startswith("every_") else 1  # full is every_1
-    recomputed = cfg.n_layers // every
-    inputs = recomputed * tokens * b * cfg.dim  # the embedding's output is the first block's input
-    kept = (cfg.n_layers - recomputed) * saved + 2 * tokens * b * cfg.dim + saved + transient
-    if s.ac_offload:
-        return kept + tokens * b * cfg.dim, inputs, saved + transient
-    return kept + inputs, 0, saved + transient
-
-
 def _loss(cfg, s: RunShape) -> int:
     """The fused linear + cross-entropy: a [chunk, vocab] fp32 logits block (a [chunk, tile] one under
     tiling; measured on CPU: one block at a time), the hidden states' gradient, and without tiling the
@@ -120,7 +85,8 @@ def _loss(cfg, s: RunShape) -> int:
 
 
 def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = None, frozen: int = 0) -> WorkingSet:
-    """``cfg``: the LlamaConfig; ``num_params``: trainable parameters per rank before dp sharding."""
+    """``cfg``: a family's model config (its spec gives the activations); ``num_params``: trainable
+    parameters per rank before dp sharding."""
     from deepshard.offload.aio import align_up
 
     ws = WorkingSet()
@@ -151,7 +117,7 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
         # full gradient at the peak), and at dp > 1 a packing buffer of about a bucket
         ws.device["gradients in flight"] = 4 * num_params + (
             4 * min(s.reduce_bucket_size, num_params) if s.dp > 1 and s.stage > 0 else 0)
-    ws.device["activations"], offloaded, transient = _activations(cfg, s)
+    ws.device["activations"], offloaded, transient = spec_of(cfg).activation_memory(cfg, s)
     if offloaded:
         ws.host["activations (offloaded inputs)"] = offloaded
     ws.device["loss"] = max(0, _loss(cfg, s) - transient)  # beyond the backward transient it never meets

@@ -3,8 +3,9 @@
 This is the one place that reads the whole ``Settings``; every component is built from its own
 section (the model from ``model``/``peft``, ZeRO and precision from ``engine``, offload from
 ``offload``, the checkpointer from ``checkpoint``, the profiler from ``profile``, the guard from
-``train``...).  The model is assembled by the Llama family's one recipe (``parallelize_llama``:
-TP, activation checkpointing, precision, ZeRO), which both the engine and the pipeline take.
+``train``...).  The model is assembled by its family's one recipe (the registry's ``ModelSpec.parallelize``:
+TP, activation checkpointing, precision, ZeRO), which both the engine and the pipeline take.  No
+family is named here: the config's class picks the spec (``registry.spec_of``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.utils.data import Dataset
 
@@ -29,8 +31,7 @@ from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.chat import resolve_template
 from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.data.tokenizer import load_tokenizer
-from deepshard.finetune.models.hf import load_hf_weights
-from deepshard.finetune.models.llama import Llama
+from deepshard.finetune.models import registry
 from deepshard.finetune.models.lora import apply_lora, init_adapters
 from deepshard.finetune.recipe.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.recipe.divergence import DivergenceGuard
@@ -50,11 +51,11 @@ def run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "local")
 
 
-def init_model(model: Llama, s: Settings) -> None:
+def init_model(model: nn.Module, s: Settings) -> None:
     """The run's seeded init, then the HF weights for model=hf (works on ZeRO-3 and TP shards too)."""
     model.init_weights(seed=s.train.seed)
     if s.model_name == "hf":
-        load_hf_weights(model, s.model_path)
+        registry.spec_of(s.model).hf.load_weights(model, s.model_path)
     if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base), or a PEFT folder's
         init_adapters(model, seed=s.train.seed)
         if s.peft.init_from:
@@ -63,10 +64,9 @@ def init_model(model: Llama, s: Settings) -> None:
             load_peft_adapter(model, s.peft.init_from)
 
 
-def build_model(s: Settings, device: torch.device, *, materialize: bool = True) -> Llama:
+def build_model(s: Settings, device: torch.device, *, materialize: bool = True) -> nn.Module:
     """On the meta device first (no memory); then, unless ZeRO-3 will shard it first, materialized."""
-    with torch.device("meta"):
-        model = Llama(s.model)
+    model = registry.build_meta(s.model)
     if s.peft is not None:  # +peft=lora: frozen base + adapters, before any parallelism is applied
         p = s.peft
         apply_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules,
@@ -85,10 +85,9 @@ def _materializer(s: Settings, offload_params: ParamOffload | None):
 
 
 def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineStepper | PipelineStepper:
-    """The engine (ZeRO on dp, TP on tp) or the pipeline trainer (pp > 1), each assembled by the one
-    recipe (``parallelize_llama``), behind the steppers' one protocol."""
-    from deepshard.finetune.models.parallelize import llama_stage_init, parallelize_llama, pipeline_llama
-
+    """The engine (ZeRO on dp, TP on tp) or the pipeline trainer (pp > 1), each assembled by the
+    family's one recipe (``spec.parallelize``), behind the steppers' one protocol."""
+    spec = registry.spec_of(s.model)
     device = local_device()
     store_factory = make_store_factory(s.offload, rank, run_id())
     offload_params = param_offload(s.offload, store_factory)  # None, CPU offload or the NVMe param swap
@@ -98,15 +97,15 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
         p = s.pipeline
         # each stage copies its part of the full model as the engine path builds it (HF weights, seeded
         # init, adapters): the stages together equal the unsplit model
-        init_fn = llama_stage_init(t.seed, full=lambda: build_model(s, torch.device("cpu")))
-        trainer = pipeline_llama(model, mesh, e, schedule=p.schedule, microbatches=s.micro_batches_per_step,
-                                 partition=p.partition, virtual_stages=p.virtual_stages or None,
-                                 init_fn=init_fn, store_factory=store_factory,
-                                 offload_params=offload_params, device=device)
+        init_fn = spec.stage_init(t.seed, full=lambda: build_model(s, torch.device("cpu")))
+        trainer = spec.pipeline(model, mesh, e, schedule=p.schedule, microbatches=s.micro_batches_per_step,
+                                partition=p.partition, virtual_stages=p.virtual_stages or None,
+                                init_fn=init_fn, store_factory=store_factory,
+                                offload_params=offload_params, device=device)
         return PipelineStepper(trainer, mesh, microbatches=s.micro_batches_per_step, device=device,
                                micro_batch_size=t.micro_batch_size, seq_len=s.data.seq_len, pad_id=pad_id)
     sharded_init = e.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
-    recipe = partial(parallelize_llama, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
+    recipe = partial(spec.parallelize, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
                      offload_params=offload_params, ac_offload=e.ac_offload)
     engine = initialize(build_model(s, device, materialize=not sharded_init), e, mesh=mesh,
                         parallelize_fn=recipe, store_factory=store_factory, offload_params=offload_params,
@@ -115,9 +114,11 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
 
 
 def run_meta(s: Settings) -> dict:
-    """What a checkpoint's manifest records of the run (``meta``): the architecture, the whole config,
-    and for LoRA the adapters' settings and the base by reference."""
-    meta = {"model": dataclasses.asdict(s.model), "config": dataclasses.asdict(s)}
+    """What a checkpoint's manifest records of the run (``meta``): the family and its architecture
+    (``registry.from_meta`` reads them back), the whole config, and for LoRA the adapters' settings
+    and the base by reference."""
+    meta = {"family": registry.spec_of(s.model).name, "model": dataclasses.asdict(s.model),
+            "config": dataclasses.asdict(s)}
     if s.peft is not None:
         meta["peft"] = dataclasses.asdict(s.peft)
         meta["base"] = {"model": s.model_name, "path": s.model_path, "seed": s.train.seed}
@@ -129,7 +130,8 @@ def step_flops(s: Settings) -> int:
     d, t = s.data, s.train
     # counted on the meta device, where Triton kernels cannot run: the torch paths do the same math
     torch_model = dataclasses.replace(s.model, kernels="torch")
-    flops = model_flops(lambda: Llama(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
+    build = registry.spec_of(torch_model).build
+    flops = model_flops(lambda: build(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
     return flops * s.micro_batches_per_step // (s.parallel.tp * s.parallel.pp)
 
 

@@ -5,7 +5,7 @@ state only; its manifest's ``meta`` names the LoRA settings (``peft``) and the b
 (``base``: model name, HF path, seed).
 
 - ``--adapter`` writes a PEFT adapter folder through PEFT's own API: a ``PeftModel`` over a
-  meta-device ``LlamaForCausalLM`` of the checkpoint's architecture gets the adapters
+  meta-device transformers model of the checkpoint's family and architecture gets the adapters
   (``set_peft_model_state_dict``) and ``save_pretrained`` writes ``adapter_config.json`` and
   ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, OUT)`` loads it.
 - ``--merge`` writes a full HF model (today's export format): each base weight, streamed from the
@@ -30,23 +30,17 @@ from torch import nn
 
 from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
 from deepshard.core.checkpoint.manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
-from deepshard.finetune.models.hf import (
-    from_hf_name,
-    hf_config_dict,
-    plan_shards,
-    safetensors_files,
-    to_hf_name,
-    write_safetensors,
-)
-from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.finetune.models import registry
+from deepshard.finetune.models.hf import plan_shards, safetensors_files, write_safetensors
 from deepshard.finetune.models.lora import LoraConfig, peft_key
 
 PREFIX = "model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraConfig, dict[str, Any]] | None:
-    """(manifest, model config, LoRA settings, base reference) of a LoRA checkpoint; None for a full one."""
+def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], Any, LoraConfig, dict[str, Any]] | None:
+    """(manifest, model config (its family's), LoRA settings, base reference) of a LoRA checkpoint;
+    None for a full one."""
     manifest = verify_checkpoint(ckpt)
     meta = manifest.get("meta", {})
     if "peft" not in meta:
@@ -56,7 +50,7 @@ def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], LlamaConfig, LoraConfig
     p = dict(meta["peft"])
     lora = LoraConfig(r=p["r"], alpha=p["alpha"], dropout=p["dropout"], target_modules=tuple(p["target_modules"]),
                         modules_to_save=tuple(p["modules_to_save"]))
-    return manifest, LlamaConfig(**meta["model"]), lora, dict(meta.get("base", {}))
+    return manifest, registry.from_meta(meta)[1], lora, dict(meta.get("base", {}))
 
 
 def is_lora_checkpoint(ckpt: str | Path) -> bool:
@@ -102,15 +96,14 @@ def _tokenizer_files(ckpt: Path, manifest: dict[str, Any]) -> list[str]:
 def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> dict[str, Any]:
     """A PEFT adapter folder from a LoRA checkpoint, written by ``PeftModel.save_pretrained``."""
     from peft import get_peft_model, set_peft_model_state_dict
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
 
     start = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out_dir)
     manifest, cfg, lora, base = _need_lora(ckpt, "--adapter")
     tokenizer = _tokenizer_files(ckpt, manifest)
     with torch.device("meta"):  # the base's weights are not needed to save adapters: no memory for them
-        skeleton = LlamaForCausalLM(HFLlamaConfig.from_dict(hf_config_dict(cfg)))
+        hf = registry.spec_of(cfg).hf
+        skeleton = hf.causal_lm(hf.config_dict(cfg))
     if base.get("path"):  # what adapter_config.json names as the base (PeftModel reads it from the model)
         skeleton.name_or_path = skeleton.config._name_or_path = str(base["path"])
     model = get_peft_model(skeleton, peft_config(lora, base), low_cpu_mem_usage=True)
@@ -133,7 +126,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32"
             "format": "peft-lora", "tokenizer": _copy_tokenizer(ckpt, tokenizer, out), "seconds": time.perf_counter() - start}
 
 
-def _base_lookup(cfg: LlamaConfig, base: dict[str, Any], base_dir: str | None) -> Callable[[str], torch.Tensor]:
+def _base_lookup(cfg: Any, base: dict[str, Any], base_dir: str | None) -> Callable[[str], torch.Tensor]:
     """Our name -> that base weight: read on demand from a HF folder, or from the run's seeded init."""
     path = base_dir or base.get("path")
     if base.get("model") == "hf" or base_dir:
@@ -141,22 +134,20 @@ def _base_lookup(cfg: LlamaConfig, base: dict[str, Any], base_dir: str | None) -
             raise ValueError(f"--base={path!r}: the base model's HF folder is needed to merge (pass --base DIR)")
         from safetensors import safe_open
 
+        hf = registry.spec_of(cfg).hf
         where = {}
         for f in safetensors_files(path):
             with safe_open(str(f), framework="pt") as st:
-                where.update({from_hf_name(k): (f, k) for k in st.keys()})
+                where.update({hf.from_hf_name(k): (f, k) for k in st.keys()})
 
         def read(name: str) -> torch.Tensor:
             if name not in where:
-                raise ValueError(f"--base={path!r}: no weight {to_hf_name(name)!r} there")
+                raise ValueError(f"--base={path!r}: no weight {hf.to_hf_name(name)!r} there")
             f, key = where[name]
             with safe_open(str(f), framework="pt") as st:
                 return st.get_tensor(key)
         return read
-    from deepshard.finetune.models.llama import Llama
-
-    with torch.device("meta"):
-        model = Llama(cfg)
+    model = registry.build_meta(cfg)
     model.to_empty(device="cpu")
     model.init_weights(int(base.get("seed", 0)))  # the run's seeded init: its frozen base exactly
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -165,7 +156,7 @@ def _base_lookup(cfg: LlamaConfig, base: dict[str, Any], base_dir: str | None) -
 
 def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base_dir: str | None = None,
                   max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
-    """A full HF LlamaForCausalLM folder: the base with ``alpha / r * B @ A`` merged into each target,
+    """A full HF folder of the checkpoint's family: the base with ``alpha / r * B @ A`` merged into each target,
     written tensor by tensor as the plain export does."""
     start = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out_dir)
@@ -175,10 +166,9 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
     infos = {i.key[len(PREFIX):]: i for i in tensor_infos(ckpt, PREFIX)}
     torch_dtype = DTYPES[dtype]
     base_weight = _base_lookup(cfg, base, base_dir)
-    from deepshard.finetune.models.llama import Llama
-
-    with torch.device("meta"):  # names and shapes in our order (a tied head is the embedding: once)
-        names = [(n, tuple(p.shape)) for n, p in Llama(cfg).named_parameters()]
+    hf = registry.spec_of(cfg).hf
+    # names and shapes in our order (a tied head is the embedding: once)
+    names = [(n, tuple(p.shape)) for n, p in registry.build_meta(cfg).named_parameters()]
 
     def merged(name: str) -> torch.Tensor:
         w = load_full_tensor(ckpt, infos[name]) if name in infos else base_weight(name)  # trained modules_to_save
@@ -188,7 +178,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
             w = w.float() + lora.scaling * (load_full_tensor(ckpt, b).float() @ load_full_tensor(ckpt, a).float())
         return w.to(torch_dtype)
 
-    specs = [(to_hf_name(n), torch_dtype, shape) for n, shape in names]
+    specs = [(hf.to_hf_name(n), torch_dtype, shape) for n, shape in names]
     groups = list(plan_shards(specs, max_shard_bytes))
     weight_map: dict[str, str] = {}
     total = 0
@@ -202,7 +192,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
     tok = manifest.get("meta", {}).get("tokenizer", {})
-    config = hf_config_dict(cfg, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    config = hf.config_dict(cfg, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
                             bos_token_id=tok.get("bos_token_id"), eos_token_id=tok.get("eos_token_id"),
                             pad_token_id=tok.get("pad_token_id"))
     (out_dir_ready(out) / "config.json").write_text(json.dumps(config, indent=2, default=str))

@@ -1,4 +1,4 @@
-"""A checkpoint as a HF LlamaForCausalLM folder (``export_checkpoint``), the CLI's default export.
+"""A checkpoint as a HF transformers folder of its family (``export_checkpoint``), the CLI's default export.
 
 The checkpoint is verified, then consolidated one tensor at a time (core's streaming reader) and
 written straight into safetensors shards, so memory stays near one tensor whatever the model size.
@@ -18,8 +18,8 @@ import torch
 
 from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
 from deepshard.core.checkpoint.manifest import CheckpointError, sealed_files, verify_checkpoint
-from deepshard.finetune.models.hf import hf_config_dict, plan_shards, to_hf_name, write_safetensors
-from deepshard.finetune.models.llama import LlamaConfig
+from deepshard.finetune.models import registry
+from deepshard.finetune.models.hf import plan_shards, write_safetensors
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 PREFIX = "model."
@@ -37,11 +37,11 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
     meta = manifest.get("meta", {})
     if "model" not in meta:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: its manifest names no model architecture (meta.model)")
-    cfg = LlamaConfig(**meta["model"])
+    spec, cfg = registry.from_meta(meta)  # the family names the HF config and the weights' names
     tokenizer = sealed_files(ckpt, manifest, TOKENIZER)  # before writing anything: refused, or copied at the end
     torch_dtype, hf_dtype = DTYPES[dtype]
     infos = tensor_infos(ckpt, PREFIX)
-    specs = [(to_hf_name(i.key[len(PREFIX):]), torch_dtype, i.shape) for i in infos]
+    specs = [(spec.hf.to_hf_name(i.key[len(PREFIX):]), torch_dtype, i.shape) for i in infos]
     out.mkdir(parents=True, exist_ok=True)
     groups = list(plan_shards(specs, max_shard_bytes))
     weight_map: dict[str, str] = {}
@@ -57,8 +57,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
                  "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     tok = meta.get("tokenizer", {})
-    config = hf_config_dict(cfg, dtype=hf_dtype, bos_token_id=tok.get("bos_token_id"),
-                            eos_token_id=tok.get("eos_token_id"), pad_token_id=tok.get("pad_token_id"))
+    config = spec.hf.config_dict(cfg, dtype=hf_dtype, bos_token_id=tok.get("bos_token_id"),
+                                 eos_token_id=tok.get("eos_token_id"), pad_token_id=tok.get("pad_token_id"))
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
     copy_sealed(ckpt, tokenizer, out)
     return {"out_dir": str(out), "step": manifest["step"], "tensors": len(specs), "files": len(groups),

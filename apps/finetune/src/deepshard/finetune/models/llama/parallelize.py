@@ -38,7 +38,7 @@ from deepshard.core.precision import DTYPES
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParallel, RowwiseWithChildren
 from deepshard.core.zero import ParamOffload
-from deepshard.finetune.models.llama import Llama, LlamaConfig
+from deepshard.finetune.models.llama.model import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
 from deepshard.finetune.models.ulysses import apply_ulysses, check_sp
 from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
