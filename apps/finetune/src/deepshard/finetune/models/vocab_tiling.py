@@ -4,7 +4,7 @@ Under ZeRO-3 the root unit (embeddings, final norm, head) is all-gathered whole 
 backward, and at a real vocabulary it is the largest unit by far (Llama-3: 1.05B of 8B parameters),
 so it sizes every gathered buffer, every gradient and every swap buffer.  :func:`apply_vocab_tiling`
 gives the embedding and the head FSDP2 units of their own whose forward is never called: the model
-reads their ``Shard(0)`` weights and runs ``deepshard.kernels.tiled_vocab`` on them (tiles of
+reads their ``Shard(0)`` weights and runs ``deepshard.core.zero.tiled_vocab`` on them (tiles of
 ``tile_size`` vocabulary rows gathered, used and freed; the tile's gradient reduce-scattered into
 the shard), so FSDP2 never gathers them.  Their gradients land on the sharded params' ``.grad``
 as FSDP2's own do, averaged over the same group; a parameter swap (``offload.params=nvme``) treats
@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.parallelize import IGNORE_INDEX
-from deepshard.kernels.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
+from deepshard.core.zero.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
 
 AUTO_TILE_ROWS = 4096  # gathered rows per tile under auto: [4096, dim] of the weight at a time
 
