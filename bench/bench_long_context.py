@@ -88,11 +88,23 @@ def estimate_step(cfg, num_params: int, *, sp: int, tiles: int, ac: str, seq: in
     """The estimator's figure for one rank's growth over a step of this layout (ZeRO 1 over the world)."""
     import dataclasses
 
-    from deepshard.finetune.models.working_set import RunShape, step_growth, working_set
+    from deepshard.finetune.models.working_set import RunShape, working_set
 
     cfg = dataclasses.replace(cfg, mlp_tiles=tiles)
     shape = RunShape(stage=1, dp=world, seq_len=seq // sp, sp=sp, mlp_tiles=tiles, ac=ac, ac_offload=ac_offload)
     return step_growth(working_set(cfg, num_params, shape, baseline=0), on_device=False)
+
+
+def step_growth(ws, on_device: bool) -> int:
+    """The part of the estimator's working set ``ws`` that this bench measures: what a step adds on top
+    of the model states and the process.  Activations and the loss at the start of backward, or the
+    gradients once the activations are freed (stages 0-2: they grow as the blocks' activations go),
+    plus the offloaded block inputs where the host's RAM is the device's too.  It lives here because
+    only this comparison needs it: the app sizes a run by the whole working set."""
+    act = ws.device.get("activations", 0) + ws.device.get("loss", 0)
+    act += 0 if on_device else ws.host.get("activations (offloaded inputs)", 0)
+    grads = ws.device.get("gradients in flight", 0) + ws.device.get("gathered units", 0)
+    return max(act, grads)
 
 
 def _worker(seqs: tuple[int, ...], budget_seq: int) -> dict:

@@ -97,3 +97,49 @@ def test_a_lazy_import_cycle_is_caught(tmp_path, monkeypatch):
     (pkg / "c.py").write_text("from planted_cycle import a  # noqa\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert import_cycles("planted_cycle") == [["planted_cycle.a", "planted_cycle.b"]]
+
+
+# kernels may read DTensor placements (torch.distributed.tensor) but never communicate: whatever runs a
+# collective belongs in core (import-linter cannot forbid torch.distributed while allowing its tensor part)
+KERNELS_MAY_USE = {"torch.distributed.tensor", "torch.distributed.device_mesh"}
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+               "broadcast", "broadcast_object_list", "send", "recv", "isend", "irecv", "barrier",
+               "batch_isend_irecv"}
+
+
+def collective_uses(source: str) -> list[str]:
+    """Where ``source`` imports torch.distributed beyond its tensor/mesh modules, or calls a collective."""
+    import ast
+
+    def allowed(module: str) -> bool:
+        return not module.startswith("torch.distributed") or any(
+            module == ok or module.startswith(ok + ".") for ok in KERNELS_MAY_USE)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if not allowed(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] if node.module != "torch.distributed" else [
+                f"torch.distributed.{a.name}" for a in node.names]
+            found += [f"{node.lineno}: from {node.module} import ..." for n in names if not allowed(n)]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in COLLECTIVES:
+                found.append(f"{node.lineno}: {name}(...)")
+    return found
+
+
+def test_kernels_run_no_collectives():
+    src = ROOT / "packages/kernels/src/deepshard/kernels"
+    bad = {str(p.relative_to(src)): u for p in sorted(src.rglob("*.py")) if (u := collective_uses(p.read_text()))}
+    assert not bad, f"deepshard.kernels is torch and Triton only; move collectives to core: {bad}"
+
+
+def test_a_planted_collective_is_caught():
+    planted = "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor\n\n" \
+              "def f(x, g):\n    dist.all_gather_single(x, x, group=g)\n"
+    assert collective_uses(planted) == ["1: import torch.distributed", "5: all_gather_single(...)"]
+    assert collective_uses("from torch.distributed.tensor import Shard\nx.gather(1, i)\n") == []

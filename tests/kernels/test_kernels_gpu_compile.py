@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 
+from deepshard.kernels.backend import FP_FUSION
 from tests.kernels.kernels_testutil import INTERPRETING
 
 pytestmark = [
@@ -67,5 +68,6 @@ def test_kernel_compiles_to_cubin(case: str, tmp_path, monkeypatch: pytest.Monke
     lazy.fn.__globals__["tl"] = tl
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     src = ASTSource(fn=triton.jit(lazy.fn), signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "enable_fp_fusion": FP_FUSION})  # as our launches
     assert compiled.asm.get("cubin"), f"{case}: no cubin"

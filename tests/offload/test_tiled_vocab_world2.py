@@ -39,7 +39,7 @@ def _kernel_data(rank: int):
 def _kernels(mesh) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from deepshard.kernels.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
+    from deepshard.core.zero.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
 
     rank = mesh.get_local_rank()
     weight, hidden, targets, ids, grad_out = _kernel_data(rank)

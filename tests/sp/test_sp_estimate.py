@@ -1,8 +1,8 @@
 """The estimator's activations under sequence parallelism, MLP tiling and AC offload (issue 28): one
-rank's working set for a training step (``working_set.step_growth``) against the peak RSS growth a
-world-2 run measures over that step (bench/bench_long_context.py's measurement: ``clear_refs`` and VmHWM,
-large tensors unmapped on free), within 15%, at sp=1, sp=2 and sp=2 + ``mlp_tiles=8`` + ``ac=full``
-+ ``ac_offload``; and ``tools/estimate --fit-memory``: the seq_len it names fits and the next does
+rank's working set for a training step (the bench's ``step_growth`` of ``working_set``) against the
+peak RSS growth a world-2 run measures over that step (bench/bench_long_context.py's measurement:
+``clear_refs`` and VmHWM, large tensors unmapped on free), within 15%, at sp=1, sp=2 and sp=2 +
+``mlp_tiles=8`` + ``ac=full`` + ``ac_offload``; and ``tools/estimate --fit-memory``: the seq_len it names fits and the next does
 not, sp=2 with tiling and offloaded checkpoints fits several times sp=1's, bad sizes one line.
 One 2-rank launch (~15 s) and in-process checks (~5 s).
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -18,6 +19,9 @@ import torch
 
 Backend = Literal["triton", "torch"]
 VALID_BACKENDS = ("auto", "triton", "torch")
+# Every launch compiles with FP fusion (FMA) on, as the kernels were tested: Triton 3.9 defaults to it
+# but warns that 3.10 turns it off, a warning the user cannot act on and a numerics change we choose.
+FP_FUSION = True
 
 
 def _env_true(name: str) -> bool:
@@ -83,11 +87,22 @@ def check_triton_device(device: torch.device) -> None:
         )
 
 
+def compile_quietly(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, **options)``, after importing ``torch.utils.mkldnn`` (which inductor imports
+    on the first compiled call) with its own ``torch.jit.script_method`` DeprecationWarnings silenced:
+    torch's code, not the user's, and under ``-W error::DeprecationWarning`` they would fail that call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is", category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
+    return torch.compile(fn, **options)
+
+
 class LazyKernel:
     """A kernel function that is passed to ``triton.jit`` on its first launch.
 
     The function body refers to the module global ``tl``, which is bound to ``triton.language`` here
-    just before jitting. Kernels must not call other jitted helpers (inline them instead).
+    just before jitting. Kernels must not call other jitted helpers (inline them instead).  Each
+    launch passes ``enable_fp_fusion=FP_FUSION`` (the interpreter ignores it).
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -101,7 +116,7 @@ class LazyKernel:
 
             self.fn.__globals__["tl"] = triton.language
             self._jitted = triton.jit(self.fn)
-        return self._jitted[grid]
+        return functools.partial(self._jitted[grid], enable_fp_fusion=FP_FUSION)
 
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:

@@ -29,6 +29,8 @@ import threading
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
+from deepshard.kernels.backend import compile_quietly
+
 log = logging.getLogger(__name__)
 
 _VEC = 16  # torch's widest float vector (AVX-512); its scalar tail is numel % 16 at most
@@ -57,7 +59,7 @@ def _compiled():
     if _state["fn"] is None:
         with _lock:
             if _state["fn"] is None:
-                _state["fn"] = torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
+                _state["fn"] = compile_quietly(_adamw_pass, dynamic=True, fullgraph=True)
     return _state["fn"]
 
 

@@ -1,6 +1,6 @@
 """A vocabulary-tiled unit's shard on NVMe, read and written in rows (ZeRO-Infinity + tiling).
 
-The tiled embedding and head (``deepshard.kernels.tiled_vocab``) are FSDP2 units that are never
+The tiled embedding and head (``deepshard.core.zero.tiled_vocab``) are FSDP2 units that are never
 all-gathered: their ops gather tiles of rows.  With ``offload.params=nvme`` their shard stays in
 the param file: each tile reads only its rows of it (a rank's rows of a ``Shard(0)`` weight are
 contiguous; O_DIRECT needs 4096-aligned offsets and lengths, so an aligned superset of them is read
@@ -28,7 +28,7 @@ from .units import Slot, Unit
 
 
 class TiledShard:
-    """``deepshard.kernels.tiled_vocab.ShardIO`` for one tiled unit (one weight) of a param swap."""
+    """``deepshard.core.zero.tiled_vocab.ShardIO`` for one tiled unit (one weight) of a param swap."""
 
     def __init__(self, *, swap: UnitSwap, unit: Unit, norms: GradNorms) -> None:
         self.swap = swap

@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from deepshard.core.sequence_parallel import expand_kv_heads, heads_to_seq, seq_to_heads
+from deepshard.kernels.backend import compile_quietly
 
 DocMask = torch.Tensor | BlockMask  # dense bool [b, 1, s, s] (SDPA) or a flex BlockMask
 
@@ -59,7 +60,7 @@ def _fn(name: str, fn: Callable, device: torch.device) -> Callable:
     if device.type != "cuda":
         return fn
     if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=False)
+        _compiled[name] = compile_quietly(fn, dynamic=False)
     return _compiled[name]
 
 

@@ -125,17 +125,6 @@ def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = Non
     return ws
 
 
-def step_growth(ws: WorkingSet, on_device: bool) -> int:
-    """What a training step adds on top of the model states and the process (what a run's peak memory
-    grows by over a step: bench/bench_long_context.py measures it): activations and the loss at the start of
-    backward, or the gradients once the activations are freed (stages 0-2: they grow as the blocks'
-    activations go), plus the offloaded block inputs where the host's RAM is the device's too."""
-    act = ws.device.get("activations", 0) + ws.device.get("loss", 0)
-    act += 0 if on_device else ws.host.get("activations (offloaded inputs)", 0)
-    grads = ws.device.get("gradients in flight", 0) + ws.device.get("gathered units", 0)
-    return max(act, grads)
-
-
 def knobs_to_fit(s: RunShape) -> list[str]:
     """The settings that shrink the working set, in the order worth trying."""
     out = []

@@ -5,9 +5,11 @@ every one of them to the fused Triton kernels, ``"torch"`` to their exact PyTorc
 is the chunked linear + cross-entropy either way, so the [tokens, vocab] logits never exist).
 
 Its forward knows nothing of distribution: ZeRO, TP and pipelining are applied to it from outside,
-by functions.  One thing is distribution-aware on purpose, its init: it writes each weight through
-core's ``copy_global`` (a DTensor gets its own shard of the global tensor), so a ZeRO-3 or TP model
-built on the meta device (each rank holding only its shards) gets exactly the single-process weights.
+by functions; a recipe whose layout reads the embedding or computes the head's loss its own way sets
+``embed_fn``/``head_loss_fn`` (``models/parallelize.py``, ``models/vocab_tiling.py``).  One thing is
+distribution-aware on purpose, its init: it writes each weight through core's ``copy_global`` (a
+DTensor gets its own shard of the global tensor), so a ZeRO-3 or TP model built on the meta device
+(each rank holding only its shards) gets exactly the single-process weights.
 Module names follow HF Llama (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...), so HF
 checkpoints map onto it by adding or removing the ``model.`` prefix.
 """
@@ -15,6 +17,7 @@ checkpoints map onto it by adding or removing the ``model.`` prefix.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +35,6 @@ from deepshard.finetune.models.attention import (
     use_flex,
 )
 from deepshard.finetune.models.tiled_mlp import tiled_mlp
-from deepshard.finetune.models.vocab_tiling import embed, head_loss
 from deepshard.kernels import RMSNorm, apply_rotary, linear_cross_entropy, swiglu
 
 
@@ -162,6 +164,11 @@ class Llama(nn.Module):
         cos, sin = rope_cache(cfg, cfg.max_seq_len, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Seams a parallelize recipe fills where its layout reads the embedding or computes the head's
+        # loss its own way (vocabulary tiling, a vocabulary-sharded TP head); None: the modules' own
+        # forward and the fused chunked loss.  This file stays ignorant of the layouts.
+        self.embed_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_loss_fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] | None = None
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -182,7 +189,9 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
-        h = embed(self.embed_tokens, input_ids) if self.embed_tokens is not None else input_ids
+        h = input_ids
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids) if self.embed_fn is None else self.embed_fn(input_ids)
         # one mask per forward, shared by every layer: a flex BlockMask on CUDA, the dense one elsewhere
         extra = () if doc_ids is None else (
             build_doc_mask(doc_ids, fused=use_flex(doc_ids.device, self.cfg.kernels)),)
@@ -191,21 +200,17 @@ class Llama(nn.Module):
         if self.lm_head is None:
             return h
         h = self.norm(h)
-        if labels is not None:  # ZeRO-3's tiled head (models/vocab_tiling.py): never gathered whole
-            tiled = head_loss(self.lm_head, h, labels, reduction=reduction, chunk_size=self.cfg.loss_chunk_size)
-            if tiled is not None:
-                return tiled
-        weight = self.lm_head.weight
-        # logits wanted, a vocab-sharded TP head, or the fused loss switched off
-        if labels is None or hasattr(weight, "placements") or self.cfg.loss_chunk_size == 0:
+        if labels is not None and self.head_loss_fn is not None:
+            return self.head_loss_fn(h, labels, reduction)
+        if labels is None or self.cfg.loss_chunk_size == 0:  # logits wanted, or the fused loss switched off
             logits = self.lm_head(h)
             if labels is None:
                 return logits
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction=reduction)
-        return linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction=reduction, chunk_size=self.cfg.loss_chunk_size,
-                                    backend=self.cfg.kernels)
+        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                    ignore_index=IGNORE_INDEX, reduction=reduction,
+                                    chunk_size=self.cfg.loss_chunk_size, backend=self.cfg.kernels)
 
 
 PRESETS = {

@@ -8,7 +8,8 @@ TP layout (no sequence parallelism): q/k/v and gate/up are column-parallel (each
 slice of the heads and of the hidden units: the attention's ``view(b, s, -1, head_dim)`` sees its
 local heads), o/down are row-parallel (one all-reduce per sub-block), the embedding is row-parallel
 over the vocabulary, the head column-parallel with its logits all-gathered (Replicate), so the
-ordinary cross-entropy gives the exact loss.  Norms are replicated DTensors, so gradient clipping
+ordinary cross-entropy gives the exact loss (the recipe sets it as the model's ``head_loss_fn``: the
+fused chunked loss takes no vocabulary-sharded weight).  Norms are replicated DTensors, so gradient clipping
 counts them once per tp group.
 
 LoRA (``+peft=lora``): the adapters are split with their base layer so the sum equals the
@@ -23,6 +24,7 @@ all-reduce.  The rank ``r`` is never split, so every rank and target works where
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
                              tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload)
+    if mesh["tp"].size() > 1 and getattr(model, "lm_head", None) is not None:
+        model.head_loss_fn = partial(_logits_loss, model.lm_head)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
         part.num_params += tiled - sharded_numel(model)
     return part
@@ -140,6 +144,12 @@ def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = No
             stage.rope_sin.copy_(whole.rope_sin)
 
     return init
+
+
+def _logits_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The TP head's loss: its all-gathered logits, then the plain cross-entropy."""
+    return F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.kernels.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
+from deepshard.core.zero.tiled_vocab import tiled_embedding, tiled_linear_cross_entropy
 
 
 def _data(n: int, h: int, v: int, seed: int = 0):

@@ -19,6 +19,8 @@ so a loss scaled for ZeRO's average gives the same step.  ``shard_io`` (optional
 stands for the shard's data where it is not in memory (ZeRO-Infinity with params on NVMe): each
 tile reads only its rows of this rank's shard from it, and the tile's reduced gradient rows go to
 it instead of the shard's ``.grad``, so the shard is never whole in memory, nor its gradient.
+
+It lives in core, not in ``deepshard.kernels``: it runs collectives, and kernels is torch and Triton only.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-from deepshard.kernels import _dtensor as dt
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["ShardIO", "ShardInfo", "tiled_embedding", "tiled_linear_cross_entropy"]
 
@@ -65,10 +66,10 @@ class ShardInfo:
     @classmethod
     def of(cls, weight: Any) -> ShardInfo:
         """From a plain weight (one rank) or a ``Shard(0)`` DTensor on a 1-D mesh (or a flattened one)."""
-        if not dt.is_dtensor(weight):
+        if not isinstance(weight, DTensor):
             return cls(weight.shape[0], 1, 0, None)
         placements = weight.placements
-        if len(placements) != 1 or not isinstance(placements[0], dt.Shard) or placements[0].dim != 0:
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
             raise ValueError(f"tiled vocabulary ops: the weight must be Shard(0) on a 1-D mesh, got {placements}")
         mesh = weight.device_mesh
         return cls(weight.shape[0], mesh.size(), mesh.get_local_rank(), mesh.get_group())
@@ -255,14 +256,14 @@ class _TiledEmbedding(torch.autograd.Function):
 
 
 def _local(weight: Any) -> torch.Tensor:
-    return weight.to_local() if dt.is_dtensor(weight) else weight
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _check_common(name: str, tile_size: int, grad_reduce: str) -> None:
     if tile_size < 1:
-        raise ValueError(f"kernels.{name}: tile_size={tile_size}; must be >= 1 (rows of each rank's shard per tile)")
+        raise ValueError(f"{name}: tile_size={tile_size}; must be >= 1 (rows of each rank's shard per tile)")
     if grad_reduce not in ("avg", "sum"):
-        raise ValueError(f"kernels.{name}: grad_reduce={grad_reduce!r}; valid: avg, sum")
+        raise ValueError(f"{name}: grad_reduce={grad_reduce!r}; valid: avg, sum")
 
 
 def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: Any, targets: torch.Tensor, *, ignore_index: int = -100,
@@ -273,12 +274,12 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: Any, targets: torch
     per rank at a time; the logits never beyond ``[chunk_size, world * tile_size]``."""
     _check_common("tiled_linear_cross_entropy", tile_size, grad_reduce)
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"kernels.tiled_linear_cross_entropy: reduction={reduction!r}; valid: mean, sum")
+        raise ValueError(f"tiled_linear_cross_entropy: reduction={reduction!r}; valid: mean, sum")
     if chunk_size < 1:
-        raise ValueError(f"kernels.tiled_linear_cross_entropy: chunk_size={chunk_size}; must be >= 1")
+        raise ValueError(f"tiled_linear_cross_entropy: chunk_size={chunk_size}; must be >= 1")
     if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] \
             or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"kernels.tiled_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight "
+        raise ValueError(f"tiled_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight "
                          f"{tuple(weight.shape)}, targets {tuple(targets.shape)} do not match ([N, H], [V, H], [N])")
     info = ShardInfo.of(weight)
     opts = dict(ignore_index=ignore_index, reduction=reduction, tile_size=tile_size, chunk_size=chunk_size,
