@@ -62,6 +62,20 @@ def test_integer_sizes_written_as_1e9_are_taken_as_deepspeed_takes_them():
         validate_config(OffloadConfig(**compat_config(ds, dp=1, cuda=False).offload))
 
 
+def test_switches_written_as_1_or_0_are_taken_as_deepspeed_takes_them():
+    """DeepSpeed reads ``"overlap_comm": 1`` and ``"enabled": 1`` as true; the app's switches take only
+    true/false (issue 45), so the translation reads DeepSpeed's as DeepSpeed does."""
+    from deepshard.compat.ds_config import translate
+
+    t = translate({"zero_optimization": {"stage": 2, "overlap_comm": 0},
+                   "activation_checkpointing": {"cpu_checkpointing": 1}, "fp16": {"enabled": 1}})
+    assert t.entries["zero.overlap_comm"] == ("value", False)
+    assert t.entries["ac_offload"] == ("value", True)
+    assert t.entries["precision"][1] == "fp16"  # "enabled": 1 turned fp16 on, as in DeepSpeed
+    t = translate({"zero_optimization": {"stage": 2, "overlap_comm": 2}})  # not a switch value: kept, refused later
+    assert t.entries["zero.overlap_comm"] == ("value", 2)
+
+
 def test_unsupported_keys_one_warning_line(capsys):
     compat_config({"optimizer": {"type": "AdamW"}, "comms_logger": {"enabled": True}, "amp": {"enabled": True}},
                   dp=1, cuda=False)

@@ -159,6 +159,30 @@ def _ds_integer(ds_key: str | None, value: object) -> object:
     return value
 
 
+# DeepSpeed's switches: its config (pydantic, lax) takes 1/0 for true/false in them, and so do we; any
+# other value is left for the checks below or the settings' to refuse, named
+DS_BOOLEAN_KEYS = frozenset({
+    "enabled", "overlap_comm", "contiguous_gradients", "reduce_scatter", "round_robin_gradients",
+    "cpu_checkpointing", "partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+    "profile", "zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "single_submit", "overlap_events", "pipeline_read", "pipeline_write", "decoupled", "pin_memory",
+    "elastic_checkpoint", "load_from_fp32_weights", "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "consecutive_hysteresis",
+    "raise_error_at_min_scale", "wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
+    "zero_allow_untested_optimizer", "adam_w_mode", "fp32_allreduce",
+})
+
+
+def _ds_switches(value: object) -> object:
+    """The ds_config with DeepSpeed's switches written as 1/0 read as true/false (a copy)."""
+    if isinstance(value, dict):
+        return {k: (bool(v) if k in DS_BOOLEAN_KEYS and type(v) is int and v in (0, 1) else _ds_switches(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ds_switches(v) for v in value]
+    return value
+
+
 class _Translator:
     def __init__(self) -> None:
         self.t = Translation()
@@ -199,6 +223,7 @@ def _positive_int(value: object, key: str) -> None:
 
 def translate(ds: dict) -> Translation:
     """deepshard's settings for a DeepSpeed config dict (see the module docstring)."""
+    ds = _ds_switches(ds)
     tr = _Translator()
     t = tr.t
     handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
