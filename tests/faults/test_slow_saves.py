@@ -111,8 +111,8 @@ def test_a_slow_sync_save_that_writes_is_sealed_and_a_silent_one_is_still_a_hang
     verify_checkpoint(sync_run.root / "step-00000002")  # ...was sealed...
     assert re.search(r"step\s+4\s+loss", sync_run.out)  # ...and training went on
     assert sync_run.code == 1, sync_run.out[-3000:]  # the save of step 4 wrote nothing for hang_s
-    assert re.fullmatch(rf"error: rank \d has made no progress since step 4 \(checkpoint\) for {HANG_S} s",
-                        sync_run.last), sync_run.out[-3000:]
+    hang = re.fullmatch(r"error: rank \d has made no progress since step 4 \(checkpoint\) for (\d+) s", sync_run.last)
+    assert hang and int(hang[1]) >= HANG_S, sync_run.out[-3000:]  # the seconds it saw: hang_s or a poll more
     assert [p.name.split(".")[0] for p, _, _ in temp_dirs(sync_run.root)] == ["step-00000004"]
 
 
