@@ -151,14 +151,6 @@ DS_INTEGER_KEYS = frozenset({
 })
 
 
-def _ds_integer(ds_key: str | None, value: object) -> object:
-    """``1e9`` for one of :data:`DS_INTEGER_KEYS` as DeepSpeed reads it: the int 1000000000."""
-    leaf = (ds_key or "").rsplit(".", 1)[-1]
-    if leaf in DS_INTEGER_KEYS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 # DeepSpeed's switches: its config (pydantic, lax) takes 1/0 for true/false in them, and so do we; any
 # other value is left for the checks below or the settings' to refuse, named
 DS_BOOLEAN_KEYS = frozenset({
@@ -173,14 +165,22 @@ DS_BOOLEAN_KEYS = frozenset({
 })
 
 
-def _ds_switches(value: object) -> object:
-    """The ds_config with DeepSpeed's switches written as 1/0 read as true/false (a copy)."""
+def _ds_values(value: object) -> object:
+    """The ds_config as DeepSpeed's config reads it (a copy): its switches written as 1/0 are true/false,
+    its integer sizes written as a whole float (``1e9``) are ints."""
     if isinstance(value, dict):
-        return {k: (bool(v) if k in DS_BOOLEAN_KEYS and type(v) is int and v in (0, 1) else _ds_switches(v))
-                for k, v in value.items()}
+        return {k: _ds_value(k, v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_ds_switches(v) for v in value]
+        return [_ds_values(v) for v in value]
     return value
+
+
+def _ds_value(key: str, value: object) -> object:
+    if key in DS_BOOLEAN_KEYS and type(value) is int and value in (0, 1):
+        return bool(value)
+    if key in DS_INTEGER_KEYS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return _ds_values(value)
 
 
 class _Translator:
@@ -188,7 +188,7 @@ class _Translator:
         self.t = Translation()
 
     def set(self, key: str, value: object, ds_key: str | None = None) -> None:
-        self.t.set(key, _ds_integer(ds_key, value), ds_key)
+        self.t.set(key, value, ds_key)
 
     def copy(self, section: dict, path: str, mapping: dict[str, str]) -> None:
         """Map known keys of ``section`` to our keys; the rest are unsupported or built in."""
@@ -223,7 +223,7 @@ def _positive_int(value: object, key: str) -> None:
 
 def translate(ds: dict) -> Translation:
     """deepshard's settings for a DeepSpeed config dict (see the module docstring)."""
-    ds = _ds_switches(ds)
+    ds = _ds_values(ds)
     tr = _Translator()
     t = tr.t
     handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
