@@ -54,12 +54,13 @@ def test_deepspeed_offload_param_nvme_maps_to_ours():
 
 
 def test_estimator_knows_the_infinity_layout():
-    from deepshard.finetune.models.memory_plan import all_estimates, estimate
+    from deepshard.core.memory import residence as estimate
+    from deepshard.finetune.tools.estimate import all_estimates, options
 
     e = estimate(10_000, stage=3, dp=2, dtype="bf16", offload="nvme", offload_params="nvme", param_buffer_bytes=640)
     assert (e.device, e.host, e.nvme) == (0, 640, 16 * 10_000 // 2)  # params = fp32 masters, grads, 2 moments
-    assert e.options == "+zero=stage3 +offload=nvme offload.params=nvme"
-    rows = [r.options for r in all_estimates(10_000, dp=2, dtype="fp32")]
+    assert options(e) == "+zero=stage3 +offload=nvme offload.params=nvme"
+    rows = [options(r) for r in all_estimates(10_000, dp=2, dtype="fp32")]
     assert rows.count("+zero=stage3 +offload=nvme offload.params=nvme") == 1
     assert not any("offload.params=nvme" in r for r in rows if "stage3 +offload=nvme" not in r)
 
@@ -78,12 +79,12 @@ def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
 
 
 def _infinity_host(path, *overrides: str) -> int:
-    from deepshard.finetune.tools.estimate import compose, report
+    from deepshard.finetune.tools.estimate import compose, options, report
 
     base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={path}", "model=tiny",
             "launcher.nproc_per_node=2"]
     _, rows, *_ = report(compose([*base, *overrides]))
-    (row,) = [r for r in rows if r.options == "+zero=stage3 +offload=nvme offload.params=nvme"]
+    (row,) = [r for r in rows if options(r) == "+zero=stage3 +offload=nvme offload.params=nvme"]
     return row.host
 
 

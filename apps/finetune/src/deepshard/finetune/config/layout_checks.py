@@ -5,13 +5,13 @@ ValueError naming the keys, before any worker starts.  ``settings.validate`` cal
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 from deepshard.core.mesh import ParallelDims
+from deepshard.offload.config import OffloadConfig
 
-if TYPE_CHECKING:
-    from deepshard.finetune.config.settings import Settings
-    from deepshard.offload.config import OffloadConfig
+# ``settings``: the app's ``config.settings.Settings``, not imported (it imports this module: no circle)
+Settings = Any
 
 
 def validate_pipeline_layout(settings: Settings) -> None:
@@ -60,7 +60,7 @@ def check_param_swap(settings: Settings, world: int) -> OffloadConfig:
     world 2, over the 2**24 default); a given value must hold it."""
     from deepshard.finetune.models.memory_plan import count_params, unit_shards
     from deepshard.finetune.models.vocab_tiling import tile_rows
-    from deepshard.offload.config import OffloadConfig, validate_param_swap
+    from deepshard.offload.config import validate_param_swap
 
     per_rank = -(-count_params(settings.model) // world)
     par = settings.parallel  # ZeRO-3's vocabulary tiling makes the embedding and the head units of their own
