@@ -8,7 +8,6 @@ to its default counted as "not given": an explicit ``offload.sub_group_size=1677
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

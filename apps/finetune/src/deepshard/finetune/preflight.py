@@ -52,8 +52,8 @@ def _gib(n: int) -> str:
 def _need(s: Settings, nproc: int, base: JobBaseline, counts: ModelCounts | None = None,
           shape: RunShape | None = None) -> int:
     shape = shape or run_shape(s)
-    return nproc * working_set_of(s, baseline=base.per_rank, shape=shape, counts=counts).ram(shape.on_device) \
-        + base.shared_total
+    ws = working_set_of(s, baseline=base.per_rank, shape=shape, counts=counts)
+    return nproc * ws.ram(shape.on_device) + base.shared_total
 
 
 def check_memory(s: Settings, nproc: int, base: JobBaseline | None = None,
