@@ -36,7 +36,8 @@ def test_an_explicit_value_equal_to_the_default_is_kept(monkeypatch, tmp_path):
 def test_values_left_out_are_picked_and_resolved_before_the_workers(monkeypatch, tmp_path):
     _short_room(monkeypatch)
     s = validate(compose([*NVME, f"offload.nvme_path={tmp_path}"]))
-    assert set(s.offload_picks) == {"sub_group_size", "buffer_count", "param_buffer_count", "param_prefetch"}
+    assert set(s.offload_picks) == {"sub_group_size", "buffer_count", "param_buffer_count", "param_prefetch",
+                                    "param_buffer_size"}
     assert s.offload == OffloadConfig(**{**vars(s.offload)})  # library defaults, plain ints
     assert s.offload.sub_group_size == OffloadConfig.sub_group_size and s.offload.buffer_count == 3
     with pytest.raises(ValueError, match="memory: this run needs about"):  # no room at all: refused
@@ -69,10 +70,10 @@ def test_a_deepspeed_config_gives_explicit_values(tmp_path):
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4}}}))
     argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "launcher.nproc_per_node=2"])
     s = validate(compose(argv[1:]))
-    assert s.offload.params == "nvme" and s.offload_picks == ("param_prefetch",)
+    assert s.offload.params == "nvme" and s.offload_picks == ("param_prefetch", "param_buffer_size")
     assert (s.offload.sub_group_size, s.offload.buffer_count, s.offload.param_buffer_count) == (16777216, 3, 4)
 
 
 def test_the_schema_leaves_the_picks_unset():
     cfg = compose(NVME + ["offload.nvme_path=/tmp"])
-    assert all(cfg["offload"][k] is None for k in pf._CHOICE_KEYS)
+    assert all(cfg["offload"][k] is None for k in (*pf._CHOICE_KEYS, "param_buffer_size"))

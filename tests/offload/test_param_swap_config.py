@@ -109,8 +109,8 @@ def test_estimate_counts_the_deferred_steps_buffers(tmp_path):
 
 def test_default_param_buffer_size_follows_the_largest_block(tmp_path):
     """TinyLlama's shape at world 2: a block's shard is 22M elements, over ``param_buffer_size``'s 2**24
-    default, which the app takes as not given (the pool allocates the block's size anyway); a smaller
-    value given is a cap the block breaks, refused before any worker starts."""
+    default; left out, it follows the block (the pool allocates the block's size anyway); a smaller
+    value given is a cap the block breaks, refused before any worker starts, even the default's 2**24."""
     from deepshard.finetune.config import validate
     from deepshard.finetune.tools.estimate import compose
 
@@ -121,3 +121,5 @@ def test_default_param_buffer_size_follows_the_largest_block(tmp_path):
     assert validate(compose(base)).offload.param_buffer_size == block // 2
     with pytest.raises(ValueError, match=rf"offload.param_buffer_size=16000000 .*largest block shard \({block // 2} "):
         validate(compose([*base, "offload.param_buffer_size=16000000"]))
+    with pytest.raises(ValueError, match=rf"offload.param_buffer_size=16777216 .*largest block shard \({block // 2} "):
+        validate(compose([*base, "offload.param_buffer_size=16777216"]))  # given, though equal to the default

@@ -85,8 +85,9 @@ PrecisionSchema = dataclasses.make_dataclass(
     "PrecisionSchema", [("force_fp16_on_cpu", Any, switch(False))],
     bases=(hydra_twin(PrecisionConfig, "PrecisionTwin"),))
 ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
-# left out (None), these the preflight picks for the memory the run has, and says so; a given value is kept
-OFFLOAD_PICKS = ("sub_group_size", "buffer_count", "param_buffer_count", "param_prefetch")
+# left out (None), these the preflight picks for the memory the run has, and says so (param_buffer_size:
+# validate makes it the largest gathered unit's shard); a given value is kept
+OFFLOAD_PICKS = ("sub_group_size", "buffer_count", "param_buffer_count", "param_prefetch", "param_buffer_size")
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema", unset=OFFLOAD_PICKS)
 
 
