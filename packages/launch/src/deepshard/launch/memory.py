@@ -126,6 +126,6 @@ def job_baseline(nproc: int, sizes: ProcessSizes, *, forked: bool = True, image:
         return JobBaseline(per_rank=sizes.worker_own, shared={"forkserver image": image + sizes.server_imports,
                                                               "launcher after checks": sizes.launcher_after,
                                                               "rank 0 logger": sizes.rank0_extra})
-    others = max(nproc - 1, 0)  # this rank also loads the tokenizer and its data after the check
-    return JobBaseline(per_rank=0, shared={"this rank's tokenizer and data": sizes.launcher_after,
+    others = max(nproc - 1, 0)  # this rank also grows as the launcher does after the check (its inputs)
+    return JobBaseline(per_rank=0, shared={"this rank after the check": sizes.launcher_after,
                                            "other local ranks' images": others * image})
