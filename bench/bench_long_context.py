@@ -88,11 +88,12 @@ def estimate_step(cfg, num_params: int, *, sp: int, tiles: int, ac: str, seq: in
     """The estimator's figure for one rank's growth over a step of this layout (ZeRO 1 over the world)."""
     import dataclasses
 
+    from deepshard.finetune.models.memory_plan import ModelCounts
     from deepshard.finetune.models.working_set import RunShape, working_set
 
     cfg = dataclasses.replace(cfg, mlp_tiles=tiles)
     shape = RunShape(stage=1, dp=world, seq_len=seq // sp, sp=sp, mlp_tiles=tiles, ac=ac, ac_offload=ac_offload)
-    return step_growth(working_set(cfg, num_params, shape, baseline=0), on_device=False)
+    return step_growth(working_set(cfg, ModelCounts(num_params), shape, baseline=0), on_device=False)
 
 
 def step_growth(ws, on_device: bool) -> int:

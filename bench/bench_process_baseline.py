@@ -8,7 +8,7 @@ Pss, Anonymous, Rss in MiB), with the memory cgroup's usage, at three moments:
 - ``end``: the last sample before the launcher exits; and the group's peak, and each kind of
   process's largest Private_Dirty over the run (``max_private_dirty``).
 
-It also prints the preflight's estimate of the baseline (``process_memory.job_baseline`` read in a
+It also prints the preflight's estimate of the baseline (``preflight.job_baseline`` read in a
 fresh process with torch and the app imported, as the launcher is at its preflight) and its ratio to
 the group's growth at ``workers_started`` over the launcher's usage at its preflight.
 
@@ -87,17 +87,13 @@ def _env(tree: Path | None) -> dict:
 
 def estimate(tree: Path | None, nproc: int) -> dict | None:
     """The preflight's baseline, read in a fresh process importing what the launcher has imported."""
-    code = ("import json, os, deepshard.finetune.app, deepshard.finetune.preflight\n"
-            "try:  # this tree's module, not one the editable install finds in another checkout\n"
-            "    assert os.path.exists(os.path.join(os.path.dirname(deepshard.finetune.app.__file__), "
-            "'process_memory.py'))\n"
+    code = ("import json, os, deepshard.finetune.app, deepshard.finetune.preflight as pf\n"
+            "if hasattr(pf, 'APP_PROCESSES'):  # the app's sizes beside launch's job_baseline\n"
+            "    job_baseline = pf.job_baseline\n"
+            "else:  # a tree before them: the app's process_memory\n"
             "    from deepshard.finetune.process_memory import job_baseline\n"
-            "except (ImportError, AssertionError):  # a tree before process_memory: one resident size per rank\n"
-            "    from deepshard.finetune.models.working_set import process_baseline\n"
-            "    print(json.dumps({'per_rank': process_baseline() >> 20}))\n"
-            "else:\n"
-            f"    b = job_baseline({nproc})\n"
-            "    print(json.dumps({'per_rank': b.per_rank >> 20, **{k: v >> 20 for k, v in b.shared.items()}}))")
+            f"b = job_baseline({nproc})\n"
+            "print(json.dumps({'per_rank': b.per_rank >> 20, **{k: v >> 20 for k, v in b.shared.items()}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tree))
     return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
 

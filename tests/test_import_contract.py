@@ -87,6 +87,12 @@ def test_offload_has_no_import_cycle():
     assert not cycles, "offload modules import each other in a circle: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def test_app_has_no_import_cycle():
+    """The app's modules too (``config.layout_checks`` once imported ``config.settings`` for a type)."""
+    cycles = import_cycles("deepshard.finetune")
+    assert not cycles, "app modules import each other in a circle: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
 def test_a_lazy_import_cycle_is_caught(tmp_path, monkeypatch):
     """A circle closed by a function-level import (the old offload's trick) still counts."""
     pkg = tmp_path / "planted_cycle"

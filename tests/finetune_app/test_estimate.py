@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepshard.finetune.models.memory_plan import estimate
+from deepshard.core.memory import residence as estimate
 from deepshard.finetune.tools.estimate import compose, main, report
 from deepshard.launch.local import launch_local
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from deepshard.core.memory import residence as estimate
 from deepshard.finetune.config import validate
-from deepshard.finetune.models.memory_plan import estimate
-from deepshard.finetune.tools.estimate import compose, report
+from deepshard.finetune.tools.estimate import compose, options, report
 
 # the tiny preset: dim 256, 6 layers, 8 heads of 32, 4 kv heads, ffn 704, vocab 2048
 DIM, LAYERS, KV, FFN, VOCAB = 256, 6, 4 * 32, 704, 2048
@@ -54,7 +54,7 @@ def test_estimator_counts_adapters_as_trainable_and_the_base_as_params_only():
     _, rows, per_rank, dp = report(compose(["+peft=lora", "peft.r=8", "launcher.nproc_per_node=2"]))
     assert dp == 2 and per_rank == adapters(8)
     n, frozen = adapters(8), BASE
-    by = {r.options: r for r in rows}
+    by = {options(r): r for r in rows}
     # fp32: trainable 4 + 4 + 8 bytes (grads and Adam sharded per the stage), frozen base 4 bytes, no state
     assert by["+zero=stage0"].device == 16 * n + 4 * frozen
     assert by["+zero=stage1"].device == 4 * n + 4 * n + 8 * n // 2 + 4 * frozen

@@ -54,12 +54,13 @@ def test_deepspeed_offload_param_nvme_maps_to_ours():
 
 
 def test_estimator_knows_the_infinity_layout():
-    from deepshard.finetune.models.memory_plan import all_estimates, estimate
+    from deepshard.core.memory import residence as estimate
+    from deepshard.finetune.tools.estimate import all_estimates, options
 
     e = estimate(10_000, stage=3, dp=2, dtype="bf16", offload="nvme", offload_params="nvme", param_buffer_bytes=640)
     assert (e.device, e.host, e.nvme) == (0, 640, 16 * 10_000 // 2)  # params = fp32 masters, grads, 2 moments
-    assert e.options == "+zero=stage3 +offload=nvme offload.params=nvme"
-    rows = [r.options for r in all_estimates(10_000, dp=2, dtype="fp32")]
+    assert options(e) == "+zero=stage3 +offload=nvme offload.params=nvme"
+    rows = [options(r) for r in all_estimates(10_000, dp=2, dtype="fp32")]
     assert rows.count("+zero=stage3 +offload=nvme offload.params=nvme") == 1
     assert not any("offload.params=nvme" in r for r in rows if "stage3 +offload=nvme" not in r)
 
@@ -78,12 +79,12 @@ def test_app_checks_buffers_against_the_model_before_any_worker(tmp_path):
 
 
 def _infinity_host(path, *overrides: str) -> int:
-    from deepshard.finetune.tools.estimate import compose, report
+    from deepshard.finetune.tools.estimate import compose, options, report
 
     base = ["+zero=stage3", "+offload=nvme", "offload.params=nvme", f"offload.nvme_path={path}", "model=tiny",
             "launcher.nproc_per_node=2"]
     _, rows, *_ = report(compose([*base, *overrides]))
-    (row,) = [r for r in rows if r.options == "+zero=stage3 +offload=nvme offload.params=nvme"]
+    (row,) = [r for r in rows if options(r) == "+zero=stage3 +offload=nvme offload.params=nvme"]
     return row.host
 
 
@@ -108,8 +109,8 @@ def test_estimate_counts_the_deferred_steps_buffers(tmp_path):
 
 def test_default_param_buffer_size_follows_the_largest_block(tmp_path):
     """TinyLlama's shape at world 2: a block's shard is 22M elements, over ``param_buffer_size``'s 2**24
-    default, which the app takes as not given (the pool allocates the block's size anyway); a smaller
-    value given is a cap the block breaks, refused before any worker starts."""
+    default; left out, it follows the block (the pool allocates the block's size anyway); a smaller
+    value given is a cap the block breaks, refused before any worker starts, even the default's 2**24."""
     from deepshard.finetune.config import validate
     from deepshard.finetune.tools.estimate import compose
 
@@ -120,3 +121,5 @@ def test_default_param_buffer_size_follows_the_largest_block(tmp_path):
     assert validate(compose(base)).offload.param_buffer_size == block // 2
     with pytest.raises(ValueError, match=rf"offload.param_buffer_size=16000000 .*largest block shard \({block // 2} "):
         validate(compose([*base, "offload.param_buffer_size=16000000"]))
+    with pytest.raises(ValueError, match=rf"offload.param_buffer_size=16777216 .*largest block shard \({block // 2} "):
+        validate(compose([*base, "offload.param_buffer_size=16777216"]))  # given, though equal to the default

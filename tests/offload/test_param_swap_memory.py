@@ -12,7 +12,8 @@ import pytest
 
 from bench.bench_infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
 from deepshard.finetune.models.llama import LlamaConfig  # noqa: E402
-from deepshard.finetune.models.memory_plan import infinity_buffers, largest_unit  # noqa: E402
+from deepshard.finetune.models.memory_plan import largest_unit, offload_buffers  # noqa: E402
+from deepshard.offload import OffloadConfig  # noqa: E402
 
 # torch + gloo alone take ~200 MiB of it; the forward also holds the deferred update's buffer_count
 # buffers of 16 bytes per element of the largest unit (infinity_store.DeferredStep)
@@ -34,8 +35,9 @@ def test_model_states_twice_the_limit_train_in_it(tmp_path):
     # gradient: more units than buffers), and anonymous memory at the same points
     mapped, anon = confined["buffers_mapped"], confined["rss_anon"]
     held = anon["after_forward"] - anon["after_backward"]
-    est = infinity_buffers(LlamaConfig(**spec["model"]), world=1, param_buffer_count=spec["param_buffer_count"],
-                           buffer_count=spec["buffer_count"])
+    est = offload_buffers(LlamaConfig(**spec["model"]), OffloadConfig(
+        device="nvme", params="nvme", param_buffer_count=spec["param_buffer_count"],
+        buffer_count=spec["buffer_count"]), world=1)
     # 2 buffers of 16 B per element of a block (the largest unit), 4 regions each rounded up to 4 KiB
     assert 0 <= est.deferred - 2 * 16 * largest_unit(LlamaConfig(**spec["model"])) < 2 * 4 * 4096
     assert mapped["after_forward"] == est.peak, (mapped, est)
@@ -61,7 +63,8 @@ def test_deferred_step_buffers_follow_the_piece_not_the_unit(tmp_path):
     assert largest_unit(cfg) > 10 * piece
     confined = run_worker({**spec, "offload": True, "sub_group_size": piece}, limit_bytes=LIMIT)
     assert confined["ok"], confined.get("stderr_tail")
-    est = infinity_buffers(cfg, world=1, param_buffer_count=3, buffer_count=2, sub_group_size=piece, buffer_size=piece)
+    est = offload_buffers(cfg, OffloadConfig(device="nvme", params="nvme", param_buffer_count=3, buffer_count=2,
+                                             sub_group_size=piece, buffer_size=piece), world=1)
     assert est.deferred == 2 * 16 * piece
     mapped = confined["buffers_mapped"]
     assert mapped["after_forward"] == est.peak, (mapped, est)

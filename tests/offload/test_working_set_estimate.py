@@ -64,14 +64,14 @@ import json, sys
 from deepshard.finetune.config import validate
 from deepshard.finetune.tools.estimate import compose
 from deepshard.finetune import preflight as pf
-from deepshard.finetune.process_memory import job_baseline
+from deepshard.finetune.models.working_set import working_set_of
 base = sys.argv[1:]
 s = validate(compose(base))
-job = job_baseline(2)  # the processes' baseline, read once as the preflight does
+job = pf.job_baseline(2)  # the processes' baseline, read once as the preflight does
 chosen, line = pf.fit_buffers(s, 2, job)
 o = chosen.offload
 room = pf.room()
-needs = [2 * pf.working_set_of(pf.with_buffers(s, c), baseline=job.per_rank).ram(False) + job.shared_total
+needs = [2 * working_set_of(pf.with_buffers(s, c), baseline=job.per_rank).ram(False) + job.shared_total
          for c in pf.BUFFER_CHOICES]
 k = [pf.with_buffers(s, c).offload for c in pf.BUFFER_CHOICES].index(o)
 try:

@@ -27,7 +27,7 @@ def main(overrides: list[str]) -> dict:
     import deepshard.pipeline  # noqa: F401
     from deepshard.core import build_mesh, init_distributed
     from deepshard.finetune.config import validate
-    from deepshard.finetune.preflight import run_shape, working_set_of
+    from deepshard.finetune.models.working_set import run_shape, working_set_of
     from deepshard.finetune.recipe.assemble import build_stepper
     from deepshard.finetune.tools.estimate import compose
 

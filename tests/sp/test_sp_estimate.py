@@ -64,7 +64,7 @@ def _settings(*overrides: str):
 
 
 def test_fit_memory_names_the_longest_seq_len_that_fits():
-    from deepshard.finetune.preflight import run_shape, working_set_of
+    from deepshard.finetune.models.working_set import run_shape, working_set_of
     from deepshard.finetune.tools.estimate import fit_seq_len
 
     memory = 2 * 2**30

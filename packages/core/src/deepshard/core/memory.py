@@ -1,4 +1,5 @@
-"""Per-rank model-state bytes: the ZeRO paper's expectation beside what the live tensors hold.
+"""Per-rank model-state bytes: the ZeRO paper's expectation beside what the live tensors hold, and the
+estimates before a run (by residence, gathered units, gradients in flight) from the same counts.
 
 Bytes per parameter (Ψ = this rank's parameter count before data-parallel sharding, N = dp size):
 
@@ -103,3 +104,60 @@ def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, 
     """``{"measured": ..., "expected": ...}`` per-rank model-state bytes (what ``memory()`` returns)."""
     return {"measured": measured_bytes(stage, store, modules),
             "expected": expected_bytes(stage.zero_stage, num_params, dp, dtype)}
+
+
+# -- estimates before a run: what the ZeRO stages hold, by residence, from the counts alone ------------
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Residence:
+    """Per-rank bytes of model states by where they live, for one stage and offload choice."""
+
+    stage: int
+    offload: str  # optimizer state: none | cpu | nvme
+    offload_params: bool | str  # False/'none', True/'cpu' (FSDP2 CPU offload), 'nvme' (ZeRO-Infinity)
+    device: int
+    host: int
+    nvme: int
+
+
+def residence(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
+              offload_params: bool | str = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0,
+              param_buffer_bytes: int = 0) -> Residence:
+    """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
+    per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``nvme_buffer_bytes``
+    and ``param_buffer_bytes``: the offload stores' host buffers (``deepshard.offload.memory``), which
+    the offloaded states stream through.  ``frozen_params`` (a LoRA base): params only, in the compute
+    dtype at stages 0-2, fp32 shards at stage 3 (FSDP2)."""
+    e = expected_bytes(stage, num_params, dp, dtype)
+    frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
+    e.params += frozen
+    device, host, nvme = e.params + e.grads + e.optimizer, 0, 0
+    # offloaded: an fp32 master + two moments per sharded element (12 bytes; on a CPU-only host an fp32
+    # master may alias the param, so that is an upper bound there)
+    offloaded = 12 * num_params // dp
+    if offload == "cpu":  # the Adam step runs on the host
+        device, host = device - e.optimizer, host + offloaded
+    elif offload == "nvme":  # in swap files, streamed through a few host buffers
+        device, nvme, host = device - e.optimizer, nvme + offloaded, host + min(nvme_buffer_bytes, offloaded)
+    if offload_params == "nvme":  # params (the fp32 masters), grads and moments in swap files: 16 B/elt
+        states = 16 * num_params // dp + 4 * frozen_params // dp
+        return Residence(stage, offload, "nvme", 0, param_buffer_bytes, states)
+    if offload_params:  # FSDP2 CPUOffloadPolicy: sharded params and their grads rest on the host
+        device, host = device - e.params - e.grads, host + e.params + e.grads
+    return Residence(stage, offload, offload_params, device, host, nvme)
+
+
+def gathered_unit_bytes(unit_numel: int, *, prefetch: int, dtype: str) -> int:
+    """ZeRO-3's all-gathered units at once: the unit in use and ``prefetch`` ahead in the compute dtype,
+    and the unit's unsharded fp32 gradient before its reduce-scatter."""
+    return (1 + prefetch) * unit_numel * DTYPE_BYTES[dtype] + unit_numel * 4
+
+
+def grads_in_flight_bytes(num_params: int, *, stage: int, dp: int, reduce_bucket_size: int) -> int:
+    """Stages 0-2: autograd's fp32 gradients before the reducer folds them into its buckets (measured:
+    one full gradient at the peak), and at dp > 1 a packing buffer of about a bucket."""
+    bucket = 4 * min(reduce_bucket_size, num_params) if dp > 1 and stage > 0 else 0
+    return 4 * num_params + bucket

@@ -38,10 +38,14 @@ class Piece:
 
 
 def piece_size(sub_group_size: int, units: list[Unit]) -> int:
+    """Elements per piece of these units (:func:`piece_numel` of the largest)."""
+    return piece_numel(sub_group_size, max((u.numel for u in units), default=0))
+
+
+def piece_numel(sub_group_size: int, largest: int) -> int:
     """Elements per piece: ``sub_group_size`` rounded down to a multiple of :data:`PIECE_ALIGN`
-    (at least one), never more than the largest unit (rounded up likewise)."""
+    (at least one), never more than the ``largest`` unit's elements (rounded up likewise)."""
     size = max(PIECE_ALIGN, sub_group_size - sub_group_size % PIECE_ALIGN)
-    largest = max((u.numel for u in units), default=0)
     return min(size, max(PIECE_ALIGN, -(-largest // PIECE_ALIGN) * PIECE_ALIGN))
 
 

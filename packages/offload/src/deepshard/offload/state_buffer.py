@@ -15,11 +15,17 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
 
 
+def buffer_bytes(numel: int) -> int:
+    """Bytes of one :class:`StateBuffer` of ``numel`` elements: the three states and the gradient, each
+    region rounded up to the O_DIRECT alignment."""
+    return 4 * align_up(max(numel, 1) * 4)
+
+
 class StateBuffer:
     """One page-aligned host buffer with a region per state plus an fp32 gradient region."""
 
     def __init__(self, numel: int, pin: bool) -> None:
-        region = align_up(max(numel, 1) * 4)
+        region = buffer_bytes(numel) // 4
         self.raw = aligned_empty(4 * region, pin=pin)
         parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(STATES + ("grad",))}
         self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}

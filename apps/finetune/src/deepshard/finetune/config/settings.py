@@ -52,9 +52,9 @@ def switch(default: bool) -> Any:
     return field(default=default, metadata=SWITCH)
 
 
-def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
+def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = (), unset: tuple[str, ...] = ()) -> type:
     """A mutable dataclass with ``cls``'s fields and defaults (tuples become lists for OmegaConf,
-    booleans switches: :data:`SWITCH`)."""
+    booleans switches: :data:`SWITCH`; ``unset``: default None, "pick for me")."""
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
@@ -65,6 +65,8 @@ def hydra_twin(cls: type, name: str, exclude: tuple[str, ...] = ()) -> type:
         if dataclasses.is_dataclass(tp):  # nested config: its own mutable twin
             twin = hydra_twin(tp, f"{tp.__name__}Schema")
             fields.append((f.name, twin, field(default_factory=twin)))
+        elif f.name in unset:
+            fields.append((f.name, typing.Optional[tp], field(default=None)))  # noqa: UP045 - OmegaConf
         elif tp is bool:
             fields.append((f.name, Any, switch(default)))
         elif typing.get_origin(tp) is tuple:  # tuple[float, float] or tuple[str, ...]
@@ -83,7 +85,10 @@ PrecisionSchema = dataclasses.make_dataclass(
     "PrecisionSchema", [("force_fp16_on_cpu", Any, switch(False))],
     bases=(hydra_twin(PrecisionConfig, "PrecisionTwin"),))
 ParallelSchema = hydra_twin(ParallelDims, "ParallelSchema")
-OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema")
+# left out (None), these the preflight picks for the memory the run has, and says so (param_buffer_size:
+# validate makes it the largest gathered unit's shard); a given value is kept
+OFFLOAD_PICKS = ("sub_group_size", "buffer_count", "param_buffer_count", "param_prefetch", "param_buffer_size")
+OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema", unset=OFFLOAD_PICKS)
 
 
 # the architecture's keys and defaults are the default family's config's (the tiny preset); ``kernels``
@@ -284,6 +289,9 @@ class Settings:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     peft: LoraConfig | None = None  # +peft=lora
     ac_auto: bool = False  # ac=auto: engine.ac (none) may become full where memory needs it (preflight)
+    # offload keys left out (OFFLOAD_PICKS): ``offload`` holds OffloadConfig's defaults there until the
+    # preflight picks them (and empties this); the workers get plain values and nothing left to pick
+    offload_picks: tuple[str, ...] = ()
 
     @property
     def uses_pipeline(self) -> bool:
@@ -418,7 +426,8 @@ def _kernels_backend(name: str) -> str:
 
 
 def _validate_offload(c: dict, stage: int) -> OffloadConfig:
-    offload = OffloadConfig(**{**c, "aio": AioConfig(**c["aio"])})
+    """The library's config: a key left None (``OFFLOAD_PICKS``) at OffloadConfig's own default."""
+    offload = OffloadConfig(**{**{k: v for k, v in c.items() if v is not None}, "aio": AioConfig(**c["aio"])})
     validate_offload(stage, offload.device, offload.params)
     validate_config(offload)
     return offload
@@ -462,7 +471,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),
                         checkpoint=validate_checkpoint(cfg["checkpoint"]), pipeline=PipelineConfig(**cfg["pipeline"]),
-                        launcher=launcher, peft=lora_settings(cfg["peft"]), ac_auto=ac_auto and not cfg["ac_offload"])
+                        launcher=launcher, peft=lora_settings(cfg["peft"]), ac_auto=ac_auto and not cfg["ac_offload"],
+                        offload_picks=tuple(k for k in OFFLOAD_PICKS if cfg["offload"].get(k) is None))
     if settings.peft is not None:  # adapters split with their layers under pp/tp; what cannot, said here
         check_lora_parallel(settings.peft, tp=parallel.tp)
         if settings.peft.init_from:  # a PEFT folder to start from: its settings must match the run's

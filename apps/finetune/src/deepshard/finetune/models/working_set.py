@@ -1,31 +1,35 @@
 """The whole of a rank's memory for a run, not only its model states: what ``tools/estimate`` prints
-and what the app compares with the memory its workers will have before starting them.
+and what the app's preflight compares with the memory its workers will have before starting them.
+Each part is stated by the package that allocates it; this module only adds them up for a run.
 
 Per rank, in two columns (host: the process's own RAM; device: the accelerator's memory, which on
 a CPU-only host is the same RAM):
 
-- model states by residence (``memory_plan.estimate``: the README's ZeRO table, offload moving
+- model states by residence (core's ``memory.residence``: the README's ZeRO table, offload moving
   them to host buffers or swap files),
-- the swap buffers at the sizes the stores allocate them (optimizer groups, the parameter pool,
-  the deferred step's buffers),
-- ZeRO-3's gathered units: the unit in use and ``zero.prefetch`` ahead, in the compute dtype, and
-  its unsharded gradient; stages 0-2 their gradient buckets,
+- the offload stores' host buffers (offload's ``memory.host_buffers``: optimizer groups, the
+  parameter pool, the deferred step's pieces, the tiles),
+- ZeRO-3's gathered units (core's ``gathered_unit_bytes``); stages 0-2 their gradients in flight,
 - activations for ``data.seq_len`` x ``train.micro_batch_size`` under ``ac`` (the family's
-  ``activation_memory``), and the loss's
-  logits chunk and gradient accumulators (a vocabulary tile under tiling),
-- a worker's own pages before training (``process_memory``: what the host's processes hold once,
-  the forkserver's image among them, is counted by the caller, once per host).
+  ``activation_memory``), and the loss's logits chunk and gradient accumulators (a vocabulary tile
+  under tiling),
+- a worker's own pages before training (launch's ``memory.job_baseline``: what the host's processes
+  hold once, the forkserver's image among them, is counted by the caller, once per host).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from deepshard.finetune.models.memory_plan import estimate, infinity_buffers, largest_unit
+from deepshard.core.memory import DTYPE_BYTES, gathered_unit_bytes, grads_in_flight_bytes, residence
+from deepshard.finetune.models.memory_plan import ModelCounts, model_counts
 from deepshard.finetune.models.registry import spec_of
-from deepshard.finetune.process_memory import WORKER_OWN
+from deepshard.offload import OffloadConfig
+from deepshard.offload.memory import host_buffers
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+if TYPE_CHECKING:
+    from deepshard.finetune.config import Settings
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,7 @@ class RunShape:
     stage: int
     dp: int
     dtype: str = "fp32"
-    offload: str = "none"  # optimizer state: none | cpu | nvme
-    params: str = "none"  # none | cpu | nvme
-    buffer_count: int = 3
-    buffer_size: int = 2**24
-    sub_group_size: int = 2**24
-    param_buffer_count: int = 4
-    param_prefetch: int = 2
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # resolved: every value given
     micro_batch_size: int = 1
     seq_len: int = 256
     ac: str = "none"
@@ -72,7 +70,7 @@ class WorkingSet:
         return self.host_total + (0 if on_device else self.device_total)
 
 
-def _loss(cfg, s: RunShape) -> int:
+def _loss(cfg: Any, s: RunShape) -> int:
     """The fused linear + cross-entropy: a [chunk, vocab] fp32 logits block (a [chunk, tile] one under
     tiling; measured on CPU: one block at a time), the hidden states' gradient, and without tiling the
     head's fp32 gradient accumulator."""
@@ -80,67 +78,66 @@ def _loss(cfg, s: RunShape) -> int:
     chunk = min(tokens, cfg.loss_chunk_size or tokens)
     if s.tile_rows:
         tile = s.tile_rows * cfg.dim
-        return chunk * s.tile_rows * 4 + tokens * cfg.dim * 4 + 2 * tile * (4 + BYTES[s.dtype])
+        return chunk * s.tile_rows * 4 + tokens * cfg.dim * 4 + 2 * tile * (4 + DTYPE_BYTES[s.dtype])
     return chunk * cfg.vocab_size * 4 + tokens * cfg.dim * 4 + cfg.vocab_size * cfg.dim * 4
 
 
-def working_set(cfg, num_params: int, s: RunShape, *, baseline: int | None = None, frozen: int = 0) -> WorkingSet:
-    """``cfg``: a family's model config (its spec gives the activations); ``num_params``: trainable
-    parameters per rank before dp sharding."""
-    from deepshard.offload.aio import align_up
-
+def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) -> WorkingSet:
+    """``cfg``: a family's model config (its spec gives the activations); ``counts``: its parameters
+    per rank before dp sharding and its units (:func:`~.memory_plan.model_counts`); ``baseline``: a
+    worker's own pages."""
     ws = WorkingSet()
-    b = BYTES[s.dtype]
-    infinity = 0
-    if s.params == "nvme":  # what ParamSwap (pool), the deferred step (4 regions a piece) and the tiles allocate
-        infinity = infinity_buffers(cfg, world=s.dp, param_buffer_count=s.param_buffer_count,
-                                    buffer_count=s.buffer_count, tiled=bool(s.tile_rows),
-                                    sub_group_size=s.sub_group_size, buffer_size=s.buffer_size,
-                                    tile_rows=s.tile_rows).peak
-    groups = min(s.sub_group_size, max(num_params // s.dp, 1))
-    nvme_buffers = min(s.buffer_count, -(-max(num_params // s.dp, 1) // groups)) * 4 * align_up(groups * 4) \
-        if s.offload == "nvme" and s.params != "nvme" else 0
-    e = estimate(num_params, stage=s.stage, dp=s.dp, dtype=s.dtype, offload=s.offload,
-                 offload_params={"cpu": True, "nvme": "nvme"}.get(s.params, False), nvme_buffer_bytes=nvme_buffers,
-                 frozen_params=frozen, param_buffer_bytes=infinity)
+    o, num = s.offload, counts.num_params
+    buffers = host_buffers(o, state_numel=num // s.dp, units=counts.units, gathered=counts.gathered,
+                           tile_rows=s.tile_rows, tile_width=cfg.dim, world=s.dp).peak
+    e = residence(num, stage=s.stage, dp=s.dp, dtype=s.dtype, offload=o.device,
+                  offload_params={"cpu": True, "nvme": "nvme"}.get(o.params, False),
+                  nvme_buffer_bytes=buffers if o.params != "nvme" else 0, frozen_params=counts.frozen,
+                  param_buffer_bytes=buffers if o.params == "nvme" else 0)
     ws.device["model states"] = e.device
-    if s.params == "nvme":
-        ws.host["swap buffers"] = infinity
+    if o.params == "nvme":
+        ws.host["swap buffers"] = buffers
     else:
-        if s.offload == "nvme":
-            ws.host["swap buffers"] = nvme_buffers
-        ws.host["model states (offloaded)"] = e.host - (nvme_buffers if s.offload == "nvme" else 0)
-    block = largest_unit(cfg, tiled=bool(s.tile_rows))
-    if s.stage == 3:  # the unit in use and those prefetched, gathered; its gradient unsharded (fp32)
-        ws.device["gathered units"] = (1 + s.prefetch) * block * b + block * 4
-    else:  # autograd's fp32 gradients before the reducer folds them into its buckets (measured: one
-        # full gradient at the peak), and at dp > 1 a packing buffer of about a bucket
-        ws.device["gradients in flight"] = 4 * num_params + (
-            4 * min(s.reduce_bucket_size, num_params) if s.dp > 1 and s.stage > 0 else 0)
+        if o.device == "nvme":
+            ws.host["swap buffers"] = buffers
+        ws.host["model states (offloaded)"] = e.host - (buffers if o.device == "nvme" else 0)
+    if s.stage == 3:
+        ws.device["gathered units"] = gathered_unit_bytes(counts.largest_unit, prefetch=s.prefetch, dtype=s.dtype)
+    else:
+        ws.device["gradients in flight"] = grads_in_flight_bytes(num, stage=s.stage, dp=s.dp,
+                                                                 reduce_bucket_size=s.reduce_bucket_size)
     ws.device["activations"], offloaded, transient = spec_of(cfg).activation_memory(cfg, s)
     if offloaded:
         ws.host["activations (offloaded inputs)"] = offloaded
     ws.device["loss"] = max(0, _loss(cfg, s) - transient)  # beyond the backward transient it never meets
-    ws.host["process baseline"] = WORKER_OWN if baseline is None else baseline
+    ws.host["process baseline"] = baseline
     return ws
 
 
-def knobs_to_fit(s: RunShape) -> list[str]:
-    """The settings that shrink the working set, in the order worth trying."""
-    out = []
-    if s.stage < 3:
-        out.append("+zero=stage3")
-    if s.offload == "none":
-        out.append("+offload=cpu (or +offload=nvme offload.params=nvme)")
-    elif s.params != "nvme" and s.offload == "nvme":
-        out.append("offload.params=nvme")
-    if s.params == "nvme" and (s.buffer_count > 1 or s.param_buffer_count > 2):
-        out.append("offload.buffer_count=1 offload.param_buffer_count=2 offload.param_prefetch=1")
-    if s.params == "nvme" and min(s.sub_group_size, s.buffer_size) > 2**22:
-        out.append("offload.sub_group_size=4194304 (the deferred update's pieces: 16 B x that per buffer)")
-    if s.ac == "none":
-        out.append("ac=full")
-    if s.micro_batch_size > 1:
-        out.append(f"train.micro_batch_size={s.micro_batch_size // 2} (with train.grad_accum x2)")
-    out.append("fewer ranks per host (launcher.nproc_per_node)")
-    return out
+def run_shape(s: Settings) -> RunShape:
+    """The settings the working set depends on (``s.offload`` resolved: see ``preflight``)."""
+    import torch
+
+    from deepshard.finetune.models.vocab_tiling import tile_rows
+
+    e, par = s.engine, s.parallel
+    sp = getattr(par, "sp", 1)
+    return RunShape(stage=e.zero.stage, dp=par.dp * sp, dtype=e.precision.dtype, offload=s.offload,
+                    micro_batch_size=s.train.micro_batch_size, seq_len=s.data.seq_len // sp, ac=e.ac,
+                    prefetch=e.zero.prefetch, reduce_bucket_size=e.zero.reduce_bucket_size,
+                    tile_rows=tile_rows(s.model, zero_stage=e.zero.stage, tp=par.tp, pp=par.pp, sp=sp),
+                    on_device=torch.cuda.is_available(), sp=sp, mlp_tiles=s.model.mlp_tiles,
+                    ac_offload=e.ac_offload)
+
+
+def counts_of(s: Settings, shape: RunShape) -> ModelCounts:
+    """The model's counts for this run's layout (the meta model built once)."""
+    par = s.parallel
+    return model_counts(s.model, s.peft, tp=par.tp, pp=par.pp, world=shape.dp, tiled=bool(shape.tile_rows))
+
+
+def working_set_of(s: Settings, *, baseline: int, shape: RunShape | None = None,
+                   counts: ModelCounts | None = None) -> WorkingSet:
+    """One rank's working set for these settings (``shape``/``counts``: already computed for them)."""
+    shape = shape or run_shape(s)
+    return working_set(s.model, counts or counts_of(s, shape), shape, baseline=baseline)

@@ -16,13 +16,35 @@ import re
 import sys
 from pathlib import Path
 
-from deepshard.finetune.models.memory_plan import (
-    Estimate,
-    all_estimates,
-    count_frozen,
-    count_params,
-    infinity_buffers,
-)
+from deepshard.core.memory import Residence, residence
+from deepshard.finetune.models.memory_plan import count_frozen, count_params, offload_buffers
+
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def options(r: Residence) -> str:
+    """The app's overrides that choose this residence."""
+    out = f"+zero=stage{r.stage}"
+    if r.offload != "none":
+        out += f" +offload={r.offload}"
+    params = {True: "cpu", False: "none"}.get(r.offload_params, r.offload_params)
+    return out + (f" offload.params={params}" if params != "none" else "")
+
+
+def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0,
+                  frozen_params: int = 0, param_buffer_bytes: int = 0) -> list[Residence]:
+    """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3)."""
+    out = []
+    for stage in range(4):
+        for offload in OFFLOADS:
+            if offload != "none" and stage == 0:
+                continue
+            choices: tuple = (False, True) if stage == 3 and offload != "none" else (False,)
+            for params in choices + (("nvme",) if stage == 3 and offload == "nvme" else ()):
+                out.append(residence(num_params, stage=stage, dp=dp, dtype=dtype, offload=offload,
+                                     offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes,
+                                     frozen_params=frozen_params, param_buffer_bytes=param_buffer_bytes))
+    return out
 
 
 def conf_dir() -> Path:
@@ -56,7 +78,7 @@ def _fmt(n: int) -> str:
     return f"{n}B"
 
 
-def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
+def report(cfg: dict) -> tuple[str, list[Residence], int, int]:
     """The printed table, the estimates, the parameter count per rank and the dp size."""
     from deepshard.finetune.config import validate
 
@@ -68,8 +90,7 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
     dtype = settings.engine.precision.dtype
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
-    param_buffers = infinity_buffers(settings.model, world=dims.dp, param_buffer_count=off.param_buffer_count,
-                                     buffer_count=off.buffer_count).peak
+    param_buffers = offload_buffers(settings.model, dataclasses.replace(off, params="nvme"), world=dims.dp).peak
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
                          param_buffer_bytes=param_buffers)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
@@ -78,7 +99,7 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
              + (f"; LoRA r={settings.peft.r}: {total / 1e6:.3f}M trainable (grads + Adam state), "
                 f"{frozen / 1e6:.2f}M frozen base (params only)" if settings.peft else ""),
              f"{'device':>10} {'host':>10} {'nvme':>10}   options"]
-    lines += [f"{_fmt(r.device):>10} {_fmt(r.host):>10} {_fmt(r.nvme):>10}   {r.options}" for r in rows]
+    lines += [f"{_fmt(r.device):>10} {_fmt(r.host):>10} {_fmt(r.nvme):>10}   {options(r)}" for r in rows]
     lines.append("(model states only; the working set of this run's own layout follows)")
     lines += working_set_lines(settings)
     return "\n".join(lines), rows, per_rank, dims.dp
@@ -86,8 +107,8 @@ def report(cfg: dict) -> tuple[str, list[Estimate], int, int]:
 
 def working_set_lines(settings) -> list[str]:
     """One rank's whole working set for the composed layout: host and device columns by part."""
-    from deepshard.finetune.preflight import run_shape, working_set_of
-    from deepshard.finetune.process_memory import job_baseline
+    from deepshard.finetune.models.working_set import run_shape, working_set_of
+    from deepshard.finetune.preflight import job_baseline
 
     shape = run_shape(settings)
     base = job_baseline(settings.world_size, forked=settings.world_size > 1)  # as the app's preflight reads it
@@ -101,7 +122,7 @@ def working_set_lines(settings) -> list[str]:
 
 
 def shared_lines(base, nproc: int, per_rank: int) -> list[str]:
-    """What a local run's processes hold once for the host (``process_memory.JobBaseline``), and the host's total."""
+    """What a local run's processes hold once for the host (launch's ``memory.JobBaseline``), and the host's total."""
     out = [f"Once for the host's {nproc} local rank(s) (the app's own process is not counted: it is in the "
            "memory's usage when the app checks):"]
     out += [f"{_fmt(v):>10} {'':>10}   {k}" for k, v in base.shared.items() if v]
@@ -126,9 +147,9 @@ def fit_seq_len(settings, memory: int) -> tuple[int, int]:
     """The largest ``data.seq_len`` (a multiple of parallel.sp, at least sp x model.mlp_tiles) whose
     working set fits ``memory`` per rank, and that working set's size; (0, size at the smallest) when
     none does.  Counted against the device column on an accelerator, else the RAM (host + device);
-    each rank carries its share of the processes' once-per-host baseline (``process_memory``)."""
-    from deepshard.finetune.preflight import run_shape, working_set_of
-    from deepshard.finetune.process_memory import job_baseline
+    each rank carries its share of the processes' once-per-host baseline (``preflight.job_baseline``)."""
+    from deepshard.finetune.models.working_set import run_shape, working_set_of
+    from deepshard.finetune.preflight import job_baseline
 
     nproc = settings.world_size  # the ranks of one host, as the app starts them: each its share of the once-items
     job = job_baseline(nproc)
@@ -155,7 +176,7 @@ def fit_seq_len(settings, memory: int) -> tuple[int, int]:
 def fit_line(cfg: dict, memory: int) -> str:
     """The one line ``--fit-memory`` prints."""
     from deepshard.finetune.config import validate
-    from deepshard.finetune.preflight import run_shape
+    from deepshard.finetune.models.working_set import run_shape
 
     settings = validate(cfg)
     shape = run_shape(settings)

@@ -4,8 +4,9 @@ adds it to a rank's working set."""
 
 from __future__ import annotations
 
+from deepshard.core.memory import DTYPE_BYTES as BYTES
 from deepshard.finetune.models.llama.model import LlamaConfig
-from deepshard.finetune.models.working_set import BYTES, RunShape
+from deepshard.finetune.models.working_set import RunShape
 
 
 def _block(cfg: LlamaConfig, s: RunShape, tokens: int) -> tuple[int, int]:
