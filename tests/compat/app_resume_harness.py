@@ -1,5 +1,5 @@
 """The app's own resume (``checkpoint.resume=OUT_DIR``, RunCheckpoints over the app's engine and data
-stream) of a DeepSpeed checkpoint brought in by from_deepspeed, on one rank of a gloo group.
+stream) of a DeepSpeed checkpoint brought in by compat's ds_import, on one rank of a gloo group.
 
 The app's data stream is a dataset laid out so that this run's step k draws exactly the rows of the
 fixture's ``global_batch(k)`` (the stream's own seeded permutation, inverted): the losses after the

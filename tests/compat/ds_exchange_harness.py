@@ -115,7 +115,7 @@ def ours_to_deepspeed_worker(root: str, stage: int) -> dict:
     import torch
 
     import deepshard.compat.deepspeed as ours
-    from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+    from deepshard.compat.deepspeed.ds_export import export_checkpoint
 
     ours.init_distributed()
     rank, world = ours.comm.get_rank(), ours.comm.get_world_size()
@@ -157,7 +157,7 @@ def aligned_to_deepspeed_worker(root: str) -> dict:
     import torch.nn.functional as F  # noqa: N812
 
     import deepshard.compat.deepspeed as ours
-    from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+    from deepshard.compat.deepspeed.ds_export import export_checkpoint
     from tests.compat.ds_zero3_patterns_harness import TinyLM, batch
 
     ours.init_distributed()

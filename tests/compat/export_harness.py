@@ -22,7 +22,7 @@ def export_worker(root: str, imported: str, stage: int) -> dict[str, list[float]
     """Ours trains 3 steps, saves, trains 3 more; DeepSpeed resumes the exported save and the exported
     import of its own fixture checkpoint, 3 steps each."""
     import deepshard.compat.deepspeed as ours
-    from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+    from deepshard.compat.deepspeed.ds_export import export_checkpoint
 
     ours.init_distributed()
     rank, world = ours.comm.get_rank(), ours.comm.get_world_size()

@@ -1,8 +1,9 @@
 """``checkpoint.resume=OUT_DIR`` in the app, of a real DeepSpeed 0.19.8 checkpoint imported by
-from_deepspeed (HF parameter names, no data position of ours): the app's own engine, data stream and
-RunCheckpoints map the names, start the data at DeepSpeed's step, say in one log line what was
-imported, and the next steps' losses equal DeepSpeed's recorded continuation (fixtures' continuation
-.json) to 1e-5, at world 2 (the saved stages) and world 1 (other stages)."""
+compat's ``ds_import`` (an ordinary checkpoint of ours, with HF parameter names and no data position of
+the app's): the app's own engine, data stream and RunCheckpoints map the names through the model
+family's HF adapter, start the data at the checkpoint's step, say in one log line what was resumed,
+and the next steps' losses equal DeepSpeed's recorded continuation (fixtures' continuation.json) to
+1e-5, at world 2 (the saved stages) and world 1 (other stages)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
 from deepshard.launch.local import launch_local
 from tests.compat.app_resume_harness import app_resume_worker
 from tests.compat.ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
@@ -45,27 +46,30 @@ def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
             assert r["losses"] == pytest.approx(_record(ds_stage)["losses_after_resume"], abs=1e-5), where
             assert r["lrs"] == pytest.approx(rates, rel=1e-12), where
             if rank == 0:
-                assert len(r["log"]) == 1 and r["log"][0].startswith(
+                assert len(r["log"]) == 1 and r["log"][0] == (
                     f"checkpoint: imported from DeepSpeed 0.19.8 (ZeRO-{ds_stage}, dp 2, tag global_step3): fp32 "
-                    f"weights and Adam moments (HF names mapped to ours), Adam and the LR schedule at update 3"), r
+                    f"weights and Adam moments, Adam and the LR schedule at update 3, loss scale 1 (DeepSpeed "
+                    f"saves no data position or RNG); HF parameter names mapped to ours (the model family's); "
+                    f"this run's data starts at step 3, and its optim/scheduler settings apply"), r
 
 
-def test_imported_run_maps_names_places_data_and_refuses_another_model(tmp_path):
-    """DeepSpeed-free: the pieces of the app's resume of an imported checkpoint, on the ZeRO-2 fixture."""
-    from deepshard.core.checkpoint.manifest import CheckpointError
-    from deepshard.finetune.tools.from_deepspeed import ImportedRun
+def test_resume_of_a_checkpoint_the_app_did_not_write_maps_names_and_places_data(tmp_path):
+    """DeepSpeed-free: the pieces of the app's resume of a checkpoint another front door wrote (here the
+    ZeRO-2 fixture, imported): HF names mapped by the family, the data placed after its step; the app's
+    own checkpoints and another model's get no mapping (load_checkpoint then names the missing tensor)."""
+    from deepshard.finetune.recipe.foreign import hf_rename, placed_after
 
     path = import_checkpoint(FIXTURES / "ds_zero2" / "checkpoint", tmp_path / "imported")
-    run = ImportedRun.of(path)
-    assert run is not None and run.step == SAVE_STEP
     ours = ["embed_tokens.weight", "norm.weight", "lm_head.weight"] + [
         f"layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                                                               "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
-    run.match_names(ours)
-    assert run.rename("model.layers.1.mlp.up_proj.weight") == "model.model.layers.1.mlp.up_proj.weight"
-    assert run.rename("optim.exp_avg_sq.lm_head.weight") == "optim.exp_avg_sq.lm_head.weight"
-    assert run.rename("optim.exp_avg.norm.weight") == "optim.exp_avg.model.norm.weight"
+    rename = hf_rename(path, ours, {"family": "llama"})
+    assert rename is not None
+    assert rename("model.layers.1.mlp.up_proj.weight") == "model.model.layers.1.mlp.up_proj.weight"
+    assert rename("optim.exp_avg_sq.lm_head.weight") == "optim.exp_avg_sq.lm_head.weight"
+    assert rename("optim.exp_avg.norm.weight") == "optim.exp_avg.model.norm.weight"
+    assert hf_rename(path, ours + ["layers.2.mlp.up_proj.weight"], {"family": "llama"}) is None  # another model
 
     class Stream:  # what RunCheckpoints hands over: ResumableStream's state and global batch
         global_batch = 4
@@ -73,15 +77,10 @@ def test_imported_run_maps_names_places_data_and_refuses_another_model(tmp_path)
         def state_dict(self):
             return {"epoch": 0, "consumed": 0, "seed": 7, "num_samples": 10}
 
-    state = run.app_state(Stream(), micro_batches_per_step=2, tokens_per_step=88)
+    state = placed_after(path, Stream(), SAVE_STEP, micro_batches_per_step=2, tokens_per_step=88, names_mapped=True)
     # 3 steps x 2 micro-batches of 4 rows over epochs of 10 // 4 = 2 batches: epoch 3, none consumed
     assert state == {"step": 3, "tokens_seen": 264, "data": {"epoch": 3, "consumed": 0, "seed": 7, "num_samples": 10}}
-    other = ImportedRun.of(path)
-    with pytest.raises(CheckpointError, match=r"imported from DeepSpeed, but it has no tensor "
-                                              r"'model.model.layers.2.mlp.up_proj.weight' \(this run's "
-                                              r"'model.layers.2.mlp.up_proj.weight'; 1 missing in all\)"):
-        other.match_names(ours + ["layers.2.mlp.up_proj.weight"])
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "ours" / "trainer.json").write_text(json.dumps({"num_updates": 1, "scaler": {}, "app": {
-        "step": 1, "data": {}, "tokens_seen": 0}}))
-    assert ImportedRun.of(tmp_path / "ours") is None  # one of ours: resumed as usual
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["meta"]["family"] = "llama"  # what the app's own saves record: its names are ours, never mapped
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert hf_rename(path, ours, {"family": "llama"}) is None

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepshard.compat.deepspeed.ds_export import export_checkpoint
 from deepshard.compat.deepspeed.ds_files import load_ds_file
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
-from deepshard.finetune.tools.to_deepspeed import export_checkpoint
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.launch.local import launch_local
 from tests.compat.ds_exchange_harness import resume_tied_worker
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.launch.local import launch_local
 from tests.compat.ds_script_harness import (
     CIFAR_STAGES,

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.launch.local import launch_local
 
 FIXTURES = Path(__file__).parent / "fixtures"

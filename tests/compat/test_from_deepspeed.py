@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.launch.local import launch_local
 from tests.compat.import_harness import resume_worker
 
@@ -86,7 +86,7 @@ def _synthetic_zero2(tag: Path, world: int, numels: list[int]) -> None:
 
 PEAK = """
 import json, resource, sys
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 import_checkpoint(sys.argv[1], sys.argv[2])
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

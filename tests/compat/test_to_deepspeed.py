@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepshard.compat.deepspeed.ds_export import export_checkpoint
 from deepshard.compat.deepspeed.ds_files import LossScaler, load_ds_file
-from deepshard.finetune.tools.from_deepspeed import import_checkpoint
-from deepshard.finetune.tools.to_deepspeed import export_checkpoint, main
+from deepshard.compat.deepspeed.ds_import import import_checkpoint
+from deepshard.finetune.tools.to_deepspeed import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ds_zero3" / "checkpoint"
 TAG = "global_step3"

@@ -64,11 +64,11 @@ ALLOWED = {
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",
     f"{FINETUNE}/models/lora.py:init_adapters":
         "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",
-    f"{FINETUNE}/tools/from_deepspeed.py:DsCheckpoint.full":
+    "packages/compat/src/deepshard/compat/deepspeed/ds_layout.py:DsCheckpoint.full":
         "the DeepSpeed importer assembles each tensor in host memory from the rank files (no GPU, no group)",
-    f"{FINETUNE}/tools/to_deepspeed.py:export_zero12":
+    "packages/compat/src/deepshard/compat/deepspeed/ds_export.py:export_zero12":
         "the ZeRO-1/2 exporter writes DeepSpeed's flat per-rank files from host tensors (no GPU, no process group)",
-    f"{FINETUNE}/tools/to_deepspeed.py:export_zero3":
+    "packages/compat/src/deepshard/compat/deepspeed/ds_export.py:export_zero3":
         "the ZeRO-3 exporter writes DeepSpeed's per-rank files from host tensors (no GPU, no process group)",
     f"{FINETUNE}/tools/adapter_export.py:export_adapter":
         "export builds the PEFT folder in host memory from the checkpoint files (no process group, no GPU)",

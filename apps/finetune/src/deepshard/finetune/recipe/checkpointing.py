@@ -45,10 +45,9 @@ from deepshard.core.mesh import local_device, zero_mesh
 from deepshard.core.trainer_protocol import Trainer
 from deepshard.finetune.config.settings import AUTO, CheckpointConfig
 from deepshard.finetune.data.resumable import ResumableStream
+from deepshard.finetune.recipe.foreign import hf_rename, placed_after
 
 log = logging.getLogger("deepshard.finetune")
-
-
 
 
 class Preemption:
@@ -225,19 +224,15 @@ class RunCheckpoints:
         path, verified = self._resolve()
         step = 0
         if path is not None:
-            from deepshard.finetune.tools.from_deepspeed import ImportedRun
-
             check_lora_resume(path, self.meta)  # LoRA into LoRA on the same base, full into full
             dp = zero_mesh(self.engine.mesh)  # the optimizer state's shards: over dp, or dp x sp
-            imported = ImportedRun.of(path)  # made by from_deepspeed: DeepSpeed's names, no app state of ours
-            if imported is not None:
-                imported.match_names(self.engine.optimizer.stage.names)
+            rename = hf_rename(path, self.engine.optimizer.stage.names, self.meta)
             app = load_checkpoint(path, self.engine.optimizer, dp, model=self.model, verify=not verified,
-                                  rename=imported.rename if imported is not None else None, meta=self.meta)
-            if imported is not None:
-                app = imported.app_state(self.data, micro_batches_per_step=micro_batches_per_step,
-                                         tokens_per_step=self.tokens_per_step)
-                log.info("%s", imported.describe())
+                                  rename=rename, meta=self.meta)
+            if "data" not in app:  # written by another front door (compat's engine, a converter)
+                app = placed_after(path, self.data, int(self.engine.optimizer.num_updates),
+                                   micro_batches_per_step=micro_batches_per_step,
+                                   tokens_per_step=self.tokens_per_step, names_mapped=rename is not None)
             self.data.load_state_dict(app["data"])
             self.tokens_seen = int(app["tokens_seen"])
             step = self.saved_step = int(app["step"])

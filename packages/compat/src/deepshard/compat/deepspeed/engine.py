@@ -242,7 +242,7 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no checkpoint (DeepSpeed's
-        answer).  ``load_dir`` may also be one of our checkpoints (``from_deepspeed``'s output)."""
+        answer).  ``load_dir`` may also be one of our checkpoints (``ds_import``'s output)."""
         self.wait_for_checkpoint()
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False): not supported (every parameter is restored)")

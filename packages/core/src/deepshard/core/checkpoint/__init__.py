@@ -10,19 +10,33 @@
 - ``failures``: a failed save as one line on every rank (disk full, I/O error), its cleanup;
 - ``safe_load``: DCP's metadata and shards read without unpickling code;
 - ``json_state``: the scalars beside the shards (RNG, trainer counters) as JSON;
-- ``consolidate``: one full tensor at a time from the shards (export, conversion).
+- ``consolidate``: one full tensor at a time from the shards (export, conversion);
+- ``offline``: an ordinary checkpoint written by one process, each tensor built as it is written
+  (converters bringing in another tool's checkpoint).
 """
 
+from deepshard.core.checkpoint.consolidate import (
+           TensorInfo,
+           iter_full_tensors,
+           load_full_tensor,
+           tensor_infos,
+)
 from deepshard.core.checkpoint.failures import CheckpointSaveError
+from deepshard.core.checkpoint.json_state import read_trainer
 from deepshard.core.checkpoint.manifest import (
            CheckpointError,
            latest_good,
            read_manifest,
+           step_dir_name,
            step_dirs,
            verify_checkpoint,
 )
+from deepshard.core.checkpoint.offline import write_offline_checkpoint
+from deepshard.core.checkpoint.plain_files import write_text
 from deepshard.core.checkpoint.retention import prune
-from deepshard.core.checkpoint.state import find_resume, load_checkpoint, save_checkpoint
+from deepshard.core.checkpoint.state import clean_name, find_resume, load_checkpoint, save_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "find_resume", "latest_good", "load_checkpoint", "prune",
-           "read_manifest", "save_checkpoint", "step_dirs", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "TensorInfo", "clean_name", "find_resume", "iter_full_tensors",
+           "latest_good", "load_checkpoint", "load_full_tensor", "prune", "read_manifest", "read_trainer",
+           "save_checkpoint", "step_dir_name", "step_dirs", "tensor_infos", "verify_checkpoint", "write_offline_checkpoint",
+           "write_text"]
