@@ -31,12 +31,13 @@ import time
 import torch
 from torch.optim.adamw import adamw
 
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore
+from deepshard.core.state_store import DeviceStateStore
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import AioConfig, CpuStateStore, NvmeStateStore, OffloadConfig
 from deepshard.offload.aio import ALIGN, aligned_empty, as_buffer
 
 M = 1_000_000
-CFG = AdamWConfig(weight_decay=0.01)
+CFG = AdamW()
 
 
 def make_params(numel: int, pieces: int = 10) -> list[torch.Tensor]:
@@ -176,7 +177,7 @@ def _host_adam_rows(numel: int, repeats: int) -> list[dict]:
 
             def stream(params=params, grads=grads, store=store) -> None:  # p += g; m += v: 24 B/element
                 torch._foreach_add_(params, grads)
-                torch._foreach_add_(store.exp_avgs, store.exp_avg_sqs)
+                torch._foreach_add_(store.states["exp_avg"], store.states["exp_avg_sq"])
 
             fns = {"ours": ours, "stream": stream}
             if DeepSpeedCPUAdam is not None:
@@ -219,7 +220,7 @@ def _bf16_row(numel: int, pieces: int, layout: str, repeats: int, ds_cls) -> dic
 
     def stream() -> None:
         torch._foreach_add_(masters, grads)
-        torch._foreach_add_(store.exp_avgs, store.exp_avg_sqs)
+        torch._foreach_add_(store.states["exp_avg"], store.states["exp_avg_sq"])
 
     fns = {"ours": ours, "torch_fused_then_cast": fused_then_cast, "stream": stream}
     if ds_cls is not None:

@@ -52,22 +52,22 @@ def _measure(pp: int, schedule: str, m: int, args: argparse.Namespace) -> dict[s
     model.init_weights(0)
     mesh = build_mesh(ParallelDims(pp=pp, dp=1, tp=1))
     config = EngineConfig(zero=ZeroConfig(stage=0), optim=OptimConfig(lr=1e-4, grad_clip=1.0))
-    trainer = pipeline_llama(model, mesh, config, schedule=schedule, microbatches=m)
+    pipe_engine = pipeline_llama(model, mesh, config, schedule=schedule, microbatches=m)
     busy = [0.0]
-    for stage in trainer.pipeline.stages:
+    for stage in pipe_engine.pipeline.stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, _timed(getattr(stage, name), busy))
-    loss = trainer.pipeline.loss
+    loss = pipe_engine.pipeline.loss
     loss.loss_fn = _timed(loss.loss_fn, busy)
     sched_time = [0.0]
-    sched = trainer.pipeline.schedule
+    sched = pipe_engine.pipeline.schedule
     sched.step = _timed(sched.step, sched_time)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.steps + 1, m * args.rows, args.seq + 1), generator=g)
     steps, samples = [], []
     for i in range(args.steps + 1):  # the first step warms up (shape inference, p2p setup)
         busy[0] = sched_time[0] = 0.0
-        result = trainer.train_step(tokens[i, :, :-1], tokens[i, :, 1:])
+        result = pipe_engine.train_step(tokens[i, :, :-1], tokens[i, :, 1:])
         if i:
             steps.append(result.time_s)
             samples.append((sched_time[0], busy[0]))

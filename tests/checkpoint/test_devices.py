@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from deepshard.core.checkpoint.state import training_state
+from deepshard.core.update_rule import AdamW
 from deepshard.finetune.recipe.checkpointing import Preemption
 
 
@@ -62,7 +63,7 @@ def test_the_preemption_flag_is_reduced_on_the_compute_device(fake_world2):
 def _optimizer(stage: int, params, store_state):
     return SimpleNamespace(stage=SimpleNamespace(zero_stage=stage, names=[f"w{i}" for i in range(len(params))],
                                                  params=params),
-                           store=SimpleNamespace(state_dict=lambda: store_state))
+                           store=SimpleNamespace(state_dict=lambda: store_state, rule=AdamW()))
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

@@ -5,7 +5,7 @@ lengths (and a micro-batch with no valid token at all).
 The reference is plain single-process torch written here: the whole global batch at once, logits
 from the model, ``F.cross_entropy(reduction="sum") / (labels != -100).sum()``, torch.optim.AdamW
 with its own decay groups, clip_grad_norm_.  It shares no code with the engine, the steppers, the
-fused loss or the pipeline trainer.  Layouts (global batch 4 rows): world 1 x micro 4 and micro 2 x
+fused loss or the pipeline engine.  Layouts (global batch 4 rows): world 1 x micro 4 and micro 2 x
 accum 2; world 2 x micro 2 at ZeRO 0-3; world 2 x micro 1 x accum 2 at ZeRO 0-3; world 4 x micro 1
 at ZeRO 1-3 (gloo's own reduce-scatter: world 2 runs it as a send/recv exchange); pp=2 (1f1b, 2
 microbatches of 2) and tp=2.  A mean of per-micro-batch means (the old rule) is off by ~7e-2 here.
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.core import Trainer
+from deepshard.core import TrainingEngine
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 from deepshard.launch.local import launch_local
 
@@ -128,7 +128,7 @@ def _engine_run(stage: int, micro: int, accum: int) -> tuple[list[float], dict]:
     from deepshard.finetune.recipe.steppers import EngineStepper
 
     engine = initialize(model().to(local_device()), _engine_config(stage, accum))
-    assert isinstance(engine, Trainer)  # what the app's checkpointing and logging take
+    assert isinstance(engine, TrainingEngine)  # what the app's checkpointing and logging take
     stepper = EngineStepper(engine, grad_accum=accum, device=local_device())
     stepper.prof = _no_profiler()
     batches = _rank_batches(micro, accum)
@@ -143,14 +143,14 @@ def _pipe_run(axis: str, size: int) -> tuple[list[float], dict]:
     from deepshard.finetune.recipe.steppers import PipelineStepper
 
     mesh = build_mesh(ParallelDims(**{axis: size}))
-    trainer = pipeline_llama(model(), mesh, _engine_config(0, 1), schedule="1f1b", microbatches=2)
-    assert isinstance(trainer, Trainer)  # no stand-in needed between the pipeline and the app
-    stepper = PipelineStepper(trainer, mesh, microbatches=2, device=local_device())
+    pipe_engine = pipeline_llama(model(), mesh, _engine_config(0, 1), schedule="1f1b", microbatches=2)
+    assert isinstance(pipe_engine, TrainingEngine)  # no stand-in needed between the pipeline and the app
+    stepper = PipelineStepper(pipe_engine, mesh, microbatches=2, device=local_device())
     stepper.prof = _no_profiler()
     ids, labels = data()
     batches = ({"input_ids": ids[s, lo:lo + 2], "labels": labels[s, lo:lo + 2]} for s in range(STEPS) for lo in (0, 2))
     losses = [stepper(batches).loss for _ in range(STEPS)]
-    return losses, _full_params(trainer.pipeline.modules)
+    return losses, _full_params(pipe_engine.pipeline.modules)
 
 
 def _bf16_accum_grads() -> dict[str, list[torch.Tensor]]:

@@ -3,7 +3,7 @@ test_lora_parity (frozen base, ``A``/``B`` leaf tensors added by forward hooks, 
 
 One world-2 launch runs pp=2 (1F1B with the head trained whole, zero bubble at ZeRO-2) and tp=2
 (ZeRO-0, the head trained whole), saves the pp=2 and tp=2 runs' adapters as the app does, and builds the
-app's pp=2 trainer from its config; one world-4 launch runs pp=2 x dp=2 (ZeRO-1) and tp=2 x dp=2
+app's pp=2 pipeline engine from its config; one world-4 launch runs pp=2 x dp=2 (ZeRO-1) and tp=2 x dp=2
 (ZeRO-3), then loads the pp=2 checkpoint into tp=2 x dp=2 at ZeRO-3 and the tp=2 one into pp=2 x
 dp=2 at ZeRO-1.  One tp layout per process, as in a run: a second tp mesh of the same shape after an
 FSDP2 run trips the kernels' check that DTensor arguments share one mesh object.
@@ -82,9 +82,9 @@ def _resume(ckpt: str, pp: int, dp: int, tp: int, stage: int) -> dict:
     model = base_model()
     apply_lora(model, r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=("lm_head",))
     mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))
-    trainer = pipeline_llama(model, mesh, _config(stage), schedule="gpipe", microbatches=2)
-    app = load_checkpoint(ckpt, trainer.optimizer, mesh["dp"])
-    params = {n: _full(p) for m in trainer.pipeline.modules for n, p in m.named_parameters() if p.requires_grad}
+    pipe_engine = pipeline_llama(model, mesh, _config(stage), schedule="gpipe", microbatches=2)
+    app = load_checkpoint(ckpt, pipe_engine.optimizer, mesh["dp"])
+    params = {n: _full(p) for m in pipe_engine.pipeline.modules for n, p in m.named_parameters() if p.requires_grad}
     return {"step": app["step"], "params": params}
 
 
@@ -105,28 +105,28 @@ def _run_case(pp: int, dp: int, tp: int, stage: int, schedule: str, microbatches
             params[n].copy_(t)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))  # one tp layout per process (see the module doc)
-    trainer = pipeline_llama(model, mesh, config, schedule=schedule, microbatches=microbatches, virtual_stages=1)
-    modules = trainer.pipeline.modules
+    pipe_engine = pipeline_llama(model, mesh, config, schedule=schedule, microbatches=microbatches, virtual_stages=1)
+    modules = pipe_engine.pipeline.modules
     per_dp, dp_rank = ROWS // dp, mesh["dp"].get_local_rank()
     tokens = data().reshape(STEPS, ROWS, SEQ + 1)[:, dp_rank * per_dp:(dp_rank + 1) * per_dp]
     losses, frozen_grads, memory = [], set(), None
     for step in range(STEPS):
-        result = trainer.train_step(tokens[step, :, :-1], tokens[step, :, 1:])
+        result = pipe_engine.train_step(tokens[step, :, :-1], tokens[step, :, 1:])
         losses.append(result.loss)
         frozen_grads |= {n for m in modules for n, p in m.named_parameters() if not p.requires_grad and p.grad is not None}
         if step == 0:
-            memory = trainer.memory()["measured"].as_dict()
+            memory = pipe_engine.memory()["measured"].as_dict()
     end = {n.replace("_checkpoint_wrapped_module.", ""): _full(p) for m in modules for n, p in m.named_parameters()}
     trainable = {n for m in modules for n, p in m.named_parameters() if p.requires_grad}
-    local_trainable = sum(local_tensor(p.data).numel() for p in trainer.zero.params)
+    local_trainable = sum(local_tensor(p.data).numel() for p in pipe_engine.zero.params)
     out = {"losses": losses, "start": {n: start[n] for n in end}, "end": end, "trainable": trainable,
            "frozen_grads": sorted(frozen_grads), "memory": memory, "local_trainable": local_trainable,
-           "optimized": sorted(trainer.zero.names)}
+           "optimized": sorted(pipe_engine.zero.names)}
     if ckpt_root is not None:  # the adapters as the app saves them: adapters + state, the base by reference
         lora = LoraConfig(r=R, alpha=ALPHA, target_modules=TARGETS, modules_to_save=save)
         meta = {"model": dataclasses.asdict(CFG), "peft": dataclasses.asdict(lora),
                 "base": {"model": "tiny", "path": None, "seed": 0}}
-        out["checkpoint"] = str(save_checkpoint(ckpt_root, STEPS, trainer.optimizer, mesh["dp"], model=None,
+        out["checkpoint"] = str(save_checkpoint(ckpt_root, STEPS, pipe_engine.optimizer, mesh["dp"], model=None,
                                                 app_state={"step": STEPS}, meta=meta))
     return out
 
@@ -144,10 +144,10 @@ def _app_pipeline_init() -> dict:
                           "pipeline.microbatches=2", "train.seed=3"]))
     stepper = build_stepper(s, build_mesh(s.parallel), rank=torch.distributed.get_rank())
     whole = dict(build_model(s, torch.device("cpu")).named_parameters())
-    modules = stepper.trainer.pipeline.modules
+    modules = stepper.engine.pipeline.modules
     differ = [n for m in modules for n, p in m.named_parameters() if not torch.equal(p.detach(), whole[n].detach())]
     ids = torch.randint(0, s.model.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    loss = stepper.trainer.train_step(ids, ids).loss
+    loss = stepper.engine.train_step(ids, ids).loss
     names = [n for m in modules for n, _ in m.named_parameters()]
     return {"differ": differ, "names": names, "loss": loss,
             "adapters_a_nonzero": all(whole[n].abs().max() > 0 for n in names if ".lora_A." in n)}

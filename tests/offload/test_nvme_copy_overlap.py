@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import AioConfig, NvmeStateStore, OffloadConfig
-from deepshard.offload import nvme_store as nvme_mod
 
-ADAMW = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+ADAMW = AdamW(betas=(0.9, 0.95), eps=1e-8)
 
 
 class FakeEvent:
@@ -36,17 +35,20 @@ def test_grad_copies_run_ahead_of_adam_and_buffers_wait_for_their_copies(tmp_pat
     assert num_groups == 6
     log: list = []
     events: list[FakeEvent] = []
-    real_adam = nvme_mod.adamw_update
+    real_rule = store.rule
 
-    def adam(*args, **kwargs):
-        log.append(("adam", None))
-        return real_adam(*args, **kwargs)
+    class LoggedRule:  # the store's rule, each update logged
+        states = real_rule.states
+
+        def apply(self, *args, **kwargs):
+            log.append(("adam", None))
+            return real_rule.apply(*args, **kwargs)
 
     def record(self) -> FakeEvent:
         events.append(FakeEvent(log))
         return events[-1]
 
-    monkeypatch.setattr(nvme_mod, "adamw_update", adam)
+    monkeypatch.setattr(store, "rule", LoggedRule())
     monkeypatch.setattr(NvmeStateStore, "_record", record)
     try:
         for step in (1, 2):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from deepshard.core.state_store import AdamWConfig
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import AioConfig, AioEngine, NvmeStateStore, OffloadConfig, SwapFile, aligned_empty
 from deepshard.offload import aio as aio_mod
 from deepshard.offload.aio import as_buffer
@@ -86,7 +86,7 @@ def test_overlap_events_pipelines_groups(tmp_path, monkeypatch, overlap):
                         buffer_count=3, aio=AioConfig(block_size=16384, queue_depth=32, thread_count=8,
                                                       overlap_events=overlap))
     params = [torch.randn(6 * 4096)]
-    store = NvmeStateStore(params, [0.0], AdamWConfig(), config=cfg)
+    store = NvmeStateStore(params, [0.0], AdamW(), config=cfg)
     try:
         rec.peak = 0
         store.step([torch.randn(6 * 4096)], lr=1e-3, step=1)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import (
     AioConfig,
     NvmeStateStore,
@@ -23,7 +23,7 @@ from deepshard.offload import (
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time, torch
-    from deepshard.core.state_store import AdamWConfig
+    from deepshard.core.update_rule import AdamW
     from deepshard.offload import OffloadConfig, make_store_factory
     path, run_id, mode = sys.argv[1:4]
     if mode == "custom":
@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
         signal.signal(signal.SIGTERM, handler)
     cfg = OffloadConfig(device="nvme", nvme_path=path, sub_group_size=4096, buffer_size=4096)
     params = [torch.randn(20_000)]
-    store = make_store_factory(cfg, 0, run_id)(params, [0.0], AdamWConfig())
+    store = make_store_factory(cfg, 0, run_id)(params, [0.0], AdamW())
     assert os.listdir(store.dir)
     print("ready", flush=True)
     if mode == "exit":
@@ -52,7 +52,7 @@ def nvme_config(path) -> OffloadConfig:
 
 
 def test_close_removes_swap_files(tmp_path):
-    store = NvmeStateStore([torch.randn(10_000)], [0.0], AdamWConfig(), config=nvme_config(tmp_path),
+    store = NvmeStateStore([torch.randn(10_000)], [0.0], AdamW(), config=nvme_config(tmp_path),
                            run_id="close")
     files = [f.path for f in store.files.values()]
     assert all(os.path.exists(f) for f in files)
@@ -63,8 +63,8 @@ def test_close_removes_swap_files(tmp_path):
 
 
 def test_two_stores_share_a_rank_dir(tmp_path):
-    a = NvmeStateStore([torch.randn(100)], [0.0], AdamWConfig(), config=nvme_config(tmp_path), run_id="two")
-    b = NvmeStateStore([torch.randn(100)], [0.0], AdamWConfig(), config=nvme_config(tmp_path), run_id="two")
+    a = NvmeStateStore([torch.randn(100)], [0.0], AdamW(), config=nvme_config(tmp_path), run_id="two")
+    b = NvmeStateStore([torch.randn(100)], [0.0], AdamW(), config=nvme_config(tmp_path), run_id="two")
     assert a.dir != b.dir and a.dir.parent == b.dir.parent
     a.close()
     assert b.dir.exists() and all(os.path.exists(f.path) for f in b.files.values())
@@ -73,7 +73,7 @@ def test_two_stores_share_a_rank_dir(tmp_path):
 
 
 def test_forked_child_does_not_remove_parent_files(tmp_path):
-    store = NvmeStateStore([torch.randn(100)], [0.0], AdamWConfig(), config=nvme_config(tmp_path), run_id="fork")
+    store = NvmeStateStore([torch.randn(100)], [0.0], AdamW(), config=nvme_config(tmp_path), run_id="fork")
     try:
         pid = os.fork()
         if pid == 0:  # e.g. a DataLoader worker hit by the same Ctrl-C
@@ -119,7 +119,7 @@ def test_signals_exit_and_crash(tmp_path):
 
 
 def test_remove_scratch_and_live_owner(tmp_path):
-    store = NvmeStateStore([torch.randn(100)], [0.0], AdamWConfig(), config=nvme_config(tmp_path), run_id="live")
+    store = NvmeStateStore([torch.randn(100)], [0.0], AdamW(), config=nvme_config(tmp_path), run_id="live")
     try:
         assert remove_stale_scratch(tmp_path) == []  # this process is alive: not stale
         assert remove_scratch(tmp_path, "live")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import AioConfig, NvmeStateStore, OffloadConfig
 from deepshard.offload.memory import host_buffers, unit_numel
 
-ADAMW = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW = AdamW(betas=(0.9, 0.95), eps=1e-8)
 
 
 def _align(n: int) -> int:

@@ -9,10 +9,11 @@ import os
 import pytest
 import torch
 
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore
+from deepshard.core.state_store import DeviceStateStore
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import AioConfig, CpuStateStore, NvmeStateStore, OffloadConfig, make_store_factory
 
-ADAMW = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW = AdamW(betas=(0.9, 0.95), eps=1e-8)
 SHAPES = [(37, 13), (1000,), (5, 7, 3), (0,), (4097,), (3,), (129, 31)]
 DECAYS = [0.1, 0.0, 0.1, 0.0, 0.05, 0.0, 0.1]
 STEPS = 4
@@ -179,10 +180,10 @@ def test_buffered_fallback_when_o_direct_refused(tmp_path, monkeypatch, caplog):
 def test_cpu_store_one_pass_adam_writes_the_params(monkeypatch, dtype):
     """Low-precision params: the host Adam pass writes them itself (no cast pass after), bitwise equal to
     plain torch.optim.AdamW(fused=True) on fp32 masters, rounded; runs threshold lowered to reach it."""
-    from deepshard.core import state_store
+    from deepshard.core import update_rule
     from deepshard.kernels import host_adam
 
-    monkeypatch.setattr(state_store, "HOST_ADAM_MIN_NUMEL", 1)
+    monkeypatch.setattr(update_rule, "HOST_ADAM_MIN_NUMEL", 1)
     shapes = [(64, 48), (48,), (1000,), (129, 31), (16,), (3,)]  # one ragged size ends a run
     decays = [0.1, 0.1, 0.1, 0.0, 0.0, 0.1]
     gen = torch.Generator().manual_seed(3)

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore
+from deepshard.core.state_store import DeviceStateStore
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import (
     AioConfig,
     CpuStateStore,
@@ -51,8 +52,8 @@ def test_buffer_smaller_than_largest_group(tmp_path):
     with pytest.raises(ValueError, match=r"buffer_size=1024 .* largest sub-group \(4096 elements"):
         validate_nvme(cfg, 1)
     with pytest.raises(ValueError, match="buffer_size=1024"):  # the store checks its real groups
-        NvmeStateStore([torch.zeros(3000)], [0.0], AdamWConfig(), config=cfg)
-    store = NvmeStateStore([torch.zeros(1000)], [0.0], AdamWConfig(), config=cfg)  # one group of 1000 fits
+        NvmeStateStore([torch.zeros(3000)], [0.0], AdamW(), config=cfg)
+    store = NvmeStateStore([torch.zeros(1000)], [0.0], AdamW(), config=cfg)  # one group of 1000 fits
     store.close()
 
 
@@ -92,11 +93,11 @@ def test_bad_sizes(tmp_path, key):
 def test_factory_picks_store(tmp_path):
     assert make_store_factory(OffloadConfig(), 0, "x") is DeviceStateStore
     assert make_store_factory(OffloadConfig(device="cpu"), 0, "x") is CpuStateStore
-    store = make_store_factory(nvme(tmp_path), 3, "run7")([torch.zeros(10)], [0.0], AdamWConfig())
+    store = make_store_factory(nvme(tmp_path), 3, "run7")([torch.zeros(10)], [0.0], AdamW())
     try:
         assert isinstance(store, NvmeStateStore)
         assert store.dir.parent == tmp_path / "deepshard-run7" / "rank3"
     finally:
         store.close()
     with pytest.raises(ValueError, match="run_id"):
-        make_store_factory(nvme(tmp_path), 0, "../x")([torch.zeros(10)], [0.0], AdamWConfig())
+        make_store_factory(nvme(tmp_path), 0, "../x")([torch.zeros(10)], [0.0], AdamW())

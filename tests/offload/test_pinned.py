@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from deepshard.core.state_store import AdamWConfig
+from deepshard.core.update_rule import AdamW
 from deepshard.offload import CpuStateStore, NvmeStateStore, OffloadConfig, pinned
 from deepshard.offload.aio import as_buffer
 from deepshard.offload.pinned import host_buffer_stats, page_round, pinned_empty, pinned_tensor
@@ -106,7 +106,7 @@ def test_failed_registration_raises_and_leaks_nothing(monkeypatch):
     assert unregistered == [] and delta(before) == {"mapped_bytes": 0, "pinned_bytes": 0, "buffers": 0}
 
 
-ADAMW = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+ADAMW = AdamW(betas=(0.9, 0.95), eps=1e-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -83,21 +83,21 @@ def run_case(case: Case, num_steps: int = STEPS) -> dict:
     from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
     mesh = build_mesh(ParallelDims(pp=case.pp, dp=case.dp, tp=case.tp))
-    trainer = pipeline_llama(build_model(), mesh, engine_config(case), schedule=case.schedule,
+    pipe_engine = pipeline_llama(build_model(), mesh, engine_config(case), schedule=case.schedule,
                              microbatches=case.microbatches, partition=case.partition)
-    local_numel = trainer.local_param_numel()
+    local_numel = pipe_engine.local_param_numel()
     dp_rank, per_dp = mesh["dp"].get_local_rank(), case.rows // case.dp
     data = batches(num_steps, case.rows)[:, dp_rank * per_dp:(dp_rank + 1) * per_dp].to(local_device())
     losses, norms, scales = [], [], []
     for step in range(num_steps):
-        result = trainer.train_step(data[step, :, :-1], data[step, :, 1:])
+        result = pipe_engine.train_step(data[step, :, :-1], data[step, :, 1:])
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
         scales.append((result.stats.loss_scale, result.stats.applied))
     params = {}
-    for m in trainer.pipeline.modules:
+    for m in pipe_engine.pipeline.modules:
         for n, p in m.named_parameters():
             t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
             params[n.replace("_checkpoint_wrapped_module.", "")] = t.float().cpu().clone()  # beside the host reference
     return {"losses": losses, "norms": norms, "scales": scales, "params": params, "local_numel": local_numel,
-            "ranges": [(r.start, r.stop) for r in trainer.pipeline.ranges]}
+            "ranges": [(r.start, r.stop) for r in pipe_engine.pipeline.ranges]}

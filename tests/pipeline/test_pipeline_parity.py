@@ -43,10 +43,10 @@ def _worker(cases: list[Case]) -> dict:
         from deepshard.core import ParallelDims, build_mesh
         from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
-        trainer = pipeline_llama(build_model(), build_mesh(ParallelDims(pp=2)), engine_config(Case()),
+        pipe_engine = pipeline_llama(build_model(), build_mesh(ParallelDims(pp=2)), engine_config(Case()),
                                  schedule="gpipe", microbatches=4)
         try:
-            trainer.train_step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long))
+            pipe_engine.train_step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long))
         except ValueError as e:
             out["bad_batch"] = str(e)
     return out

@@ -6,7 +6,7 @@ rows per rank, ZeRO 0) and the pipeline at pp=2 (one replica, 2 microbatches of 
 same micro-batches, so their losses agree to float rounding and their gradients to 1e-5.  The
 reference is plain torch written here.  The same launch runs the batch again with an extra loss term
 (``add_aux_loss`` from a forward hook on ``layers.1``, which sits on the pipeline's *first* stage,
-away from the loss): both trainers must add ``weight * mean over micro-batches`` and nothing else.
+away from the loss): both engines must add ``weight * mean over micro-batches`` and nothing else.
 """
 
 from __future__ import annotations
@@ -88,22 +88,22 @@ def _pipeline(aux: bool) -> tuple[float, dict]:
     from deepshard.core.mesh import local_device
     from deepshard.finetune.models.llama.parallelize import pipeline_llama
 
-    trainer = pipeline_llama(model(), build_mesh(ParallelDims(pp=2)), _config(), schedule="1f1b", microbatches=2)
+    pipe_engine = pipeline_llama(model(), build_mesh(ParallelDims(pp=2)), _config(), schedule="1f1b", microbatches=2)
     if aux:
-        _hook_aux(trainer.pipeline.modules)
+        _hook_aux(pipe_engine.pipeline.modules)
     ids, labels = batch()
-    loss = trainer.forward_backward(ids.to(local_device()), labels.to(local_device()))
-    return loss.item(), _grads(trainer.zero)
+    loss = pipe_engine.forward_backward(ids.to(local_device()), labels.to(local_device()))
+    return loss.item(), _grads(pipe_engine.zero)
 
 
 def _worker() -> dict:
     import deepshard.core.engine as engine_mod
-    import deepshard.pipeline.trainer as trainer_mod
+    import deepshard.pipeline.engine as pipeline_mod
     from deepshard.core import init_distributed
 
     init_distributed()
     calls: dict[tuple[str, str], int] = {}
-    for mod, who in ((engine_mod, "engine"), (trainer_mod, "pipeline")):  # spy on the names each caller uses
+    for mod, who in ((engine_mod, "engine"), (pipeline_mod, "pipeline")):  # spy on the names each caller uses
         for name in SPIED:
             if hasattr(mod, name):
                 real = getattr(mod, name)
@@ -166,7 +166,7 @@ def test_engine_and_pipeline_give_equal_loss_and_gradients(runs, aux):
         assert any(not torch.allclose(plain[n], g) for n, g in engine_grads.items())
 
 
-def test_both_trainers_call_cores_step_functions(runs):
+def test_both_engines_call_cores_step_functions(runs):
     for rank in (0, 1):
         calls = runs[rank]["calls"]
         for who in ("engine", "pipeline"):

@@ -26,9 +26,9 @@ from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.preempted import preemption_outcome
 from deepshard.finetune.preflight import preflight_memory
+from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs
 from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
-from deepshard.finetune.runtime import check_data_fits, check_inputs, holding_job_dirs
 from deepshard.launch.heartbeat import read_beats
 from deepshard.launch.local import JobFailed, launch_local, start_worker_server
 from deepshard.launch.process_trim import trim_heap

@@ -5,11 +5,12 @@ from deepshard.core.engine import Engine, initialize
 from deepshard.core.mesh import ParallelDims, build_mesh, init_distributed
 from deepshard.core.precision import LossScaleAtMinimum, LossScaler, PrecisionConfig
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore
-from deepshard.core.trainer_protocol import Trainer
+from deepshard.core.state_store import DeviceStateStore, StateStore
+from deepshard.core.training_engine import TrainingEngine
+from deepshard.core.update_rule import AdamW, UpdateRule
 
 __all__ = [
-    "AdamWConfig", "DeviceStateStore", "Engine", "EngineConfig", "LRSchedule", "LossScaleAtMinimum", "LossScaler",
-    "OptimConfig", "ParallelDims", "PrecisionConfig", "SchedulerConfig", "StateStore", "Trainer", "ZeroConfig", "build_mesh",
-    "init_distributed", "initialize",
+    "AdamW", "DeviceStateStore", "Engine", "EngineConfig", "LRSchedule", "LossScaleAtMinimum", "LossScaler",
+    "OptimConfig", "ParallelDims", "PrecisionConfig", "SchedulerConfig", "StateStore", "TrainingEngine", "UpdateRule",
+    "ZeroConfig", "build_mesh", "init_distributed", "initialize",
 ]

@@ -14,7 +14,8 @@ from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import local_device
 from deepshard.core.precision import LossScaler
 from deepshard.core.schedules import LRSchedule
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.update_rule import AdamW, UpdateRule
 from deepshard.core.zero.stages import ZeroStage
 
 
@@ -81,7 +82,8 @@ def global_param_norm(params: list[torch.Tensor], replication: list[int], *,
 
 
 class ZeroOptimizer:
-    """AdamW through a StateStore, with fp16 overflow skipping and global-norm clipping."""
+    """The store's update rule (AdamW by default) over a ZeRO stage, with fp16 overflow skipping and
+    global-norm clipping."""
 
     def __init__(self, stage: ZeroStage, store: StateStore, lr_at: Callable[[int], float],
                  scaler: LossScaler, grad_clip: float) -> None:
@@ -142,15 +144,17 @@ def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:
 
 
 def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: StoreFactory = DeviceStateStore,
-                    fp32_masters: list[torch.Tensor] | None = None) -> ZeroOptimizer:
+                    fp32_masters: list[torch.Tensor] | None = None, rule: UpdateRule | None = None) -> ZeroOptimizer:
     """The optimizer over a ZeRO stage (one model, or a pipeline rank's stage modules seen as one):
     its state store, fp32 masters, LR schedule and loss scaler, from ``config``.
 
     ``fp32_masters``: this rank's fp32 local shards taken before the params were cast to a 16-bit
     compute dtype (stages 0-2), so the masters start from the exact init, not its rounded copy.
+    ``rule``: the update (None: AdamW with ``config.optim``'s betas and eps).
     """
     oc = config.optim
-    adamw = AdamWConfig(betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
-    store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), adamw, masters=fp32_masters)
+    if rule is None:
+        rule = AdamW(betas=tuple(oc.betas), eps=oc.eps)
+    store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), rule, masters=fp32_masters)
     schedule = LRSchedule(config.scheduler, oc.lr)
     return ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)

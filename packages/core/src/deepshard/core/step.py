@@ -1,12 +1,12 @@
-"""The arithmetic of one training step, written once for every trainer (design.md, "The loss of a step").
+"""The arithmetic of one training step, written once for every training engine (design.md, "The loss of a step").
 
-The engine (``deepshard.core.initialize``) and the pipeline trainer (``deepshard.pipeline``) both run a
+The engine (``deepshard.core.initialize``) and the pipeline engine (``deepshard.pipeline``) both run a
 step as: count the valid label tokens of the whole global batch (:func:`count_valid_tokens`), backprop
 each micro-batch's *summed* token loss times :func:`loss_scale_factor`, report
 :func:`token_mean`.  The gradient is then that of ``sum of token losses / global valid-token count``
 whatever the layout (micro-batches, gradient accumulation, dp ranks, pipeline micro-batches, tp).
 
-Extra loss terms (an MoE router's balancing loss) join the step without any trainer or stepper
+Extra loss terms (an MoE router's balancing loss) join the step without any engine or stepper
 knowing them: the model calls :func:`add_aux_loss` in its forward (see there for the weighting).
 """
 
@@ -118,7 +118,7 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.weight * _AUX_SCALE[0]), None
 
 
-_AUX_SCALE = [1.0]  # set by the trainer for each backward (aux_loss_scale); 1.0 for a plain loop
+_AUX_SCALE = [1.0]  # set by the engine for each backward (aux_loss_scale); 1.0 for a plain loop
 
 
 def add_aux_loss(x: torch.Tensor, aux: torch.Tensor, *, weight: float) -> torch.Tensor:
@@ -127,7 +127,7 @@ def add_aux_loss(x: torch.Tensor, aux: torch.Tensor, *, weight: float) -> torch.
 
     The step's objective becomes ``sum of token losses / global valid-token count + weight * (mean of
     aux over every micro-batch of the global batch)``: the token-weighted main loss stays exact and
-    the term is averaged per micro-batch, as DeepSpeed's and Megatron's MoE losses are.  The trainer
+    the term is averaged per micro-batch, as DeepSpeed's and Megatron's MoE losses are.  The engine
     sets the scale (:func:`aux_loss_scale`); the reported loss is the main loss alone.  Outside
     autograd (eval, ``no_grad``) it is the identity.
     """

@@ -1,11 +1,12 @@
 """Optimizer state in host memory: ZeRO-Offload's CPU half.
 
-The fp32 master and both AdamW moments live in (pinned, when an accelerator exists) host memory;
-gradients stream device->host as backward produces them (``grad_ready``) on a side stream, the
-update runs on the CPU with torch's fused AdamW (measured here at 50M params: fused 25 ms,
-foreach 154 ms, for-loop 176 ms), and the new masters go back host->device without blocking:
+The fp32 master and the update rule's states (AdamW's two moments by default) live in (pinned, when
+an accelerator exists) host memory; gradients stream device->host as backward produces them
+(``grad_ready``) on a side stream, the update runs on the CPU (the store's
+:class:`~deepshard.core.update_rule.UpdateRule`; AdamW through torch's fused kernel, measured here at
+50M params: fused 25 ms, foreach 154 ms, for-loop 176 ms), and the new masters go back host->device without blocking:
 cast to the compute dtype on the host into the (then dead) gradient buffer, written by the Adam pass
-itself for flat runs of 4M+ elements (:func:`deepshard.kernels.host_adam.host_adamw_`, one pass
+itself for AdamW's flat runs of 4M+ elements (:func:`deepshard.kernels.host_adam.host_adamw_`, one pass
 instead of Adam then a cast that reads the masters again), so each upload is a
 same-dtype copy from pinned memory, a true asynchronous DMA (a cross-dtype host->device copy
 would cast into a pageable temporary first and block).  The flat buffers are pinned at their
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
+from deepshard.core.state_store import StateStore
+from deepshard.core.update_rule import UpdateRule
 
 from .pinned import pinned_tensor
 
@@ -41,11 +43,11 @@ def _offsets(shapes: list[torch.Size]) -> list[int]:
 
 
 class CpuStateStore(StateStore):
-    """fp32 master + exp_avg + exp_avg_sq in host memory; params updated in place after each step."""
+    """fp32 master + the rule's states in host memory; params updated in place after each step."""
 
-    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  masters: list[torch.Tensor] | None = None) -> None:
-        super().__init__(params, weight_decays, adamw)
+        super().__init__(params, weight_decays, rule)
         self.pin = torch.cuda.is_available()  # pinning without an accelerator raises
         shapes = [p.shape for p in params]
         total = sum(p.numel() for p in params)
@@ -55,11 +57,10 @@ class CpuStateStore(StateStore):
 
         # fp32 params already in host memory need no separate master (nor a copy back each step)
         self.aliased = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in params)
-        keys = ("exp_avg", "exp_avg_sq", "grad") + (() if self.aliased else ("master",))
+        keys = (*rule.states, "grad") + (() if self.aliased else ("master",))
         self._flat = {k: alloc() for k in keys}
         self.masters = list(params) if self.aliased else _flat_views(self._flat["master"], shapes)
-        self.exp_avgs = _flat_views(self._flat["exp_avg"], shapes)
-        self.exp_avg_sqs = _flat_views(self._flat["exp_avg_sq"], shapes)
+        self.states = {name: _flat_views(self._flat[name], shapes) for name in rule.states}
         self._host_grads = _flat_views(self._flat["grad"], shapes)
         # uploads of non-fp32 params go through the grad buffer, dead between Adam and the next backward
         low = {p.dtype for p in params} - {torch.float32}
@@ -76,8 +77,8 @@ class CpuStateStore(StateStore):
         if not self.aliased:  # the masters start from the fp32 values taken before the cast (or the params)
             for m, src in zip(self.masters, params if masters is None else masters, strict=True):
                 m.copy_(src.detach())
-        self._flat["exp_avg"].zero_()
-        self._flat["exp_avg_sq"].zero_()
+        for name in rule.states:
+            self._flat[name].zero_()
         self._ready = [False] * len(params)
         cuda = [p for p in params if p.is_cuda]
         self._stream = torch.cuda.Stream(cuda[0].device) if cuda else None
@@ -118,8 +119,8 @@ class CpuStateStore(StateStore):
             self._upload_done.synchronize()  # last step's H2D reads of the masters and the staging are finished
         g32 = self._gather_grads(grads, grad_scale)  # (the staging is the grad buffer it fills)
         with torch.no_grad():  # aliased masters are leaf params
-            adamw_update(self.masters, g32, self.exp_avgs, self.exp_avg_sqs, self.weight_decays, self.adamw,
-                         lr=lr, step=step, grad_scale=grad_scale, outs=self._outs, one_pass=True)
+            self.rule.apply(self.masters, g32, self.states, self.weight_decays, lr=lr, step=step,
+                            grad_scale=grad_scale, outs=self._outs, one_pass=True)
         self._upload(cast_done=True)
 
     def _upload(self, cast_done: bool = False) -> None:
@@ -145,12 +146,12 @@ class CpuStateStore(StateStore):
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         if self._upload_done is not None:
             self._upload_done.synchronize()
-        return {"master": self.masters, "exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}
+        return {"master": self.masters, **self.states}
 
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
         if self._upload_done is not None:
             self._upload_done.synchronize()
-        for key, dst in (("master", self.masters), ("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs)):
+        for key, dst in (("master", self.masters), *self.states.items()):
             assert len(state[key]) == len(dst), f"{key}: {len(state[key])} tensors for {len(dst)} params"
             with torch.no_grad():
                 for d, s in zip(dst, state[key]):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig, DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.state_store import DeviceStateStore, StateStore, StoreFactory
+from deepshard.core.update_rule import UpdateRule
 from deepshard.core.zero import CpuParamOffload, ParamOffload
 
 from .config import OffloadConfig, validate_config
@@ -21,10 +22,10 @@ class InfinityFactory:
     def __init__(self, config: OffloadConfig, rank: int, run_id: str) -> None:
         self.param_swap = ParamSwap(config, rank=rank, run_id=run_id)
 
-    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+    def __call__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  masters: list[torch.Tensor] | None = None) -> StateStore:
         assert masters is None, "ZeRO-3 params are never cast before sharding: they are their own masters"
-        return InfinityStore(params, weight_decays, adamw, swap=self.param_swap)
+        return InfinityStore(params, weight_decays, rule, swap=self.param_swap)
 
 
 def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFactory:
@@ -42,9 +43,9 @@ def make_store_factory(config: OffloadConfig, rank: int, run_id: str) -> StoreFa
     if config.params == "nvme":
         return InfinityFactory(config, rank, run_id)
 
-    def nvme(params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+    def nvme(params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
              masters: list[torch.Tensor] | None = None) -> StateStore:
-        return NvmeStateStore(params, weight_decays, adamw, config=config, rank=rank, run_id=run_id, masters=masters)
+        return NvmeStateStore(params, weight_decays, rule, config=config, rank=rank, run_id=run_id, masters=masters)
 
     return nvme
 

@@ -13,7 +13,7 @@ only records lr, step and gradient scale and starts reading the first pieces; ea
 updated when it is next needed, at its unshard in the next forward, in forward order, while the
 read of the next pieces and the write-back of the previous ones are in flight behind the
 forward's compute.  The updated params land straight in the unit's shards, piece by piece, so
-the forward reads no param file of its own.  The arithmetic is the same :func:`adamw_update` on
+the forward reads no param file of its own.  The arithmetic is the store's update rule on
 the same elements (pieces start 16-aligned in every shard), so the result is bit-identical to an
 eager step; anything that reads the files (a checkpoint save, :meth:`ParamSwap.resident`) first
 runs the updates still owed.  With as many buffers as pieces (*resident*) the buffers keep every
@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
+from deepshard.core.state_store import StateStore
+from deepshard.core.update_rule import UpdateRule
 
 from .deferred_step import DeferredStep
 from .param_swap import ParamSwap
@@ -37,14 +38,20 @@ from .state_buffer import StateBuffer
 from .streaming import stream_groups
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
+RULE_STATES = ("exp_avg", "exp_avg_sq")  # the swap's state files (units.FILES): AdamW's moments
 
 
 class InfinityStore(StateStore):
     """AdamW state (and the params themselves) in the :class:`ParamSwap`'s files."""
 
-    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  swap: ParamSwap) -> None:
-        super().__init__(params, weight_decays, adamw)
+        # the swap creates its files when the params are materialized, before any rule exists: a rule
+        # with other states needs the swap to take its state names first (a later issue)
+        if tuple(rule.states) != RULE_STATES:
+            raise ValueError(f"offload.params=nvme keeps the states {RULE_STATES} in its swap files; "
+                             f"the update rule {type(rule).__name__} has {tuple(rule.states)}")
+        super().__init__(params, weight_decays, rule)
         self.swap = swap
         swap.open(params)
         self.numel = sum(p.numel() for p in params)
@@ -73,13 +80,12 @@ class InfinityStore(StateStore):
         self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
     def update(self, piece: Piece, buf: StateBuffer, *, lr: float, step: int, grad_scale: float) -> None:
-        """AdamW on one piece whose param, moments and gradient are in ``buf``: on each shard's
-        elements in it (its FSDP padding untouched), with that shard's weight decay."""
+        """The rule's update of one piece whose param, states and gradient are in ``buf``: on each
+        shard's elements in it (its FSDP padding untouched), with that shard's weight decay."""
         cuts = _cuts(self.swap.units[piece.unit], piece)
         views = {k: [buf.f32[REGION[k]][lo:hi] for _, lo, hi in cuts] for k in STATES + ("grad",)}
-        adamw_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
-                     [self.weight_decays[s.index] for s, _, _ in cuts], self.adamw, lr=lr, step=step,
-                     grad_scale=grad_scale)
+        self.rule.apply(views["param"], views["grad"], {k: views[k] for k in RULE_STATES},
+                        [self.weight_decays[s.index] for s, _, _ in cuts], lr=lr, step=step, grad_scale=grad_scale)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -3,10 +3,10 @@
 Layout: the params are concatenated (each starting at a multiple of 16 elements) into one flat
 element space that is cut into sub-groups of ``sub_group_size`` elements (rounded down to a
 multiple of 16; the last group shorter).  A param that crosses a boundary is split
-across groups; the update is elementwise, so where a group boundary falls never changes the math,
-and every group -- hence every buffer -- is bounded by ``sub_group_size``.  Each state (master,
-exp_avg, exp_avg_sq) has its own preallocated swap file holding group ``g`` at ``g * stride``
-(stride = the largest group's bytes rounded up to 4096, as O_DIRECT needs).
+across groups; the update rule must be elementwise (AdamW is), so where a group boundary falls never
+changes the math, and every group -- hence every buffer -- is bounded by ``sub_group_size``.  Each
+state (the master and the rule's states: AdamW's exp_avg, exp_avg_sq) has its own preallocated swap
+file holding group ``g`` at ``g * stride`` (stride = the largest group's bytes rounded up to 4096, as O_DIRECT needs).
 
 The step streams groups through ``buffer_count`` page-aligned buffers: while group g is stepped
 on the CPU, group g+1 (and more, with more buffers) is being read and group g-1 written back by
@@ -31,12 +31,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from deepshard.core.state_store import AdamWConfig, StateStore, adamw_update
+from deepshard.core.state_store import StateStore
+from deepshard.core.update_rule import UpdateRule
 
 from . import scratch
 from .aio import AioEngine, AioRequest, SwapFile, align_up
 from .config import OffloadConfig, validate_nvme
-from .state_buffer import STATES, VEC, StateBuffer
+from .state_buffer import VEC, StateBuffer
 from .streaming import stream_groups
 
 Segment = tuple[int, int, int, int]  # (param index, offset in param, offset in group, length)
@@ -71,12 +72,13 @@ def _segments(numels: list[int], group_size: int) -> list[list[Segment]]:
 
 
 class NvmeStateStore(StateStore):
-    """fp32 master + AdamW moments in per-rank swap files under ``config.nvme_path``."""
+    """fp32 master + the rule's states in per-rank swap files (one per state) under ``config.nvme_path``."""
 
-    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], adamw: AdamWConfig, *,
+    def __init__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  config: OffloadConfig, rank: int = 0, run_id: str | None = None,
                  masters: list[torch.Tensor] | None = None) -> None:
-        super().__init__(params, weight_decays, adamw)
+        super().__init__(params, weight_decays, rule)
+        self.keys = ("master", *rule.states)  # one swap file and one buffer region each
         self._initial = params if masters is None else masters  # what the swap files start from
         for i, p in enumerate(params):
             assert p.is_contiguous(), f"param {i} is not contiguous: the store updates it through a flat view"
@@ -87,7 +89,7 @@ class NvmeStateStore(StateStore):
         self.largest = max(self.group_numels, default=0)
         self.stride = align_up(self.largest * 4)
         file_bytes = max(len(self.groups) * self.stride, 1)
-        validate_nvme(config, 3 * file_bytes, self.largest)
+        validate_nvme(config, len(self.keys) * file_bytes, self.largest)
         self.dir = scratch.make_store_dir(config.nvme_path, run_id or f"pid{os.getpid()}", rank)
         self.files: dict[str, SwapFile] = {}
         self.engine: AioEngine | None = None
@@ -96,13 +98,13 @@ class NvmeStateStore(StateStore):
         low = {p.dtype for p in params} - {torch.float32}
         assert len(low) <= 1, f"one compute dtype per store, got {low}"
         try:
-            for k in STATES:
+            for k in self.keys:
                 self.files[k] = SwapFile(str(self.dir / f"{k}.swp"), file_bytes)
             self.direct = all(f.direct for f in self.files.values())
             self.engine = AioEngine(config.aio)
             pin = torch.cuda.is_available()
             num_buffers = min(config.buffer_count, max(len(self.groups), 1))
-            self._buffers = [StateBuffer(self.largest, pin) for _ in range(num_buffers)]
+            self._buffers = [StateBuffer(self.largest, pin, self.keys) for _ in range(num_buffers)]
             self._stream(self._fill_initial, read=False, write=True)
             del self._initial
         except BaseException:
@@ -115,7 +117,7 @@ class NvmeStateStore(StateStore):
         assert self.engine is not None
         nbytes = align_up(self.group_numels[g] * 4)
         op = self.engine.write if write else self.engine.read
-        return [op(self.files[k].fd, buf.mv[k][:nbytes], g * self.stride) for k in STATES]
+        return [op(self.files[k].fd, buf.mv[k][:nbytes], g * self.stride) for k in self.keys]
 
     def _stream(self, fn: Callable[[int, StateBuffer], None], *, read: bool, write: bool,
                 assign: Callable[[int, StateBuffer], None] | None = None) -> None:
@@ -136,8 +138,8 @@ class NvmeStateStore(StateStore):
         for pi, po, go, k in self.groups[g]:
             buf.f32["master"][go:go + k].copy_(self._initial[pi].detach().reshape(-1)[po:po + k])
         n = self.group_numels[g]
-        buf.f32["exp_avg"][:n].zero_()
-        buf.f32["exp_avg_sq"][:n].zero_()
+        for k in self.rule.states:
+            buf.f32[k][:n].zero_()
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
@@ -194,10 +196,9 @@ class NvmeStateStore(StateStore):
         def update(g: int, buf: StateBuffer) -> None:
             segs = self.groups[g]
             buf.wait_grads()
-            views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in STATES + ("grad",)}
-            adamw_update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"],
-                         [self.weight_decays[s[0]] for s in segs], self.adamw, lr=lr, step=step,
-                         grad_scale=grad_scale)
+            views = {key: [buf.f32[key][go:go + k] for _, _, go, k in segs] for key in (*self.keys, "grad")}
+            self.rule.apply(views["master"], views["grad"], {k: views[k] for k in self.rule.states},
+                            [self.weight_decays[s[0]] for s in segs], lr=lr, step=step, grad_scale=grad_scale)
             self._to_params(g, buf)
 
         with self._device_copies():
@@ -211,24 +212,24 @@ class NvmeStateStore(StateStore):
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """Reads the swap files back into fresh fp32 tensors (checkpoints never point at scratch)."""
-        out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params] for k in STATES}
+        out = {k: [torch.empty(p.shape, dtype=torch.float32) for p in self.params] for k in self.keys}
 
         def gather(g: int, buf: StateBuffer) -> None:
             for pi, po, go, k in self.groups[g]:
-                for key in STATES:
+                for key in self.keys:
                     out[key][pi].view(-1)[po:po + k].copy_(buf.f32[key][go:go + k])
 
         self._stream(gather, read=True, write=False)
         return out
 
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
-        for key in STATES:
+        for key in self.keys:
             assert len(state[key]) == len(self.params), f"{key}: {len(state[key])} tensors for {len(self.params)} params"
-        flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in STATES}
+        flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in self.keys}
 
         def scatter(g: int, buf: StateBuffer) -> None:
             for pi, po, go, k in self.groups[g]:
-                for key in STATES:
+                for key in self.keys:
                     buf.f32[key][go:go + k].copy_(flat[key][pi][po:po + k])
             self._to_params(g, buf)
 
@@ -238,7 +239,7 @@ class NvmeStateStore(StateStore):
     def state_bytes(self) -> dict[str, int]:
         """NVMe holds the state; host counts the staging buffers' state regions."""
         host = sum(b.state_bytes for b in getattr(self, "_buffers", []))
-        return {"device": 0, "host": host, "nvme": 3 * 4 * self.numel}
+        return {"device": 0, "host": host, "nvme": len(self.keys) * 4 * self.numel}
 
     def io_stats(self) -> dict[str, float]:
         """Bytes moved and busy seconds per direction since the last :meth:`reset_io_stats`."""

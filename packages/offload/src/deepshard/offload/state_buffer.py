@@ -15,22 +15,25 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 VEC = 16  # elements per work unit of torch's fused CPU AdamW (one 64-byte cache line of fp32)
 
 
-def buffer_bytes(numel: int) -> int:
-    """Bytes of one :class:`StateBuffer` of ``numel`` elements: the three states and the gradient, each
-    region rounded up to the O_DIRECT alignment."""
-    return 4 * align_up(max(numel, 1) * 4)
+def buffer_bytes(numel: int, states: tuple[str, ...] = STATES) -> int:
+    """Bytes of one :class:`StateBuffer` of ``numel`` elements: a region per state and one for the
+    gradient, each rounded up to the O_DIRECT alignment."""
+    return (len(states) + 1) * align_up(max(numel, 1) * 4)
 
 
 class StateBuffer:
-    """One page-aligned host buffer with a region per state plus an fp32 gradient region."""
+    """One page-aligned host buffer with a region per optimizer state plus an fp32 gradient region.
 
-    def __init__(self, numel: int, pin: bool) -> None:
-        region = buffer_bytes(numel) // 4
-        self.raw = aligned_empty(4 * region, pin=pin)
-        parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(STATES + ("grad",))}
+    ``states``: the master and the update rule's states (``("master", *rule.states)``), AdamW's by default.
+    """
+
+    def __init__(self, numel: int, pin: bool, states: tuple[str, ...] = STATES) -> None:
+        region = buffer_bytes(numel, states) // (len(states) + 1)
+        self.raw = aligned_empty((len(states) + 1) * region, pin=pin)
+        parts = {k: self.raw[i * region:(i + 1) * region] for i, k in enumerate(states + ("grad",))}
         self.f32 = {k: v.view(torch.float32)[:numel] for k, v in parts.items()}
-        self.mv = {k: as_buffer(parts[k]) for k in STATES}
-        self.state_bytes = 3 * region
+        self.mv = {k: as_buffer(parts[k]) for k in states}
+        self.state_bytes = len(states) * region
         self._grad_raw = parts["grad"]
         self.grads_landed: torch.cuda.Event | None = None  # device->host grad copies into this buffer
         self.uploaded: torch.cuda.Event | None = None  # host->device weight copies out of this buffer

@@ -42,7 +42,6 @@ class Pipeline:
     ranges: list[range]  # layer range of every stage (all ranks)
     pp_mesh: DeviceMesh
     microbatches: int
-    schedule_name: str = "1f1b"
 
     @property
     def num_stages(self) -> int:
@@ -101,5 +100,4 @@ def build_pipeline(
     loss = MicrobatchLoss(loss_fn, microbatches)
     sched = build_schedule(schedule, stages, microbatches, loss)
     return Pipeline(modules=modules, stages=stages, schedule=sched, loss=loss, handles=handles,
-                    stage_ids=stage_ids, ranges=ranges, pp_mesh=pp_mesh, microbatches=microbatches,
-                    schedule_name=schedule)
+                    stage_ids=stage_ids, ranges=ranges, pp_mesh=pp_mesh, microbatches=microbatches)

@@ -74,7 +74,7 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 class MicrobatchLoss:
     """The schedule's ``loss_fn``: ``loss_fn(output, target) * multiplier``.
 
-    ``loss_fn`` returns a microbatch's *summed* token loss; the trainer sets ``multiplier`` each step
+    ``loss_fn`` returns a microbatch's *summed* token loss; the pipeline engine sets ``multiplier`` each step
     to ``loss_scale * dp / global_num_items`` (the fp16 loss scale, times dp because the ZeRO
     reducers average over data-parallel ranks, over the step's valid-token count across every
     microbatch and dp rank).  So the gradient is that of the global batch's token-weighted mean,

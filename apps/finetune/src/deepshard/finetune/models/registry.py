@@ -51,7 +51,7 @@ class ModelSpec:
     # (model or pipeline stage, mesh, *, zero, dtype, ac, offload_params, ac_offload) -> ShardedPart:
     # the family's one recipe (TP plan -> AC -> precision -> ZeRO), taken by the engine and every stage
     parallelize: Callable[..., Any]
-    # (model, mesh, engine config, *, schedule, microbatches, ..., init_fn, ...) -> PipelineTrainer
+    # (model, mesh, engine config, *, schedule, microbatches, ..., init_fn, ...) -> PipelineEngine
     pipeline: Callable[..., Any]
     stage_init: Callable[..., Callable[[nn.Module], None]]  # (seed, *, full) -> a pipeline split's init_fn
     check_tp: Callable[[Any, int], None]  # (config, tp): ValueError unless tp splits the model evenly

@@ -1,2 +1,2 @@
-"""The training recipe: run assembly, the trainer and its parts (steppers, checkpoints, divergence,
+"""The training recipe: run assembly, the training loop and its parts (steppers, checkpoints, divergence,
 evaluation, sampling, logging, profiling, the test-fault seam)."""

@@ -1,4 +1,4 @@
-"""Run assembly: from the validated ``Settings`` to one rank's :class:`~deepshard.finetune.recipe.trainer.FinetuneTrainer`.
+"""Run assembly: from the validated ``Settings`` to one rank's :class:`~deepshard.finetune.recipe.loop.TrainingLoop`.
 
 This is the one place that reads the whole ``Settings``; every component is built from its own
 section (the model from ``model``/``peft``, ZeRO and precision from ``engine``, offload from
@@ -37,10 +37,10 @@ from deepshard.finetune.recipe.checkpointing import agree_run_dir, start_checkpo
 from deepshard.finetune.recipe.divergence import DivergenceGuard
 from deepshard.finetune.recipe.faults import step_hooks_from_env
 from deepshard.finetune.recipe.liveness import BeatingProfiler
+from deepshard.finetune.recipe.loop import SampleConfig, TrainingLoop
 from deepshard.finetune.recipe.metrics import RunLogger
 from deepshard.finetune.recipe.profiling import build_profiler, model_flops
 from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper
-from deepshard.finetune.recipe.trainer import FinetuneTrainer, SampleConfig
 from deepshard.launch.heartbeat import Heartbeat
 from deepshard.launch.local import worker_threads
 from deepshard.offload import ParamSwap, make_store_factory, param_offload
@@ -85,7 +85,7 @@ def _materializer(s: Settings, offload_params: ParamOffload | None):
 
 
 def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineStepper | PipelineStepper:
-    """The engine (ZeRO on dp, TP on tp) or the pipeline trainer (pp > 1), each assembled by the
+    """The engine (ZeRO on dp, TP on tp) or the pipeline engine (pp > 1), each assembled by the
     family's one recipe (``spec.parallelize``), behind the steppers' one protocol."""
     spec = registry.spec_of(s.model)
     device = local_device()
@@ -98,11 +98,11 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
         # each stage copies its part of the full model as the engine path builds it (HF weights, seeded
         # init, adapters): the stages together equal the unsplit model
         init_fn = spec.stage_init(t.seed, full=lambda: build_model(s, torch.device("cpu")))
-        trainer = spec.pipeline(model, mesh, e, schedule=p.schedule, microbatches=s.micro_batches_per_step,
-                                partition=p.partition, virtual_stages=p.virtual_stages or None,
-                                init_fn=init_fn, store_factory=store_factory,
-                                offload_params=offload_params, device=device)
-        return PipelineStepper(trainer, mesh, microbatches=s.micro_batches_per_step, device=device,
+        engine = spec.pipeline(model, mesh, e, schedule=p.schedule, microbatches=s.micro_batches_per_step,
+                               partition=p.partition, virtual_stages=p.virtual_stages or None,
+                               init_fn=init_fn, store_factory=store_factory,
+                               offload_params=offload_params, device=device)
+        return PipelineStepper(engine, mesh, microbatches=s.micro_batches_per_step, device=device,
                                micro_batch_size=t.micro_batch_size, seq_len=s.data.seq_len, pad_id=pad_id)
     sharded_init = e.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
     recipe = partial(spec.parallelize, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
@@ -149,7 +149,7 @@ def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
 
 
 def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None
-             ) -> FinetuneTrainer:
+             ) -> TrainingLoop:
     """Process group, mesh, model (the recipe), data (``datasets``: the launcher's, already tokenized),
     the resume from the newest checkpoint, logging, profiling and the divergence guard."""
     s, t = settings, settings.train
@@ -188,13 +188,13 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     chat = resolve_template(tokenizer, s.data.chat_template) if t.sample_prompt and s.data.name == "chat" else None
     sample = SampleConfig(prompt=t.sample_prompt, num_tokens=t.sample_tokens, max_seq_len=s.model.max_seq_len,
                           chat_template=chat)
-    trainer = FinetuneTrainer(train=t, every_steps=s.checkpoint.every_steps, stepper=stepper, batches=batches,
-                              eval_set=eval_set, ckpt=ckpt, logger=logger, prof=prof, beat=beat, guard=guard,
-                              tokenizer=tokenizer, sample=sample, start_step=start_step, world=world,
-                              run_dir=run_dir, zero_stage=s.engine.zero.stage,
-                              step_hooks=step_hooks_from_env(os.environ))
+    loop = TrainingLoop(train=t, every_steps=s.checkpoint.every_steps, stepper=stepper, batches=batches,
+                        eval_set=eval_set, ckpt=ckpt, logger=logger, prof=prof, beat=beat, guard=guard,
+                        tokenizer=tokenizer, sample=sample, start_step=start_step, world=world,
+                        run_dir=run_dir, zero_stage=s.engine.zero.stage,
+                        step_hooks=step_hooks_from_env(os.environ))
     logger.print(header(s, world, engine.num_params, len(dataset)))
-    return trainer
+    return loop
 
 
 def train_worker(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> dict:

@@ -42,7 +42,7 @@ from deepshard.core.checkpoint.state import (
     write_checkpoint,
 )
 from deepshard.core.mesh import local_device, zero_mesh
-from deepshard.core.trainer_protocol import Trainer
+from deepshard.core.training_engine import TrainingEngine
 from deepshard.finetune.config.settings import AUTO, CheckpointConfig
 from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.recipe.foreign import hf_rename, placed_after
@@ -150,7 +150,7 @@ def check_shared_dir(root: Path, *, key: str = "checkpoint.dir") -> None:
 class RunCheckpoints:
     """Resume before the loop, ``after_step`` inside it; a few lines in train.py."""
 
-    def __init__(self, settings: CheckpointConfig, *, run_dir: str, engine: Trainer, data: ResumableStream,
+    def __init__(self, settings: CheckpointConfig, *, run_dir: str, engine: TrainingEngine, data: ResumableStream,
                  tokens_per_step: int, meta: dict[str, Any], tokenizer: Any = None) -> None:
         self.settings = settings
         self.root = Path(settings.dir or os.path.join(run_dir, "checkpoints"))
@@ -387,7 +387,7 @@ class RunCheckpoints:
         self.preemption.exit_when_done()
 
 
-def start_checkpointing(settings: CheckpointConfig, *, run_dir: str, engine: Trainer, data: ResumableStream,
+def start_checkpointing(settings: CheckpointConfig, *, run_dir: str, engine: TrainingEngine, data: ResumableStream,
                         tokens_per_step: int, meta: dict[str, Any], tokenizer: Any,
                         micro_batches_per_step: int) -> tuple[RunCheckpoints, int]:
     """The run's checkpointer, resumed (weights, optimizer, ``data``'s position); returns it and the steps

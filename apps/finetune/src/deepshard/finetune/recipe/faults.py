@@ -1,6 +1,6 @@
 """The test seam for faults in a running job: ``DEEPSHARD_TEST_FAULT`` as a step hook.
 
-The trainer runs its ``step_hooks`` (``hook(step, model)``) at the start of every step; the run's
+The training loop runs its ``step_hooks`` (``hook(step, model)``) at the start of every step; the run's
 assembly installs the hook below only when the variable is set, so the loop itself holds no test
 code.  ``nan@K``: from step K on the embedding's output is NaN, so a real NaN flows through the loss
 into every gradient; ``nan@K:N``: for the N steps K..K+N-1 only (a transient fault the run recovers

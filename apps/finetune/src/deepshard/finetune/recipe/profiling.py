@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from deepshard.core.trainer_protocol import Trainer
+from deepshard.core.training_engine import TrainingEngine
 
 # dense bf16/fp16 tensor-core peaks per device, TFLOP/s (fp32 is far lower; set profile.peak_tflops)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
@@ -109,7 +109,7 @@ class StepProfiler:
         return out
 
 
-def build_profiler(profile, engine: Trainer, *, flops_per_step: int, trace_dir: str, rank: int,
+def build_profiler(profile, engine: TrainingEngine, *, flops_per_step: int, trace_dir: str, rank: int,
                    device: torch.device) -> StepProfiler:
     """The run's profiler from its ``profile`` section: the peak from config or the device table."""
     peak = profile.peak_tflops or peak_tflops(device, torch.get_num_threads())

@@ -1,4 +1,4 @@
-"""The run's steps over either trainer: one protocol, so the loop never asks which it holds.
+"""The run's steps over either training engine: one protocol, so the loop never asks which it holds.
 
 ``EngineStepper``: ZeRO 0-3 and tensor parallelism through ``deepshard.core.initialize``, gradient
 accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipeline parallelism
@@ -34,8 +34,8 @@ class StepOutput:
 
 
 class _Stepper:
-    """What both steppers share: the optimizer step of the trainer they hold (``engine``), and one whole
-    step for callers outside the trainer (tests, benches); the trainer calls the two halves itself."""
+    """What both steppers share: the optimizer step of the engine they hold (``engine``), and one whole
+    step for callers outside the loop (tests, benches); the loop calls the two halves itself."""
 
     engine: Any
     prof: Any
@@ -141,9 +141,9 @@ class PipelineStepper(_Stepper):
     """A step stacks ``microbatches`` micro-batches (``pipeline.microbatches x train.grad_accum``) into
     one batch for the schedule; ``doc_ids`` ride along to every stage."""
 
-    def __init__(self, trainer, mesh: DeviceMesh, *, microbatches: int, device: torch.device,
+    def __init__(self, engine, mesh: DeviceMesh, *, microbatches: int, device: torch.device,
                  micro_batch_size: int = 1, seq_len: int | None = None, pad_id: int = 0) -> None:
-        self.engine = self.trainer = trainer  # a deepshard.core Trainer, as the engine is
+        self.engine = engine  # a deepshard.pipeline PipelineEngine: a core TrainingEngine, as the engine is
         self.microbatches = microbatches
         self.device = device
         # the schedule's stages were shaped by the first step: forward-only calls send the same shapes
@@ -162,12 +162,12 @@ class PipelineStepper(_Stepper):
         """The schedule's forward and backward of the step's micro-batches; the step's loss on every rank."""
         ids, labels, kwargs = self._stack([next(batches) for _ in range(self.microbatches)])
         with self.prof.phase("forward"):  # forward and backward run inside the schedule
-            return self.trainer.forward_backward(ids, labels, **kwargs)
+            return self.engine.forward_backward(ids, labels, **kwargs)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This replica's summed token loss over ``rows_per_forward`` rows (forward only)."""
         ids, labels, kwargs = self._stack([batch])
-        return self.trainer.loss_sum(ids, labels, **kwargs)
+        return self.engine.loss_sum(ids, labels, **kwargs)
 
     def next_token(self, ids: list[int], *, max_seq_len: int) -> int:
         """The greedy next token after ``ids``: the context (its last ``seq_len`` tokens) padded on the
@@ -176,7 +176,7 @@ class PipelineStepper(_Stepper):
         row = context + [self.pad_id] * (self.seq_len - len(context))
         batch = torch.tensor([row] * self.rows_per_forward, device=self.device)
         positions = torch.full((self.rows_per_forward,), len(context) - 1, device=self.device)
-        token = self.trainer.greedy_tokens(batch, positions)[:1]
+        token = self.engine.greedy_tokens(batch, positions)[:1]
         if dist.is_initialized():
             dist.broadcast(token, src=0)
         return int(token)

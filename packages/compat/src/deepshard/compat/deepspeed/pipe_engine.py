@@ -2,7 +2,7 @@
 
 ``initialize(model=PipelineModule(...))`` builds a (pp=num_stages, dp=rest) mesh, splits the layers
 with ``deepshard.pipeline.build_pipeline`` (the ``parallelize_fn`` is core's ``parallelize_model``)
-and trains them with ``build_trainer``'s optimizer.  DeepSpeed's loss contract is kept: a batch is
+and trains them with ``build_engine``'s optimizer.  DeepSpeed's loss contract is kept: a batch is
 ``gradient_accumulation_steps`` micro-batches pulled from ``data_iter`` (on the first and last
 stages only, as DeepSpeed does), each micro-batch's ``loss_fn`` is a mean, the gradient is that of
 their mean averaged over dp ranks, and ``train_batch`` returns that mean on every rank.  Tied
@@ -22,7 +22,7 @@ from deepshard.core.mesh import ParallelDims, build_mesh, local_device
 from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import parallelize_model
 from deepshard.core.step import aux_loss_scale, eval_mode, loss_scale_factor
-from deepshard.pipeline import DecoderSpec, build_pipeline, build_trainer
+from deepshard.pipeline import DecoderSpec, build_engine, build_pipeline
 
 from .config import CompatConfig
 from .pipe import PipelineModule, TiedLayer
@@ -103,7 +103,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
         self.pipeline = build_pipeline(model, mesh["pp"], loss_fn=model.loss_fn, schedule=schedule,
                                        microbatches=self.micro_batches, partition=model.partition_method,
                                        parallelize_fn=parallelize, spec=_SPEC, device=local_device())
-        self.trainer = build_trainer(self.pipeline, config.engine, mesh=mesh)
+        self.engine = build_engine(self.pipeline, config.engine, mesh=mesh)
         self.module = self.pipeline.modules[0]
         self.tied = _tied_groups(model, self.pipeline.ranges, mesh)
         self._count_tied_once()
@@ -111,7 +111,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
     def _count_tied_once(self) -> None:
         """The gradient norm (clipping, ``get_global_grad_norm``) counts a tied weight once, as DeepSpeed
         does: each of the ``k`` stages holding its (summed, equal) gradient contributes ``1/k``."""
-        zero = self.trainer.zero
+        zero = self.engine.zero
         holders = {i: dist.get_world_size(group) for i, group in self._tied_indices()}
         if not holders:
             return
@@ -124,7 +124,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
 
     def _tied_indices(self) -> list[tuple[int, Any]]:
         """(index in the stage's params, group) of every tied weight shared with another stage."""
-        index = {id(q): i for i, q in enumerate(self.trainer.zero.params)}
+        index = {id(q): i for i, q in enumerate(self.engine.zero.params)}
         found: dict[int, Any] = {}
         for layer in self.module.modules():
             if isinstance(layer, TiedLayer) and layer.key in self.tied:
@@ -151,7 +151,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
 
     @property
     def optimizer(self) -> Any:
-        return self.trainer.optimizer
+        return self.engine.optimizer
 
     # --- DeepSpeed's pipeline calls
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
@@ -176,15 +176,15 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
         inputs = args if p.has_first else ()
         target = labels if p.has_last else None
         if train:
-            self.trainer.zero.set_grad_sync(False)  # reduce once per batch, not once per micro-batch
-            scale = self.trainer.optimizer.scaler.scale  # DeepSpeed's contract: a mean of micro-batch means
+            self.engine.zero.set_grad_sync(False)  # reduce once per batch, not once per micro-batch
+            scale = self.engine.optimizer.scaler.scale  # DeepSpeed's contract: a mean of micro-batch means
             p.loss.multiplier = loss_scale_factor(scale, group_size=self.mesh["dp"].size(), micro_batches=n)
             for m in p.modules:
                 m.train()
             with aux_loss_scale(scale, micro_batches=n):
                 p.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-            self.trainer.zero.set_grad_sync(True)
-            self.trainer.optimizer.finish_backward()
+            self.engine.zero.set_grad_sync(True)
+            self.engine.optimizer.finish_backward()
         else:
             p.loss.multiplier = 1.0 / n
             with torch.no_grad(), eval_mode(p.modules):
@@ -195,7 +195,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
         return self._mean_over_replicas(total.to(device))
 
     def _sum_tied_grads(self) -> None:
-        grads = self.trainer.zero.local_grads()  # views of the reducers' buckets (ZeRO 0-1): summed in place
+        grads = self.engine.zero.local_grads()  # views of the reducers' buckets (ZeRO 0-1): summed in place
         for i, group in self._tied_indices():
             dist.all_reduce(grads[i], group=group)
 
@@ -203,7 +203,7 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
         """One update over ``gradient_accumulation_steps`` micro-batches; the mean loss on every rank."""
         loss = self._run(data_iter, train=True)
         self._sum_tied_grads()
-        stats = self.last_stats = self.trainer.step()
+        stats = self.last_stats = self.engine.step()
         self.global_steps += 1
         if stats.applied and getattr(self.lr_scheduler, "optimizer", None) is not None:
             step_scheduler(self.lr_scheduler)

@@ -2,7 +2,7 @@
 
 DeepSpeed's ``PipelineEngine`` is a subclass of its ``DeepSpeedEngine``, so scripts ask either one
 the same questions (``fp16_enabled()``, ``zero_optimization_stage()``, ``get_lr()``...).  Ours are two
-classes over different trainers (core's engine, the pipeline trainer); both answer from the
+classes over different training engines (core's engine, the pipeline engine); both answer from the
 translated config and the ZeRO optimizer through this base.
 """
 

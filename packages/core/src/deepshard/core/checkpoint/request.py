@@ -1,7 +1,7 @@
 """What a checkpoint holds, and what one save captures when it is asked for (no I/O, no collective).
 
 Every tensor is a DTensor over the dp mesh with its true placement: the fp32 master weights (under
-``model.<fqn>``) and AdamW moments (``optim.exp_avg.<fqn>``, ...) are Shard(0) at stages 1-3 and
+``model.<fqn>``) and the update rule's states (AdamW's ``optim.exp_avg.<fqn>``, ...) are Shard(0) at stages 1-3 and
 Replicate at stage 0, so DCP records each chunk's global offset and a checkpoint loads at any world
 size and stage.  Keys are stage-agnostic (wrapper prefixes such as ``_checkpoint_wrapped_module.`` are
 dropped).  Offloaded state (host or NVMe stores) stays where it lives: its DTensors sit on a host
@@ -26,16 +26,21 @@ from deepshard.core.checkpoint.failures import rank_and_world
 from deepshard.core.checkpoint.json_state import rng_state
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["FRESH_STATE_DICT", "KINDS", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "mesh_on",
-           "save_request", "training_state", "unsupported_reason"]
+__all__ = ["FRESH_STATE_DICT", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "mesh_on",
+           "save_request", "state_kinds", "training_state", "unsupported_reason"]
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-KINDS = (("master", "model."), ("exp_avg", "optim.exp_avg."), ("exp_avg_sq", "optim.exp_avg_sq."))
 # A state store whose ``state_dict`` returns tensors made for the caller (read from its files, kept by no
 # one else, never updated in place) sets this class attribute True: an asynchronous save then adopts them
 # instead of copying them into its staging buffers (one copy of the state instead of two at the first
 # save, none held between saves).  Stores that return views of their live state leave it unset.
 FRESH_STATE_DICT = "state_dict_is_fresh"
+
+
+def state_kinds(optimizer: ZeroOptimizer) -> tuple[tuple[str, str], ...]:
+    """``(store key, checkpoint key prefix)``: the master under ``model.``, each state the update rule
+    names under ``optim.<state>.`` (AdamW: ``optim.exp_avg.``, ``optim.exp_avg_sq.``)."""
+    return (("master", "model."), *((s, f"optim.{s}.") for s in optimizer.store.rule.states))
 
 
 def clean_name(name: str) -> str:
@@ -96,7 +101,7 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     out: dict[str, Any] = {}
     for i, (name, p) in enumerate(zip(stage.names, stage.params)):
         key = clean_name(name)
-        for kind, prefix in KINDS:
+        for kind, prefix in state_kinds(optimizer):
             out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
     if model is not None:
         trained = {clean_name(n) for n in stage.names}
@@ -110,7 +115,8 @@ def fresh_keys(optimizer: ZeroOptimizer) -> frozenset[str]:
     """The DCP keys whose tensors the store made for this save (:data:`FRESH_STATE_DICT`), else none."""
     if not getattr(optimizer.store, FRESH_STATE_DICT, False):
         return frozenset()
-    return frozenset(prefix + clean_name(name) for name in optimizer.stage.names for _, prefix in KINDS)
+    return frozenset(prefix + clean_name(name) for name in optimizer.stage.names
+                     for _, prefix in state_kinds(optimizer))
 
 
 def checkpoint_bytes(state: dict[str, Any]) -> int:

@@ -66,12 +66,12 @@ from deepshard.core.checkpoint.manifest import (
 from deepshard.core.checkpoint.owners import OWNER, write_owner
 from deepshard.core.checkpoint.progress import ProgressWriter
 from deepshard.core.checkpoint.request import (
-    KINDS,
     SaveRequest,
     checkpoint_bytes,
     clean_name,
     mesh_on,
     save_request,
+    state_kinds,
     training_state,
     unsupported_reason,
 )
@@ -259,9 +259,10 @@ def load_checkpoint(
         if isinstance(cause, CheckpointError):  # SafeReader's, naming the file
             raise CheckpointError(str(cause)) from None
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
-    loaded = {kind: [] for kind, _ in KINDS}
+    kinds = state_kinds(optimizer)
+    loaded = {kind: [] for kind, _ in kinds}
     for name in stage.names:
-        for kind, prefix in KINDS:
+        for kind, prefix in kinds:
             loaded[kind].append(local_tensor(state[prefix + clean_name(name)]))
     optimizer.store.load_state_dict(loaded)
     stage.after_step()  # stages 1-2: all-gather the restored shards into the replicated params

@@ -44,7 +44,7 @@ from deepshard.finetune.models.llama.model import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
 from deepshard.finetune.models.ulysses import apply_ulysses, check_sp
 from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
-from deepshard.pipeline import PipelineTrainer, build_pipeline, build_trainer
+from deepshard.pipeline import PipelineEngine, build_engine, build_pipeline
 
 __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
 
@@ -153,7 +153,7 @@ def _logits_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, reducti
 
 
 def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The pipeline's last-stage loss: the summed token loss over labels != -100 (the trainer divides
+    """The pipeline's last-stage loss: the summed token loss over labels != -100 (the engine divides
     by the step's global valid-token count)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -161,9 +161,9 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
                    microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
                    init_fn: Callable[[nn.Module], None] | None = None, store_factory: StoreFactory = DeviceStateStore,
-                   offload_params: ParamOffload | None = None, device: torch.device | None = None) -> PipelineTrainer:
+                   offload_params: ParamOffload | None = None, device: torch.device | None = None) -> PipelineEngine:
     """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
-    ZeRO per ``config``), and return the trainer (``train_step(input_ids, labels)``).
+    ZeRO per ``config``), and return the pipeline engine (``train_step(input_ids, labels)``).
 
     Works for pp=1 too (one stage holding everything), so TP / ZeRO runs take the same path.
     ``model`` on meta needs ``init_fn`` (``llama_stage_init(seed)``, or a checkpoint loader by FQN);
@@ -178,4 +178,4 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, device=device or local_device())
-    return build_trainer(pipe, config, mesh=mesh, store_factory=store_factory)
+    return build_engine(pipe, config, mesh=mesh, store_factory=store_factory)

@@ -34,7 +34,7 @@ from deepshard.core.step import (
 from deepshard.core.zero import ZeroStage
 from deepshard.pipeline.build import Pipeline
 
-__all__ = ["CompositeStage", "PipelineStepResult", "PipelineTrainer", "ShardedPart", "build_trainer"]
+__all__ = ["CompositeStage", "PipelineStepResult", "PipelineEngine", "ShardedPart", "build_engine"]
 
 
 class CompositeStage(ZeroStage):
@@ -105,11 +105,11 @@ class PipelineStepResult:
     time_s: float  # wall time of the step on this rank
 
 
-class PipelineTrainer:
-    """``trainer.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
+class PipelineEngine:
+    """``engine.train_step(input_ids, labels)`` -> :class:`PipelineStepResult`.
 
     ``loss_fn`` (given to ``build_pipeline``) must return a microbatch's summed token loss over
-    labels != -100; the trainer divides by the step's global valid-token count.
+    labels != -100; the engine divides by the step's global valid-token count.
 
     Every rank of a data-parallel replica passes the same batch (this replica's share of the
     global batch, ``microbatches`` x micro-batch size rows); only the first stage reads the inputs
@@ -235,20 +235,20 @@ class PipelineTrainer:
                                   dtype=self.dtype, modules=self.pipeline.modules)
 
 
-def build_trainer(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
-                  store_factory: StoreFactory = DeviceStateStore) -> PipelineTrainer:
+def build_engine(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
+                  store_factory: StoreFactory = DeviceStateStore) -> PipelineEngine:
     """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
 
     ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` is the
     caller's: a step's accumulation is the schedule's microbatches (build the pipeline with
-    ``microbatches x grad_accum`` of them), so the trainer steps once per ``train_step``.
+    ``microbatches x grad_accum`` of them), so the engine steps once per ``train_step``.
     """
     parts = [h if isinstance(h, ShardedPart) else ShardedPart(h) for h in pipeline.handles]
     if not all(isinstance(p.zero, ZeroStage) for p in parts):
-        raise ValueError("build_trainer(): parallelize_fn must return a ZeroStage or ShardedPart per stage module")
+        raise ValueError("build_engine(): parallelize_fn must return a ZeroStage or ShardedPart per stage module")
     zero = parts[0].zero if len(parts) == 1 else CompositeStage([p.zero for p in parts])
     masters = [t for p in parts for t in p.fp32_masters] if all(p.fp32_masters is not None for p in parts) else None
     optimizer = build_optimizer(zero, config, store_factory=store_factory, fp32_masters=masters)
     counted = [p.num_params for p in parts]
     num_params = sum(counted) if None not in counted else None
-    return PipelineTrainer(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype, num_params=num_params)
+    return PipelineEngine(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype, num_params=num_params)

@@ -1,6 +1,6 @@
-"""The training recipe: one rank's trainer, the same code for 1 or N ranks and for every layout.
+"""The training recipe: one rank's training loop, the same code for 1 or N ranks and for every layout.
 
-:class:`FinetuneTrainer` holds what ``assemble`` built and runs named steps: ``forward_backward_step``,
+:class:`TrainingLoop` holds what ``assemble`` built and runs named steps: ``forward_backward_step``,
 ``optimizer_step``, ``log``, ``check``, ``evaluate``, ``checkpoint``.  The engine (ZeRO and TP) and
 the pipeline sit behind the steppers' one protocol (``steppers.py``), so the loop in :meth:`fit`
 never asks which it holds.  ``step_hooks`` run at the start of every step: the seam through which
@@ -40,7 +40,7 @@ class SampleConfig:
 
 
 @dataclass
-class FinetuneTrainer:
+class TrainingLoop:
     """One rank's training, built by :func:`deepshard.finetune.recipe.assemble.assemble`; ``fit()`` runs it."""
 
     train: Any  # the config's train section (max_steps, log_every, eval_every)

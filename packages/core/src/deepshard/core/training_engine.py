@@ -1,7 +1,7 @@
-"""What a training loop, its checkpoints and its logs need from a trainer, as one small Protocol.
+"""What a training loop, its checkpoints and its logs need from a training engine, as one small Protocol.
 
 ``deepshard.core.initialize``'s :class:`~deepshard.core.engine.Engine` and ``deepshard.pipeline``'s
-``PipelineTrainer`` both satisfy it, so the app's checkpointing and logging take either.
+``PipelineEngine`` are both training engines, so the app's checkpointing and logging take either.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.memory import ModelStateBytes
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["Trainer"]
+__all__ = ["TrainingEngine"]
 
 
 @runtime_checkable
-class Trainer(Protocol):
+class TrainingEngine(Protocol):
     mesh: DeviceMesh  # the (pp, dp, tp) mesh
     optimizer: ZeroOptimizer  # the ZeRO stage, the state store, the schedule and the loss scaler
     num_params: int  # Ψ of the memory formulas: this rank's parameters before dp sharding
