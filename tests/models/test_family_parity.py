@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepshard.finetune.models import registry
-from tests.models.hf_refs import FAMILIES, SEQ, WINDOW, chat_rows, reference_loss, save_hf
+from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, WINDOW, chat_rows, reference_loss, save_hf
 
 SWITCH = {"qwen2": {"qkv_bias": False}, "qwen3": {"qk_norm": False}, "mistral": {"sliding_window": 0},
           "llama": {"rope_scaling": ()}}
@@ -84,3 +84,23 @@ def test_export_configs_name_their_family():
         assert spec.hf.config_dict(spec.config(dim=32, n_heads=4, n_kv_heads=2))["architectures"] == [arch]
     with pytest.raises(ValueError, match="model.qk_norm"):
         registry.get("llama").hf.config_dict(registry.get("llama").config(qk_norm=True))
+
+
+def test_the_estimator_counts_each_family_s_switches():
+    """The registry's activation memory of a family: Qwen3's q/k norms keep their inputs and outputs,
+    Mistral's window shorter than the sequence keeps a [seq, seq] mask per block; equal otherwise."""
+    from deepshard.finetune.models.working_set import RunShape
+
+    shape = RunShape(stage=3, dp=2, micro_batch_size=2, seq_len=64)
+    base = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, head_dim=8)
+
+    def device_bytes(family: str, **kw) -> int:
+        cfg = registry.get(family).config(**{**base, **kw})
+        return registry.spec_of(cfg).activation_memory(cfg, shape)[0]
+
+    llama = device_bytes("llama")
+    tokens, q, kv = 2 * 64, 4 * 8, 2 * 8
+    assert device_bytes("qwen3") - llama == 2 * 2 * tokens * 4 * (q + kv)  # 2 blocks x (input, normed) fp32
+    assert device_bytes("mistral", sliding_window=16) - llama == 2 * 64 * 64
+    assert device_bytes("mistral", sliding_window=64) == llama  # a window as long as the rows costs nothing
+    assert device_bytes("qwen2") == llama

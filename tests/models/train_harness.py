@@ -29,7 +29,16 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "zero3_mistral": ("mistral", 1, 2, 1, 3, {}),
          "zero3_llama": ("llama", 1, 2, 1, 3, {}),
          "pp2_mistral": ("mistral", 2, 1, 1, 1, {}),
+         "zero3_qwen2_lora": ("qwen2", 1, 2, 1, 3, {}),
          "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {})}
+LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
+TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
+
+
+def adapter_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A LoRA factor's start, by its name (``...q_proj.lora_B``): B non-zero, so both factors train."""
+    seed = sum(map(ord, name)) * 31 + len(name)
+    return 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _engine_config(stage: int):
@@ -58,6 +67,14 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     model = spec.build(cfg)
     model.init_weights(0)
     spec.hf.load_weights(model, hf_dir)
+    if name in LORA:
+        from deepshard.finetune.models.lora import apply_lora
+
+        apply_lora(model, r=RANK, alpha=ALPHA, target_modules=TARGETS, seed=None)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
     config = _engine_config(stage)
     mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))
     ids, labels = chat_rows(STEPS)
@@ -96,11 +113,33 @@ def worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     return {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES}
 
 
-def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _peft(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA on transformers' model, its factors set to :func:`adapter_value` by our names."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
+                                             lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                ours = n.removeprefix("base_model.model.model.").replace(".default.weight", "")
+                p.copy_(adapter_value(ours, tuple(p.shape)))
+    return model
+
+
+def hf_name(peft_name: str) -> str:
+    """A PEFT parameter's name as transformers' (adapters keep their ``lora_A.weight`` leaf)."""
+    return peft_name.removeprefix("base_model.model.").replace(".default.", ".").replace(".base_layer.", ".")
+
+
+def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' own model (the saved case), 3 steps of torch.optim.AdamW on the whole batch:
-    the summed token loss over labels != -100 divided by their count; decay on matrices only."""
+    the summed token loss over labels != -100 divided by their count; decay on matrices only.
+    ``lora``: PEFT's adapters on it, the only parameters trained."""
     model = hf_model(family).train()
-    params = list(model.parameters())
+    if lora:
+        model = _peft(model)
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
@@ -115,4 +154,4 @@ def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
