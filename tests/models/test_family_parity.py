@@ -104,3 +104,22 @@ def test_the_estimator_counts_each_family_s_switches():
     assert device_bytes("mistral", sliding_window=16) - llama == 2 * 64 * 64
     assert device_bytes("mistral", sliding_window=64) == llama  # a window as long as the rows costs nothing
     assert device_bytes("qwen2") == llama
+
+
+def test_mistral_window_through_flex_equals_the_dense_mask(monkeypatch):
+    """CUDA's path (a flex BlockMask holding documents and the window), run unfused on CPU without
+    grad, equals the dense mask SDPA gets; without the window the logits differ."""
+    cfg = registry.get("mistral").config(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                                         max_seq_len=160, sliding_window=7)
+    model = registry.spec_of(cfg).build(cfg)
+    model.init_weights(1)
+    ids = torch.randint(0, 97, (2, 140), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.cat([torch.zeros(2, 60, dtype=torch.long), torch.ones(2, 80, dtype=torch.long)], 1)
+    full = registry.spec_of(cfg).build(dataclasses.replace(cfg, sliding_window=0))
+    full.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        dense, unwindowed = model(ids, doc_ids=doc_ids), full(ids, doc_ids=doc_ids)
+        monkeypatch.setattr("deepshard.finetune.models.llama.model.use_flex", lambda device, backend: True)
+        fused = model(ids, doc_ids=doc_ids)
+    assert (fused - dense).abs().max().item() < 1e-5
+    assert (unwindowed - dense).abs().max().item() > 1e-2
