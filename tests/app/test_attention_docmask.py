@@ -99,7 +99,7 @@ def test_model_logits_same_through_either_mask(monkeypatch):
     seen = []
     real = attention.attend
     monkeypatch.setattr("deepshard.finetune.models.llama.model.attend",
-                        lambda q, k, v, mask=None: seen.append(type(mask)) or real(q, k, v, mask))
+                        lambda q, k, v, mask=None, **kw: seen.append(type(mask)) or real(q, k, v, mask, **kw))
     fused = model(ids, doc_ids=doc_ids)
     assert seen == [BlockMask] * cfg.n_layers  # one mask, built once, reaches every layer
     torch.testing.assert_close(fused, dense, rtol=1e-4, atol=1e-4)

@@ -40,11 +40,20 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal
 
 
-def document_causal_mask_mod(doc_ids: torch.Tensor) -> Callable:
-    """flex's ``mask_mod`` for :func:`doc_causal_mask`: same document and not in the future."""
+def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """[seq, seq] bool: causal, and at most ``window - 1`` positions back (HF's sliding window)."""
+    i = torch.arange(s, device=device)
+    back = i[:, None] - i[None, :]
+    return (back >= 0) & (back < window)
+
+
+def document_causal_mask_mod(doc_ids: torch.Tensor, window: int = 0) -> Callable:
+    """flex's ``mask_mod`` for :func:`doc_causal_mask`: same document and not in the future (and
+    within ``window`` when it is > 0)."""
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        keep = (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return keep & (q_idx - kv_idx < window) if window > 0 else keep
 
     return mask_mod
 
@@ -64,18 +73,24 @@ def _fn(name: str, fn: Callable, device: torch.device) -> Callable:
     return _compiled[name]
 
 
-def build_doc_mask(doc_ids: torch.Tensor, *, fused: bool) -> DocMask:
-    """The mask for ``doc_ids`` ([batch, seq]): a flex BlockMask when ``fused``, else the dense one."""
+def build_doc_mask(doc_ids: torch.Tensor, *, fused: bool, window: int = 0) -> DocMask:
+    """The mask for ``doc_ids`` ([batch, seq]): a flex BlockMask when ``fused`` (holding the sliding
+    ``window`` too), else the dense one (:func:`attend` adds the window)."""
     if not fused:
         return doc_causal_mask(doc_ids)
     b, s = doc_ids.shape
     make = _fn("create_block_mask", create_block_mask, doc_ids.device)
-    return make(document_causal_mask_mod(doc_ids), b, None, s, s, device=doc_ids.device)
+    return make(document_causal_mask_mod(doc_ids, window), b, None, s, s, device=doc_ids.device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask | None = None,
+           window: int = 0) -> torch.Tensor:
     """Causal attention of q [b, hq, s, d] over k, v [b, hkv, s, d] (hq a multiple of hkv: GQA),
-    inside documents when ``mask`` is given; returns [b, hq, s, d]."""
+    inside documents when ``mask`` is given, within a sliding ``window`` when it is > 0 and shorter
+    than the sequence (a BlockMask holds it already); returns [b, hq, s, d]."""
+    if window and q.shape[2] > window and not isinstance(mask, BlockMask):  # the dense band: SDPA's mask
+        band = window_mask(q.shape[2], window, q.device)
+        mask = band if mask is None else mask & band
     if isinstance(mask, BlockMask):
         flex = _fn("flex_attention", flex_attention, q.device)
         return flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

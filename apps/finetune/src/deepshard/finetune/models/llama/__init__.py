@@ -1,11 +1,11 @@
-"""The Llama family (Mistral and Qwen2 checkpoints too, where they have nothing our Llama lacks):
-its model, TP plan and recipe, pipeline split, HF adapter and activation memory, registered as
-``"llama"``.  The recipe's and the pipeline's modules are imported when first called, so reading a
+"""The Llama family: its model, TP plan and recipe, pipeline split, HF adapter and activation
+memory, registered as ``"llama"``; ``decoder_spec`` registers a family that is this decoder with a
+switch (Qwen2, Qwen3, Mistral: their config class and HF adapter, everything else Llama's).  The recipe's and the pipeline's modules are imported when first called, so reading a
 config (the launcher) does not pay for ``torch.distributed.pipelining``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -13,9 +13,9 @@ from torch import nn
 from deepshard.finetune.models.llama.hf import ADAPTER
 from deepshard.finetune.models.llama.memory import activation_memory
 from deepshard.finetune.models.llama.model import PRESETS, Llama, LlamaConfig
-from deepshard.finetune.models.registry import ModelSpec, register
+from deepshard.finetune.models.registry import HFAdapter, ModelSpec, register
 
-__all__ = ["PRESETS", "SPEC", "Llama", "LlamaConfig"]
+__all__ = ["PRESETS", "SPEC", "Llama", "LlamaConfig", "decoder_spec"]
 
 
 def _parallelize(model: nn.Module, mesh: Any, **kwargs: Any) -> Any:
@@ -42,6 +42,12 @@ def _stage_init(seed: int = 0, **kwargs: Any) -> Callable[[nn.Module], None]:
     return llama_stage_init(seed, **kwargs)
 
 
-SPEC = register(ModelSpec(name="llama", config=LlamaConfig, build=Llama, parallelize=_parallelize,
-                          pipeline=_pipeline, stage_init=_stage_init, check_tp=_check_tp, hf=ADAPTER,
-                          activation_memory=activation_memory, presets=PRESETS))
+def decoder_spec(name: str, config: type, hf: HFAdapter, presets: Mapping[str, Any] | None = None) -> ModelSpec:
+    """Register the family ``name``: this decoder built from ``config`` (a LlamaConfig subclass whose
+    defaults set its switches), read and written by ``hf``."""
+    return register(ModelSpec(name=name, config=config, build=Llama, parallelize=_parallelize,
+                              pipeline=_pipeline, stage_init=_stage_init, check_tp=_check_tp, hf=hf,
+                              activation_memory=activation_memory, presets=presets or {}))
+
+
+SPEC = decoder_spec("llama", LlamaConfig, ADAPTER, PRESETS)

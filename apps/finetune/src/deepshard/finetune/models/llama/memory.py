@@ -15,10 +15,18 @@ def _block(cfg: LlamaConfig, s: RunShape, tokens: int) -> tuple[int, int]:
     whole sequences for heads/sp heads: the same bytes per rank, kv heads repeated up to sp), the MLP's
     input and SwiGLU's gate/silu/up/product.  Under ``mlp_tiles`` the MLP keeps only its input, and one
     tile's intermediates exist in backward (the transient); untiled, the MLP's backward adds about one
-    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/bench_long_context.py (tests/sp/test_sp_estimate.py)."""
+    [tokens, ffn_hidden] gradient.  Measured on CPU by bench/bench_long_context.py (tests/sp/test_sp_estimate.py).
+    Switches: q/k norms (Qwen3) keep their input and normalized heads; a sliding window shorter than the
+    sequence (Mistral) keeps its dense [seq, seq] bool mask per block (the SDPA path)."""
     b = BYTES[s.dtype]
     kv = max(cfg.n_kv_heads, s.sp if s.sp > 1 else 1) * cfg.head_dim
-    attn = tokens * b * (8 * cfg.dim + 3 * kv) + tokens * 4 * cfg.n_heads
+    q = cfg.n_heads * cfg.head_dim  # the block input and its norms 4 x dim; q before/after RoPE, out, o's input
+    attn = tokens * b * (4 * cfg.dim + 4 * q + 3 * kv) + tokens * 4 * cfg.n_heads
+    if cfg.qk_norm:
+        attn += 2 * tokens * b * (q + kv)
+    seq = s.seq_len * max(s.sp, 1)
+    if 0 < cfg.sliding_window < seq:
+        attn += seq * seq
     tiles = max(1, min(s.mlp_tiles, tokens))
     if tiles == 1:
         return attn + tokens * b * (cfg.dim + 4 * cfg.ffn_hidden), tokens * b * cfg.ffn_hidden

@@ -1,5 +1,10 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), nanoGPT-direct.
 
+The families that are this decoder with a switch share it (``models/<family>/`` holds their config
+and HF adapter): q/k/v biases (Qwen2), an RMSNorm per q/k head before RoPE (Qwen3), a sliding
+attention window (Mistral), an explicit ``head_dim`` (Qwen3, Mistral), Llama 3.1's ``llama3`` RoPE
+scaling and tied embeddings (Llama 3.2).
+
 Its norm, rotary, SwiGLU and loss run through ``deepshard.kernels``: ``kernels="triton"`` swaps
 every one of them to the fused Triton kernels, ``"torch"`` to their exact PyTorch paths (the loss
 is the chunked linear + cross-entropy either way, so the [tokens, vocab] logits never exist).
@@ -54,10 +59,26 @@ class LlamaConfig:
     loss_chunk_size: int = 1024  # tokens per chunk of the fused linear + cross-entropy; 0: plain logits
     vocab_tile_size: int = -1  # ZeRO-3: embedding/head in tiles of this many vocab rows (-1 auto, 0 off)
     mlp_tiles: int = 1  # the MLP in this many sequence tiles, recomputed per tile in backward (models/tiled_mlp.py)
+    head_dim: int = 0  # per attention head; 0: dim / n_heads
+    qkv_bias: bool = False  # biases on q/k/v (not o): Qwen2
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE: Qwen3
+    sliding_window: int = 0  # > 0: a position attends to itself and the sliding_window - 1 before it (Mistral)
+    # Llama 3.1's rope_type=llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.head_dim < 0:
+            raise ValueError(f"model.head_dim={self.head_dim}: must be >= 0 (0: model.dim / model.n_heads)")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)  # frozen: resolved once, here
+        object.__setattr__(self, "rope_scaling", tuple(float(v) for v in self.rope_scaling))
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or self.rope_scaling[2] <= self.rope_scaling[1]):
+            raise ValueError(f"model.rope_scaling={list(self.rope_scaling)}: expected [factor, low_freq_factor, "
+                             "high_freq_factor, original_max_position_embeddings] with high > low, or []")
+        if self.sliding_window < 0:
+            raise ValueError(f"model.sliding_window={self.sliding_window}: must be >= 0 (0: full attention)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size}: must be >= 0 (0: plain logits)")
         if self.vocab_tile_size < -1:
@@ -68,14 +89,23 @@ class LlamaConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (Meta's reference): wavelengths longer than original/low are
+    stretched by ``factor``, shorter than original/high kept, and the band between interpolated."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's convention: cos/sin of shape [seq, head_dim] with the two halves duplicated."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    if cfg.rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, *cfg.rope_scaling)
     freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -87,23 +117,29 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.kernels = cfg.kernels
         self.sp_group = None  # Ulysses sequence parallelism's group, set from outside (models/ulysses.py)
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.window = cfg.sliding_window
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend=cfg.kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend=cfg.kernels) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocMask | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:  # per head, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.sp_group is not None:  # whole sequences for heads/sp heads; RoPE then sees global positions
             q, k, v = ulysses_heads(q, k, v, self.sp_group)
         s_all = q.shape[2]
         q, k = apply_rotary(q, k, cos[:s_all].to(q.dtype), sin[:s_all].to(q.dtype), backend=self.kernels)
-        out = attend(q, k, v, mask)  # causal; inside documents with a mask (flex on CUDA, dense SDPA else)
+        out = attend(q, k, v, mask, window=self.window)  # causal; inside documents with a mask (flex on CUDA, dense SDPA else)
         if self.sp_group is not None:
             out = ulysses_tokens(out, self.sp_group)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -178,8 +214,11 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if ".lora_" in name:  # LoRA adapters (models/lora.py) have their own init: the base's stays as is
                 continue
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):  # as HF inits them
+                p.zero_()
                 continue
             s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
             copy_global(p, torch.randn(p.shape, generator=g) * s)
@@ -194,7 +233,7 @@ class Llama(nn.Module):
             h = self.embed_tokens(input_ids) if self.embed_fn is None else self.embed_fn(input_ids)
         # one mask per forward, shared by every layer: a flex BlockMask on CUDA, the dense one elsewhere
         extra = () if doc_ids is None else (
-            build_doc_mask(doc_ids, fused=use_flex(doc_ids.device, self.cfg.kernels)),)
+            build_doc_mask(doc_ids, fused=use_flex(doc_ids.device, self.cfg.kernels), window=self.cfg.sliding_window),)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin, *extra)
         if self.lm_head is None:

@@ -10,7 +10,10 @@ local heads), o/down are row-parallel (one all-reduce per sub-block), the embedd
 over the vocabulary, the head column-parallel with its logits all-gathered (Replicate), so the
 ordinary cross-entropy gives the exact loss (the recipe sets it as the model's ``head_loss_fn``: the
 fused chunked loss takes no vocabulary-sharded weight).  Norms are replicated DTensors, so gradient clipping
-counts them once per tp group.
+counts them once per tp group.  Qwen3's q/k norms act on each rank's own heads: their input is taken as
+sharded on the heads (``HeadNormParallel``), so their weights' gradients are summed over the tp ranks.
+q/k/v biases (Qwen2) are sharded with their weights' output features.  Fewer kv heads than tp ranks
+is refused (each rank would need a copy of a kv head it shares with another rank's queries).
 
 LoRA (``+peft=lora``): the adapters are split with their base layer so the sum equals the
 unsharded model's.  A column-parallel base (q/k/v, gate/up) takes ``lora_A`` replicated and
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from deepshard.core.config import EngineConfig, ZeroConfig
@@ -51,11 +54,30 @@ __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "paral
 
 def check_tp(cfg: LlamaConfig, tp: int) -> None:
     """ValueError unless ``tp`` splits the heads, the kv heads and the hidden units evenly."""
+    if cfg.n_kv_heads < tp:
+        raise ValueError(f"parallel.tp={tp} is more than model.n_kv_heads={cfg.n_kv_heads}: each tp rank must "
+                         f"own whole kv heads (replicating them is not supported); use parallel.tp <= "
+                         f"{cfg.n_kv_heads} and parallel.dp for the other ranks")
     for key, value in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
                        ("model.ffn_hidden", cfg.ffn_hidden)):
         if value % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {key}={value}: each tp rank must own "
                              f"whole heads / equal slices; choose tp among the divisors of {value}")
+
+
+class HeadNormParallel(ParallelStyle):
+    """A norm over each head of a column-parallel projection's output [b, s, heads, head_dim]: its
+    input is this rank's heads (Shard(2)), its weight a Replicate DTensor whose gradient comes back
+    Partial and is summed over the tp ranks; the output is handed back local."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(t, mesh, (Shard(2),), run_check=False) for t in inputs)
+
+        def unwrap(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap)
 
 
 def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -77,6 +99,9 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         "layers.*.mlp.up_proj": col(),
         "layers.*.mlp.down_proj": row(),
     }
+    if model.cfg.qk_norm:
+        plan["layers.*.self_attn.q_norm"] = HeadNormParallel()
+        plan["layers.*.self_attn.k_norm"] = HeadNormParallel()
     if getattr(model, "embed_tokens", None) is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "norm", None) is not None:

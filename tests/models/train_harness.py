@@ -1,0 +1,157 @@
+"""Shared by the family training tests: one world-2 launch trains each case 3 steps on masked
+chat-like rows through the family's own recipe (the registry's ``parallelize`` / ``pipeline``), and
+the test process trains transformers' own model of it with torch.optim.AdamW on the whole batch.
+
+Cases: ZeRO-3 at dp=2 for every family (Qwen3 with its embedding and head in vocabulary tiles,
+Qwen2 with the chunked fused loss in several chunks), Qwen3 at tp=2 and Mistral at pp=2 (its rows
+longer than the window).  One tp layout per process, run last (a second tp mesh after FSDP2 trips
+the kernels' one-mesh check).  Each ZeRO-3 case saves a checkpoint the export test reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from tests.models.hf_refs import ROWS, chat_rows, hf_model
+
+STEPS = 3
+# eps 1e-6, not 1e-8: a gradient near zero (Qwen2's k bias: 1e-10; softmax barely sees it) is rounding
+# noise that Adam normalizes to a full-size step.  With 1e-8 even our single-process model drifted
+# 1.6e-5 (Qwen2) and 4.4e-5 (Qwen3) from transformers' in 3 steps, its step-1 gradients within 5e-8.
+LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-6, 0.1
+# name -> (family, pp, dp, tp, zero stage, config overrides)
+CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
+         "zero3_qwen2": ("qwen2", 1, 2, 1, 3, {"loss_chunk_size": 16}),
+         "zero3_mistral": ("mistral", 1, 2, 1, 3, {}),
+         "zero3_llama": ("llama", 1, 2, 1, 3, {}),
+         "pp2_mistral": ("mistral", 2, 1, 1, 1, {}),
+         "zero3_qwen2_lora": ("qwen2", 1, 2, 1, 3, {}),
+         "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {})}
+LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
+TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
+
+
+def adapter_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A LoRA factor's start, by its name (``...q_proj.lora_B``): B non-zero, so both factors train."""
+    seed = sum(map(ord, name)) * 31 + len(name)
+    return 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _engine_config(stage: int):
+    from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, ZeroConfig
+
+    return EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
+                        precision=PrecisionConfig(dtype="fp32"),
+                        optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
+
+
+def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
+    """This rank's part of one case: the global losses and the trained parameters it holds, by our names."""
+    import torch.distributed as dist
+
+    from deepshard.core import ParallelDims, build_mesh, initialize
+    from deepshard.core.checkpoint.state import save_checkpoint
+    from deepshard.finetune.models import registry
+
+    family, pp, dp, tp, stage, overrides = CASES[name]
+    spec = registry.for_hf(hf_dir)
+    cfg = dataclasses.replace(spec.hf.config_from_hf(hf_dir), **overrides)
+    model = spec.build(cfg)
+    model.init_weights(0)
+    spec.hf.load_weights(model, hf_dir)
+    if name in LORA:
+        from deepshard.finetune.models.lora import apply_lora
+
+        apply_lora(model, r=RANK, alpha=ALPHA, target_modules=TARGETS, seed=None)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
+    config = _engine_config(stage)
+    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))
+    ids, labels = chat_rows(STEPS)
+    rows = slice(mesh["dp"].get_local_rank() * ROWS // dp, (mesh["dp"].get_local_rank() + 1) * ROWS // dp)
+    losses = []
+    if pp > 1:
+        trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2)
+        for step in range(STEPS):
+            losses.append(trainer.train_step(ids[step, rows], labels[step, rows]).loss)
+        modules = trainer.pipeline.modules
+        params = {n: _full(p) for m in modules for n, p in m.named_parameters()}
+        return {"losses": losses, "params": params}
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
+    for step in range(STEPS):
+        x, y = ids[step, rows], labels[step, rows]
+        num_items = engine.global_num_items((y != -100).sum())
+        loss = engine(x, y, reduction="sum")
+        engine.backward(loss, num_items=num_items)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        losses.append(total.item() / num_items.item())
+    out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
+    if stage == 3:
+        meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+        out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
+                                                model=engine.model, app_state={"step": STEPS}, meta=meta))
+    return out
+
+
+def worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
+    from deepshard.core import init_distributed
+
+    init_distributed()
+    return {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES}
+
+
+def _peft(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA on transformers' model, its factors set to :func:`adapter_value` by our names."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
+                                             lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                ours = n.removeprefix("base_model.model.model.").replace(".default.weight", "")
+                p.copy_(adapter_value(ours, tuple(p.shape)))
+    return model
+
+
+def hf_name(peft_name: str) -> str:
+    """A PEFT parameter's name as transformers' (adapters keep their ``lora_A.weight`` leaf)."""
+    return peft_name.removeprefix("base_model.model.").replace(".default.", ".").replace(".base_layer.", ".")
+
+
+def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers' own model (the saved case), 3 steps of torch.optim.AdamW on the whole batch:
+    the summed token loss over labels != -100 divided by their count; decay on matrices only.
+    ``lora``: PEFT's adapters on it, the only parameters trained."""
+    model = hf_model(family).train()
+    if lora:
+        model = _peft(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    ids, labels = chat_rows(STEPS)
+    losses = []
+    for step in range(STEPS):
+        logits = model(ids[step]).logits
+        valid = labels[step] != -100
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100,
+                                                 reduction="sum") / valid.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
