@@ -136,3 +136,39 @@ def test_the_launcher_asks_for_it_unless_told_not_to(monkeypatch, tmp_path):
         args = cli.parse(["--num_gpus", "2", str(script)])
         node, _ = cli._this_node(args, *cli.resources(args))
         assert node.env[ENV] == after
+
+
+KEYS = r"""
+import contextlib, io
+from deepshard.compat.deepspeed.config import compat_config
+ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2, "sub_group_size": 1e9}}
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    compat_config(ds, dp=1, cuda=False)  # a DeepSpeed script's own import: one warning line, no stop
+print("WARNED", err.getvalue().strip())
+import deepshard.compat.provide_deepspeed  # now the HF stack's path
+try:
+    compat_config(ds, dp=1, cuda=False)
+except ValueError as e:
+    print("REFUSED", e)
+speed_only = {**ds, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+with contextlib.redirect_stderr(io.StringIO()):
+    compat_config(speed_only, dp=1, cuda=False)
+print("SPEED_ONLY_OK")
+"""
+
+
+def test_keys_that_change_results_stop_under_the_provider(tmp_path):
+    """Under the provided ``deepspeed``, an ignored key that changes the numbers stops before training,
+    one line naming the ds_config and the key; a speed-only key keeps the warning, and a script that
+    imports deepshard.compat.deepspeed itself keeps today's warning for both."""
+    done = subprocess.run([sys.executable, "-c", KEYS], env={k: v for k, v in os.environ.items() if k != ENV},
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("WARNED warning: ds_config: not supported, ignored: optimizer.type=Lamb")
+    assert lines[1] == ("REFUSED the ds_config (TrainingArguments(deepspeed=...)): optimizer.type=Lamb: not supported "
+                        "by deepshard's engine, and ignoring it would change the results; remove it (or train on "
+                        "DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
+    assert lines[2] == "SPEED_ONLY_OK"
