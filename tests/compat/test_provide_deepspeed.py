@@ -49,6 +49,8 @@ out["spec_kept"] = ours.__spec__.name == "deepshard.compat.deepspeed"
 out["hf_available"] = [transformers_sees(), accelerate_sees()]
 out["lr_schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
 out["zero_init"] = partition_parameters.Init is zero.Init
+import os
+out["hub_kernels"] = os.environ.get("USE_HUB_KERNELS")
 """
 
 
@@ -98,6 +100,7 @@ def test_asked_for_the_hf_stack_finds_our_engine(tmp_path):
     assert out["same_module"] and out["spec_kept"] and out["zero_init"]
     assert out["hf_available"] == [True, True]
     assert "WarmupLR" in out["lr_schedules"]
+    assert out["hub_kernels"] == "NO"  # kernels refuse zero.Init's meta parameters (from_pretrained at ZeRO-3)
     assert err.count(f"deepspeed: deepshard {VERSION} engine") == 1
 
 

@@ -147,6 +147,10 @@ def activate() -> None:
         raise ValueError(f"{ENV}: the real deepspeed ({getattr(existing, '__file__', '?')}) was imported before "
                          f"deepshard's provider; import deepshard.compat.provide_deepspeed first")
     sys.meta_path.insert(0, DeepSpeedFinder())
+    # transformers >= 5 kernelizes every from_pretrained model with hub kernels (its use_kernels default);
+    # under ZeRO-3 our zero.Init leaves parameters on the meta device until initialize, which `kernels`
+    # refuses ("Unsupported device type 'meta'"): off unless the user set the variable
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")
     from . import hf_cpu
 
     hf_cpu.install()
