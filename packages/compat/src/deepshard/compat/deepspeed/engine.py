@@ -87,11 +87,6 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
         if is_boundary and (core.micro_step + 1) % accum:
             core.micro_step += accum - 1 - core.micro_step % accum
 
-    def get_global_grad_norm(self) -> float | None:
-        """The last update's gradient norm before clipping (None before the first)."""
-        stats = self.engine.last_stats
-        return None if stats is None else stats.grad_norm
-
     def empty_partition_cache(self) -> None:
         """Release gathered ZeRO-3 parameters (FSDP2 reshards every unit) and the allocator's cache."""
         from torch.distributed.fsdp import FSDPModule
