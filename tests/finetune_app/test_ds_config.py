@@ -39,7 +39,9 @@ def test_zero3_offload_fixture_maps_and_names_the_rest():
         assert o in t.overrides, (o, t.overrides)
     # bf16.enabled=false: fp32, as DeepSpeed trains it (not our precision=auto, bf16 on a GPU)
     assert [o for o in t.overrides if o.startswith("precision=")] == ["precision=fp32"]
-    assert t.unsupported == ["zero_optimization.stage3_gather_16bit_weights_on_model_save", "comms_logger"]
+    assert t.unsupported == ["comms_logger"]
+    # saves always gather (one tensor at a time); the compat engine reports the key to transformers/accelerate
+    assert any("stage3_gather_16bit_weights_on_model_save" in n for n in t.notes)
     assert any("stage3_param_persistence_threshold" in n for n in t.notes)
 
 

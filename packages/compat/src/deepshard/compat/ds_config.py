@@ -54,6 +54,8 @@ BUILT_IN = {
     "optimizer.params.adam_w_mode": "Adam is AdamW (DeepSpeed's default adam_w_mode=true)",
     "optimizer.params.torch_adam": "always torch's AdamW kernels",
     "tensorboard.enabled": "TensorBoard is always written",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "saves gather one tensor at a time; "
+                                                                   "transformers/accelerate read the key",
     "zero_optimization.parameter_alignment": "a layout of DeepSpeed's flat buffers (the checkpoints of "
                                              "to_deepspeed --parameter-alignment have it)",
 }

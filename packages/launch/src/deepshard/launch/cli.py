@@ -43,6 +43,7 @@ from deepshard.launch.parent_death import end_with_stdin
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: used when it exists and --hostfile is not given
 DEFAULT_PORT = 29500
 CPU_WORKERS = 2  # a CPU-only host's default worker count, as the app's
+PROVIDE_DEEPSPEED = "DEEPSHARD_DEEPSPEED"  # read by deepshard.compat.provide_deepspeed (no import: launch < compat)
 # DeepSpeed flags deepshard parses but does not offer (refused, named, rather than ignored)
 # (dest -> (flag, whether it takes a value))
 NOT_OFFERED = {"save_pid": ("--save_pid", False), "autotuning": ("--autotuning", True),
@@ -217,6 +218,9 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
 def _this_node(args: argparse.Namespace, world: Resources, from_hostfile: bool) -> tuple[NodeConfig, str]:
     """This process runs one node's agent: the only node, or node ``--node_rank`` with --no_ssh."""
     env = job_env()
+    # the workers' transformers/accelerate find deepshard's engine as `deepspeed` (deepshard.compat's
+    # opt-in provider, issue 41); DEEPSHARD_DEEPSPEED=0 before deepshard leaves the name alone
+    env.setdefault(PROVIDE_DEEPSPEED, os.environ.get(PROVIDE_DEEPSPEED, "1"))
     if not args.no_ssh:  # one node, here
         host, slots = next(iter(world.items()))
         port = args.master_port or _free_port()

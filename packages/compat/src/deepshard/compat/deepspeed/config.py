@@ -20,6 +20,8 @@ from deepshard.compat.resolve import DS_BATCH_KEYS, fp16_fallback, resolve_batch
 from deepshard.core import EngineConfig, OptimConfig, PrecisionConfig, SchedulerConfig, ZeroConfig
 from deepshard.core.config_error import ConfigError, named
 
+from .result_keys import refuse_result_changing
+
 # our key -> the ds_config key it came from (for error messages)
 DS_KEYS = {
     "train.global_batch_size": "train_batch_size", "train.micro_batch_size": "train_micro_batch_size_per_gpu",
@@ -153,6 +155,7 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
     if warn and tr.unsupported:
+        refuse_result_changing(tr.unsupported, source)  # only under the provided `deepspeed` (issue 41)
         print(f"warning: {source}: not supported, ignored: {', '.join(tr.unsupported)}", file=sys.stderr)
     global_batch = train["micro_batch_size"] * train["grad_accum"] * dp
     mode = (ds.get("checkpoint") or {}).get("tag_validation") or "WARN"  # translate() checked it

@@ -24,7 +24,7 @@ from deepshard.core.checkpoint.json_state import rng_state, set_rng_state
 from deepshard.core.mesh import local_device
 from deepshard.core.optim import StepStats
 
-from .checkpoint import load_ds_style, rank0_tag, save_16bit, save_ds_style
+from .checkpoint import full_state_dict, load_ds_style, rank0_tag, save_16bit, save_ds_style
 from .config import CompatConfig
 from .ds_files import check_tag
 from .queries import DeepSpeedQueries
@@ -50,6 +50,7 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._writer: AsyncCheckpointer | None = None  # asynchronous saves (checkpoint.writer.decoupled)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's (accelerate's), else counted
 
     # --- identity and batch arithmetic
     @property
@@ -74,7 +75,17 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True for the micro-batch whose ``step()`` will update (DeepSpeed's definition)."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.compat.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's (accelerate calls it before each backward, and ``step()`` only on a boundary): the
+        caller decides; an epoch's short last accumulation updates with the micro-batches it had."""
+        self._boundary = bool(is_boundary)
+        core, accum = self.engine, self.compat.grad_accum
+        if is_boundary and (core.micro_step + 1) % accum:
+            core.micro_step += accum - 1 - core.micro_step % accum
 
     def empty_partition_cache(self) -> None:
         """Release gathered ZeRO-3 parameters (FSDP2 reshards every unit) and the allocator's cache."""
@@ -263,6 +274,18 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
         if self.global_rank == 0:  # one line, so a job restarted by its launcher says where it resumed
             print(f"deepshard.compat: resumed from {path} at step {self.global_steps}", file=sys.stderr, flush=True)
         return str(path), app.get("client_state", {})
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's query of ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (accelerate
+        and transformers save the consolidated weights only when it is set, as with DeepSpeed)."""
+        zero = self.config.get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
+                             zero.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's: the full state dict in the compute dtype on rank 0 (ZeRO-3 shards gathered; every
+        rank takes part), empty on the others.  transformers' save and accelerate's ``get_state_dict``."""
+        return full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -108,7 +108,15 @@ class ConfigSchedule:
 def client_scheduler(lr_scheduler: Any, optimizer: Any, engine_optimizer: Any, *, config_scheduler: bool) -> Any:
     """The scheduler ``initialize`` returns, with the engine's update reading its rate."""
     if lr_scheduler is None:
-        return ConfigSchedule(engine_optimizer) if config_scheduler else None
+        if config_scheduler:
+            return ConfigSchedule(engine_optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            # DeepSpeed's optimizer shares the script's param_groups: a rate set there drives the update
+            # (transformers' Trainer builds its scheduler after initialize, over the optimizer returned)
+            groups = optimizer.param_groups
+            engine_optimizer.param_groups = groups
+            engine_optimizer.lr_at = lambda _num_updates: float(groups[0]["lr"])
+        return None
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         scheduler = lr_scheduler
         if optimizer is not None and scheduler.optimizer is not optimizer:

@@ -300,6 +300,10 @@ def tag_zero3_params(model: nn.Module) -> None:
             owners[(id(module), name)] = p
         if mine:
             module.register_forward_pre_hook(partial(_tag_gathered, owners))
+    # the root unit's parameters (embeddings, head) stay gathered for the whole forward: tagged when it
+    # starts, for code that reads one before its module's own forward (TRL's fused lm_head loss)
+    tagged = [m for m in model.modules() if any((id(m), n) in owners for n in m._parameters)]
+    model.register_forward_pre_hook(lambda _model, args: [_tag_gathered(owners, m, args) for m in tagged] and None)
 
 
 def _tag_gathered(owners: dict[tuple[int, str], torch.Tensor], module: nn.Module, args: Any) -> None:

@@ -1,0 +1,99 @@
+"""Record what real DeepSpeed logs on issue 41's HF-stack scripts (the fixture of tests/compat/test_hf_stack.py,
+so CI needs no DeepSpeed).
+
+    /tmp/benchvenv/bin/pip install trl==1.16.0 -c constraints.txt   # a venv with deepspeed 0.19.8, no deepshard
+    /tmp/benchvenv/bin/python bench/record_hf_stack_ds.py [--out tests/compat/fixtures/hf_stack_ds.json]
+
+Runs, at world 2 on CPU in fp32 (DeepSpeed's CPU accelerator, gloo), each started as users start it
+with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --nproc_per_node 2``):
+
+- ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
+  completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
+  tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW).
+
+The one change to how the script runs: accelerate 1.16 picks no distributed backend for a DeepSpeed
+process state on a host without an accelerator, so each worker first applies the nudge that
+bench/record_hf_trainer_ds.py applies (gloo, MULTI_CPU; deepshard's provider applies the same one,
+deepshard.compat.hf_cpu), then runs the script unchanged with ``runpy``.  The plain Trainer's runs are
+issue 26's recording (bench/record_hf_trainer_ds.py, fixtures/hf_trainer_ds.json), on the same model, rows,
+arguments and ds_configs that tests/compat/hf_stack_trainer_script.py uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3)}
+
+
+def worker(script: str, argv: list[str]) -> None:
+    """One rank: the accelerate CPU nudge, then the user's script as ``python script.py argv``."""
+    sys.path.insert(0, str(ROOT))
+    from bench.record_hf_trainer_ds import accelerate_gloo_on_cpu
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    accelerate_gloo_on_cpu()
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def record(name: str, launcher: str, tmp: Path) -> dict:
+    script, stage = RUNS[name]
+    sys.path.insert(0, str(ROOT))
+    from tests.compat.hf_stack_harness import make_model_dir, write_ds_config
+
+    argv = ["--model", make_model_dir(tmp / "model"), "--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False),
+            "--out", str(tmp / "out"), "--result", str(tmp / "result.json")]
+    bindir = Path(sys.executable).parent
+    start = ([str(bindir / "deepspeed"), "--num_gpus", "2"] if launcher == "deepspeed"
+             else [str(bindir / "torchrun"), "--standalone", "--nproc_per_node", "2"])
+    cmd = [*start, str(Path(__file__).resolve()), "--worker", str(ROOT / script), "--", *argv]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("DEEPSHARD_DEEPSPEED", None)
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: {launcher} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    result = json.loads((tmp / "result.json").read_text())
+    assert not result["deepspeed"].endswith("+deepshard"), "the recording must run real DeepSpeed"
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures" / "hf_stack_ds.json"))
+    ap.add_argument("--runs", nargs="+", default=list(RUNS))
+    ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    opts, rest = ap.parse_known_args()
+    if opts.worker:
+        worker(opts.worker, [a for a in rest if a != "--"])
+        return
+    import accelerate
+    import deepspeed
+    import torch
+    import transformers
+    import trl
+
+    fixture: dict = {"world_size": 2, "precision": "fp32", "launcher": f"{opts.launcher} (2 workers)",
+                     "accelerator": "DeepSpeed CPU accelerator (DS_ACCELERATOR=cpu), gloo",
+                     "versions": {"deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+                                  "accelerate": accelerate.__version__, "trl": trl.__version__,
+                                  "torch": torch.__version__}, "runs": {}}
+    for name in opts.runs:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = record(name, opts.launcher, Path(tmp))
+        fixture["runs"][name] = {"script": RUNS[name][0], "zero_stage": RUNS[name][1], "logs": result["logs"]}
+        print(f"{name}: losses {[h['loss'] for h in result['logs']]}", file=sys.stderr)
+    Path(opts.out).write_text(json.dumps(fixture, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""accelerate's DeepSpeed state on a host without an accelerator (for the provided ``deepspeed``).
+
+accelerate 1.16's ``PartialState._prepare_backend`` picks no backend for a launched worker on a CPU-only
+host unless ``cpu=True``, and ``cpu=True`` turns DeepSpeed off; its state then reports one process
+while the engine runs at the launcher's world size (the ds_config's ``train_batch_size`` comes out
+wrong).  Real DeepSpeed on CPU meets the same (bench/record_hf_trainer_ds.py nudges it the same way).
+Under the provider, a launched worker (``LOCAL_RANK`` set) with ``ACCELERATE_USE_DEEPSPEED`` and no
+backend chosen gets gloo.  The patch is applied when ``accelerate.state`` is imported, so nothing is
+imported early; with a GPU, or outside the provider, accelerate is untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+WATCHED = "accelerate.state"
+
+
+def _patch(state: ModuleType) -> None:
+    import torch
+
+    cls = state.PartialState
+    original = cls._prepare_backend
+    if getattr(original, "_deepshard", False):
+        return
+
+    def prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
+        chosen, kind = original(self, cpu, sagemaker_dp, backend)
+        if (chosen is None and not cpu and not torch.cuda.is_available()
+                and int(os.environ.get("LOCAL_RANK", -1)) >= 0
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
+            from accelerate.utils import DistributedType
+
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen, kind
+
+    prepare_backend._deepshard = True  # type: ignore[attr-defined]
+    cls._prepare_backend = prepare_backend
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        _patch(module)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``accelerate.state`` with the other finders, and patches it once executed."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != WATCHED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    if WATCHED in sys.modules:
+        _patch(sys.modules[WATCHED])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
