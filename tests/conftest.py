@@ -44,3 +44,22 @@ def no_process_group_outlives_its_test():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def gloo_pool():
+    """``gloo_pool(world).run(fn, *args)``: ``fn`` on ``world`` ranks of one gloo group kept for the whole
+    run (tests/gloo_pool.py), each rank's result, rank-ordered.  For multi-rank work that is a plain
+    function of the group; fault injection and per-process memory measurements keep ``launch_local``."""
+    from tests.gloo_pool import GlooPool
+
+    pools: dict[int, GlooPool] = {}
+
+    def get(world: int) -> GlooPool:
+        if world not in pools:
+            pools[world] = GlooPool(world)
+        return pools[world]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
