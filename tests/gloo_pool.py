@@ -1,6 +1,6 @@
 """A pool of gloo worker processes that lives for the whole pytest run.
 
-Each of ``world`` spawned workers imports torch once, joins one gloo group once, then runs test
+Each of ``world`` workers (forked from ``launch_local``'s server, which imported torch) joins one gloo group once, then runs test
 functions (module-level, picklable) on every rank and sends back their return values.  A launch of
 ``launch_local`` pays for a fresh elastic agent, rendezvous and group per test module; the pool pays
 for them once per session.
@@ -105,6 +105,9 @@ def _drop_extra_groups(store: Any, generation: list[int], rank: int, world: int)
 
 def _serve(rank: int, world: int, port: int, conn: Any) -> None:
     """A worker: join the group once, then run each call it is sent until told to stop (``None``)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (forkserver_guard); a worker must not
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -141,8 +144,12 @@ class GlooPool:
 
     def _start(self) -> None:
         from deepshard.core.mesh import free_port
+        from deepshard.launch.local import start_worker_server
 
-        ctx = mp.get_context("spawn")
+        # fork from launch_local's server (torch and deepshard imported once): a spawned worker
+        # would import torch again, ~4 s of CPU per rank
+        start_worker_server(_serve)
+        ctx = mp.get_context("forkserver")
         port = free_port()
         for rank in range(self.world):
             parent, child = ctx.Pipe()
@@ -171,13 +178,23 @@ class GlooPool:
             conn.close()
         self._procs, self._conns = [], []
 
+    def _death(self, rank: int, what: str) -> str:
+        self._procs[rank].join(1.0)  # the pipe closes before the exit status is reaped
+        code = self._procs[rank].exitcode
+        return f"gloo pool ({what}): rank {rank} died (exit code {code}); the pool restarts"
+
     def _collect(self, task: bytes, *, timeout_s: float, what: str) -> list[Any]:
         """Send ``task`` (nothing at start) to every rank and wait for every answer, a death or the timeout.
         Once a rank answered with an error its peers get ``ERROR_GRACE_S`` more (they may be stuck in a
         collective with it): the ranks that answered by then are the ones reported."""
         if task:
-            for conn in self._conns:
-                conn.send_bytes(task)
+            try:
+                for conn in self._conns:
+                    conn.send_bytes(task)
+            except OSError:  # a worker died between calls
+                self.close(force=True)
+                self._start()
+                return self._collect(task, timeout_s=timeout_s, what=what)
         answers: dict[int, Any] = {}
         by_conn = {id(c): r for r, c in enumerate(self._conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -199,12 +216,14 @@ class GlooPool:
                 if obj in by_sentinel:
                     rank = by_sentinel[obj]
                     if rank not in answers and not self._conns[rank].poll():
-                        self._procs[rank].join(1.0)  # the sentinel fires before the exit status is reaped
-                        code = self._procs[rank].exitcode
-                        failed = (rank, f"gloo pool ({what}): rank {rank} died (exit code {code}); the pool restarts")
+                        failed = (rank, self._death(rank, what))
                 else:
                     rank = by_conn[id(obj)]
-                    answers[rank] = obj.recv_bytes()
+                    try:
+                        answers[rank] = obj.recv_bytes()
+                    except EOFError:  # its end of the pipe closed: it died
+                        failed = (rank, self._death(rank, what))
+                        break
                     if task and pickle.loads(answers[rank])[0] == "error":
                         deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if failed is not None:
