@@ -243,3 +243,20 @@ class GlooPool:
             rank = min(r for r, e in errors.items() if e[0] == "error")
             raise PoolFailure(f"gloo pool: rank {rank}: {errors[rank][1]}", {r: e[2] for r, e in errors.items() if e[2]})
         return [reply[1] for reply in replies]
+
+
+_POOLS: dict[int, GlooPool] = {}
+
+
+def pool(world: int) -> GlooPool:
+    """The session's pool of ``world`` ranks (started on first use; ``close_pools`` ends them all)."""
+    if world not in _POOLS:
+        _POOLS[world] = GlooPool(world)
+    return _POOLS[world]
+
+
+def close_pools() -> None:
+    """Stop every pool's workers (the session's end)."""
+    for p in _POOLS.values():
+        p.close()
+    _POOLS.clear()
