@@ -89,11 +89,26 @@ def _restore(state: dict[str, Any]) -> None:
         np.random.set_state(state["np_rng"])
 
 
+def _forget_meshes() -> None:
+    """Empty DTensor's caches keyed by mesh: a DeviceMesh hashes by its layout, not its groups, so a
+    later test's mesh of the same layout would find this test's entries, naming destroyed groups."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None), MeshTopoInfo.build_from_mesh):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
 def _drop_extra_groups(store: Any, generation: list[int], rank: int, world: int) -> None:
     """Destroy the groups the call made (sub-groups of meshes); rejoin if it destroyed the default one."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
+    _forget_meshes()
     if dist.is_initialized():
         default = _world.default_pg
         for pg in [pg for pg in list(_world.pg_map) if pg is not default]:

@@ -53,6 +53,18 @@ def _clean() -> dict:
             "rank": dist.get_rank()}
 
 
+def _dtensor_on_a_2x2_mesh() -> list[float]:
+    """An op on a DTensor (its output's spec, mesh included, comes from DTensor's cache, keyed by the
+    mesh's layout), then collectives over the mesh's sub-groups."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0), Shard(0)])
+    return (x * 2).full_tensor().tolist()
+
+
 def _raise_on_rank_1() -> None:
     import torch.distributed as dist
 
@@ -95,6 +107,14 @@ def test_a_test_that_sets_dtype_env_seed_cwd_threads_and_groups_leaves_nothing(g
     after = gloo_pool(2).run(_clean)
     assert after == fresh  # same dtype, env, cwd, threads, RNG draws and groups as before the dirty test
     assert after[0]["leak"] is None and after[0]["threads"] == 1 and after[0]["groups"] == 1
+
+
+def test_a_mesh_of_the_same_layout_in_the_next_test_gets_its_own_groups(gloo_pool):
+    """The first call's sub-groups are destroyed; the second call's mesh of the same layout must not
+    reach them through DTensor's caches (keyed by layout)."""
+    first = gloo_pool(4).run(_dtensor_on_a_2x2_mesh)
+    assert gloo_pool(4).run(_dtensor_on_a_2x2_mesh) == first
+    assert first == [[0.0, 2.0, 4.0, 6.0]] * 4
 
 
 def test_a_destroyed_default_group_is_rejoined(gloo_pool):
