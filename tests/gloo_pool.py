@@ -1,9 +1,9 @@
 """A pool of gloo worker processes that lives for the whole pytest run.
 
-Each of ``world`` workers (forked from ``launch_local``'s server, which imported torch) joins one gloo group once, then runs test
-functions (module-level, picklable) on every rank and sends back their return values.  A launch of
-``launch_local`` pays for a fresh elastic agent, rendezvous and group per test module; the pool pays
-for them once per session.
+Each of ``world`` workers (forked from ``launch_local``'s server, which imported torch) joins one gloo
+group once, then runs test functions (module-level, picklable) on every rank and sends back their return
+values.  A launch of ``launch_local`` pays for a fresh elastic agent, rendezvous and group, and a fresh
+import of the test's modules (transformers, the app) in each worker; the pool pays for them once.
 
 Nothing of one test reaches the next: before each call every rank puts back the RNG states (torch,
 Python, NumPy), the environment, the working directory, the default dtype, the thread count and grad
@@ -119,7 +119,7 @@ def _drop_extra_groups(store: Any, generation: list[int], rank: int, world: int)
 
 
 def _serve(rank: int, world: int, port: int, conn: Any) -> None:
-    """A worker: join the group once, then run each call it is sent until told to stop (``None``)."""
+    """A worker: join the group once, then run each call it is sent until told to stop (an empty message)."""
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (forkserver_guard); a worker must not
