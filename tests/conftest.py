@@ -44,3 +44,15 @@ def no_process_group_outlives_its_test():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gloo_pool():
+    """``gloo_pool(world).run(fn, *args)``: ``fn`` on ``world`` ranks of one gloo group kept for the whole
+    run (tests/gloo_pool.py), each rank's result, rank-ordered.  For multi-rank work that is a plain
+    function of the group; fault injection and per-process memory measurements keep ``launch_local``.
+    (``tests.gloo_pool.pool`` is the same, for helpers that are not fixtures.)  Ends every pool at the end."""
+    from tests.gloo_pool import close_pools, pool
+
+    yield pool
+    close_pools()

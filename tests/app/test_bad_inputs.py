@@ -113,6 +113,7 @@ def test_bad_input_is_one_line_before_any_worker(tmp_path, case, monkeypatch):
     assert line.startswith(expected), line
 
 
+@pytest.mark.slow  # the app's own process, twice; every case stays in the inner loop in-process (above)
 @pytest.mark.parametrize("case", [no_tokenizer, micro_batch_over_dataset])
 def test_bad_input_exits_2_with_one_line_before_any_worker(tmp_path, case):
     """The CLI for real: a model-file check and the last check before launch (the data fits the batch)."""

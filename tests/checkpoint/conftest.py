@@ -6,10 +6,9 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def world2(tmp_path_factory):
+def world2(tmp_path_factory, gloo_pool):
     """``(results, root)``: resume runs for stages 0-3 at world 2 and the checkpoints they left."""
-    from deepshard.launch.local import launch_local
     from tests.checkpoint.ckpt_harness import resume_worker
 
     root = tmp_path_factory.mktemp("ckpt")
-    return launch_local(resume_worker, 2, str(root))[0], root
+    return gloo_pool(2).run(resume_worker, str(root))[0], root

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.launch.local import launch_local
 from tests.checkpoint.ckpt_harness import SPLIT, STEPS, reshard_worker
 
 
@@ -32,9 +31,9 @@ def test_offloaded_stores_checkpoint_like_device_ones(world2):
 
 
 @pytest.mark.parametrize("world,stage", [(1, 3), (4, 1)])
-def test_reshard_to_other_world_size_and_stage(world2, world, stage):
+def test_reshard_to_other_world_size_and_stage(world2, world, stage, gloo_pool):
     out, root = world2
     path = root / "stage2" / f"step-{SPLIT:08d}"
-    loss, num_updates = launch_local(reshard_worker, world, str(path), stage)[0]
+    loss, num_updates = gloo_pool(world).run(reshard_worker, str(path), stage)[0]
     assert num_updates == SPLIT + 1
     assert abs(loss - out[2]["straight"][SPLIT]) < 1e-5, (loss, out[2]["straight"][SPLIT])

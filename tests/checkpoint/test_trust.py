@@ -20,10 +20,10 @@ from deepshard.core.checkpoint.manifest import CheckpointError, verify_checkpoin
 from deepshard.core.checkpoint.state import load_checkpoint
 from deepshard.finetune.tools.export import main as export_main
 from deepshard.finetune.tools.hf_export import export_checkpoint
-from deepshard.launch.local import launch_local
 from tests.checkpoint.ckpt_harness import SPLIT
 from tests.checkpoint.malicious import RunsCode, reseal
 from tests.checkpoint.trust_harness import craft_shard, mismatch_worker, redirect_first_shard
+from tests.gloo_pool import pool
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def mismatch(tmp_path_factory):
     root = tmp_path_factory.mktemp("mismatch")
-    return launch_local(mismatch_worker, 2, str(root)), root
+    return pool(2).run(mismatch_worker, str(root)), root
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_naming_the_first_mismatch(mismatch):

@@ -14,9 +14,9 @@ import pytest
 
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.core.schedules import LRSchedule, SchedulerConfig
-from deepshard.launch.local import launch_local
 from tests.compat.app_resume_harness import app_resume_worker
 from tests.compat.ds_fixture_model import MICRO, SAVE_STEP, SEQ, TOTAL_STEPS
+from tests.gloo_pool import pool
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OUR_STAGE = {2: {1: 1, 2: 2, 3: 3}, 1: {1: 0, 2: 3, 3: 2}}  # world -> DeepSpeed's stage -> ours
@@ -33,7 +33,7 @@ def test_app_resumes_an_imported_deepspeed_checkpoint(tmp_path, world):
     for ds_stage, ours in OUR_STAGE[world].items():
         imported = import_checkpoint(FIXTURES / f"ds_zero{ds_stage}" / "checkpoint", tmp_path / f"imported{ds_stage}")
         runs.append((ours, str(imported.parent), str(tmp_path / f"run{ds_stage}")))  # resume= the folder
-    outs = launch_local(app_resume_worker, world, runs)
+    outs = pool(world).run(app_resume_worker, runs)
     params = _record(1)["config"]["scheduler"]["params"]
     rates = [LRSchedule(SchedulerConfig(name="WarmupDecayLR", **params), 1e-2).lr_at(k)
              for k in range(SAVE_STEP, TOTAL_STEPS)]

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.launch.local import launch_local
 from tests.compat.compat_ckpt_harness import FIXTURE, LR_CASE, checkpoint_worker
+from tests.gloo_pool import pool
 
 
 @pytest.mark.slow
 def test_init_gather_checkpoint_and_16bit_model(tmp_path):
-    outs = launch_local(checkpoint_worker, 2, str(tmp_path))
+    outs = pool(2).run(checkpoint_worker, str(tmp_path))
     for rank, o in enumerate(outs):
         assert o["meta"], "zero.Init left a parameter materialized"
         assert o["local"] * 2 == o["full"]  # each rank holds half of the embedding, never all of it

@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 
-from deepshard.launch.local import launch_local
 from tests.compat.compat_harness import all_loops
+from tests.gloo_pool import pool
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # find, not import: it prints a banner
 CONFIGS = ("ds_zero2_fp16", "ds_zero3_offload")
@@ -24,7 +24,7 @@ _RUNS: dict[str, list[dict[str, list[float]]]] = {}
 def runs(name: str) -> list[dict[str, list[float]]]:
     """One 2-rank launch per config runs every loop (a launch costs 10-20 s here)."""
     if name not in _RUNS:
-        _RUNS[name] = launch_local(all_loops, 2, name, N_MICRO, HAVE_DEEPSPEED)
+        _RUNS[name] = pool(2).run(all_loops, name, N_MICRO, HAVE_DEEPSPEED)
     return _RUNS[name]
 
 

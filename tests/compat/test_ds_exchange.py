@@ -22,8 +22,8 @@ import torch
 from deepshard.compat.deepspeed.ds_export import export_checkpoint
 from deepshard.compat.deepspeed.ds_files import load_ds_file
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
-from deepshard.launch.local import launch_local
 from tests.compat.ds_exchange_harness import resume_tied_worker
+from tests.gloo_pool import pool
 
 TIED = Path(__file__).parent / "fixtures" / "ds_tied_zero2"
 BF16 = Path(__file__).parent / "fixtures" / "ds_bf16_onegroup_zero2" / "checkpoint" / "global_step3"
@@ -37,7 +37,7 @@ def test_deepspeed_tied_checkpoint_with_client_state_resumes(tmp_path, ds_stage)
     tied = TIED.parent / f"ds_tied_zero{ds_stage}"
     record = json.loads((tied / "continuation.json").read_text())
     imported = import_checkpoint(tied / "checkpoint", tmp_path / "imported")
-    for out in launch_local(resume_tied_worker, 2, str(imported), [2, 3]):
+    for out in pool(2).run(resume_tied_worker, str(imported), [2, 3]):
         for stage, got in out.items():  # at our ZeRO-2 and ZeRO-3 (the tied weight sharded once, FSDP2)
             assert got["client_state"] == record["client_state"], stage
             assert got["tied"] and got["same_after"], stage
@@ -79,7 +79,7 @@ def test_per_group_weight_decay_through_optimizer_is_honoured():
         losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in (batch(step, r) for r in (0, 1))]
         (sum(losses) / 2).backward()
         opt.step()
-    for out in launch_local(group_decay_worker, 2, [2, 3], 3):
+    for out in pool(2).run(group_decay_worker, [2, 3], 3):
         for stage, got in out.items():
             for name, p in model.named_parameters():
                 torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6,
@@ -90,7 +90,7 @@ def test_per_group_weight_decay_through_optimizer_is_honoured():
 def test_a_tag_that_differs_per_rank_warns_and_saves_under_rank_0s(tmp_path):
     from tests.compat.ds_exchange_harness import per_rank_tag_worker
 
-    outs = launch_local(per_rank_tag_worker, 2, str(tmp_path))
+    outs = pool(2).run(per_rank_tag_worker, str(tmp_path))
     tags = [o["tag"] for o in outs]
     assert tags[0] != tags[1]  # the ranks' losses differ: the case exists
     for out in outs:  # DeepSpeed's default tag_validation (Warn) warns on every rank
@@ -107,7 +107,7 @@ def test_deepspeed_resumes_our_tied_one_group_checkpoint_with_client_state(tmp_p
     pytest.importorskip("deepspeed")
     from tests.compat.ds_exchange_harness import CLIENT_STATE, ours_to_deepspeed_worker
 
-    for out in launch_local(ours_to_deepspeed_worker, 2, str(tmp_path), 2):
+    for out in pool(2).run(ours_to_deepspeed_worker, str(tmp_path), 2):
         assert out["client_state"] == CLIENT_STATE
         assert out["ds"] == pytest.approx(out["ours"], abs=1e-5)
 
@@ -164,6 +164,6 @@ def test_deepspeed_resumes_our_parameter_aligned_export(tmp_path):
     pytest.importorskip("deepspeed")
     from tests.compat.ds_exchange_harness import aligned_to_deepspeed_worker
 
-    for out in launch_local(aligned_to_deepspeed_worker, 2, str(tmp_path)):
+    for out in pool(2).run(aligned_to_deepspeed_worker, str(tmp_path)):
         assert any(any(g) for g in out["paddings"])  # the case exists: parameters padded inside the groups
         assert out["ds"] == pytest.approx(out["ours"], abs=1e-5)

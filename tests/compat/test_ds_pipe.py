@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from deepshard.launch.local import launch_local
 from tests.compat.ds_pipe_harness import HIDDEN, VOCAB, micro_batch, run_all
+from tests.gloo_pool import pool
 
 _RUN: list = []
 
 
 def results() -> list[dict]:
     if not _RUN:
-        _RUN.append(launch_local(run_all, 2))
+        _RUN.append(pool(2).run(run_all))
     return _RUN[0]
 
 

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
-from deepshard.launch.local import launch_local
 from tests.compat.ds_script_harness import (
     CIFAR_STAGES,
     Blocks,
@@ -34,6 +33,7 @@ from tests.compat.ds_script_harness import (
     run_all,
     warmup_linear,
 )
+from tests.gloo_pool import pool
 
 _RUN: list = []
 
@@ -43,7 +43,7 @@ def results() -> list[dict]:
         ckpt_root = tempfile.mkdtemp(prefix="ds_scripts_")
         try:  # DeepSpeed's own ZeRO-3 CIFAR checkpoint, imported for ours to resume
             imported = {3: str(import_checkpoint(FIXTURES / "ds_cifar_zero3", Path(ckpt_root) / "imported3"))}
-            _RUN.append(launch_local(run_all, 2, ckpt_root, imported))
+            _RUN.append(pool(2).run(run_all, ckpt_root, imported))
         finally:
             shutil.rmtree(ckpt_root, ignore_errors=True)
     return _RUN[0]

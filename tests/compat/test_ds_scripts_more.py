@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
-from deepshard.launch.local import launch_local
+from tests.gloo_pool import pool
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE = json.loads((FIXTURES / "ds_scripts_more.json").read_text())
@@ -47,7 +47,7 @@ def results() -> list[dict]:
             imported = Path(root) / "imported_hello"
             import_checkpoint(FIXTURES / "ds_hello_zero1", imported)
             shutil.copy(FIXTURES / "ds_hello_zero1" / "hparams.json", imported)
-            _RUN.append(launch_local(_worker, 2, root, str(imported)))
+            _RUN.append(pool(2).run(_worker, root, str(imported)))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return _RUN[0]

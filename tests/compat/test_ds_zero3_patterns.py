@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from deepshard.launch.local import launch_local
 from tests.compat.ds_zero3_patterns_harness import TinyLM, batch, pretrained_state, run_all
+from tests.gloo_pool import pool
 
 _RUN: list = []
 
@@ -20,7 +20,7 @@ _RUN: list = []
 def results(tmp_path_factory) -> tuple[list[dict], str]:
     if not _RUN:
         save_dir = str(tmp_path_factory.mktemp("chat_save"))
-        _RUN.append((launch_local(run_all, 2, save_dir), save_dir))
+        _RUN.append((pool(2).run(run_all, save_dir), save_dir))
     return _RUN[0]
 
 

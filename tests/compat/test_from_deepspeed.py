@@ -7,11 +7,13 @@ of the importer stays under 1.5x the largest partition file, on a synthetic 2 x 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -205,13 +207,14 @@ def test_a_refusal_never_repeats_torchs_advice_to_load_unsafely(tmp_path):
         assert line.startswith(f"{f}: not loaded (") and re.search(reason, line), line
 
 
-HOLDER = """import sys, time
-from pathlib import Path
-from deepshard.core.checkpoint.owners import write_owner
-write_owner(Path(sys.argv[1]))  # what an importer writes into its .tmp-import as it starts
-print("holding", flush=True)
-time.sleep(300)
-"""
+def _hold(leftover: str, ready) -> None:
+    """A live importer: writes the owner marker an importer writes into its .tmp-import as it starts, then
+    waits (forked from this process, which has deepshard imported: a fresh interpreter costs ~4 s here)."""
+    from deepshard.core.checkpoint.owners import write_owner
+
+    write_owner(Path(leftover))
+    ready.send("holding")
+    time.sleep(300)
 
 
 def _cli_import(src: Path, out: Path) -> subprocess.CompletedProcess:
@@ -226,13 +229,16 @@ def leftover_and_holder(tmp_path):
     leftover = tmp_path / "out" / f"{name}.tmp-import"
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"half")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(leftover)], stdout=subprocess.PIPE, text=True)
+    ctx = multiprocessing.get_context("fork")
+    ready, child_end = ctx.Pipe()
+    holder = ctx.Process(target=_hold, args=(str(leftover), child_end), daemon=True)
+    holder.start()
     try:
-        assert holder.stdout.readline().strip() == "holding"
+        assert ready.poll(60) and ready.recv() == "holding"
         yield leftover, holder
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
 
 
 def test_a_live_importers_partial_import_is_named_not_deleted(leftover_and_holder):
@@ -253,7 +259,7 @@ def test_a_dead_importers_partial_import_is_removed_naming_it(leftover_and_holde
     naming the dead pid, and the import lands whole."""
     leftover, holder = leftover_and_holder
     holder.kill()
-    holder.wait()
+    holder.join()
     proc = _cli_import(FIXTURES / "ds_zero2" / "checkpoint", leftover.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"notice: removing the partial import {leftover} (its importer, pid {holder.pid}, is not running)" \

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from deepshard.compat.transformers.auto import AutoFill
-from deepshard.launch.local import launch_local
 from tests.compat.hf_trainer_harness import world1, world2
+from tests.gloo_pool import pool
 
 _RUNS: dict[str, object] = {}
 
@@ -35,8 +35,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One 1-rank launch (the reference and ours) and one 2-rank launch: 10-20 s each here."""
     if not _RUNS:  # world 2 first: world 1 resumes its checkpoint
         tmp = str(tmp_path_factory.mktemp("hf_trainer"))
-        _RUNS["w2"] = launch_local(world2, 2, tmp)
-        _RUNS["w1"] = launch_local(world1, 1, tmp)[0]
+        _RUNS["w2"] = pool(2).run(world2, tmp)
+        _RUNS["w1"] = pool(1).run(world1, tmp)[0]
     return _RUNS
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from deepshard.launch.local import launch_local
 from tests.core.zero_harness import distributed_run, engine_config
 
 INJECT_AT = 2
@@ -30,8 +29,8 @@ def _worker():
     return out
 
 
-def test_overflow_skips_step_on_all_ranks_and_scale_recovers():
-    results = launch_local(_worker, 2)
+def test_overflow_skips_step_on_all_ranks_and_scale_recovers(gloo_pool):
+    results = gloo_pool(2).run(_worker)
     for stage in (2, 3):
         for rank in (0, 1):
             losses, stats = results[rank][stage]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.launch.local import launch_local
-
 SEG = 1003  # odd: nothing lines up by chance
 
 
@@ -54,9 +52,9 @@ def _worker() -> dict:
     return out
 
 
-def test_gloo_all_gather_and_reduce_scatter_equal_the_collectives_definition_world2_and_3():
+def test_gloo_all_gather_and_reduce_scatter_equal_the_collectives_definition_world2_and_3(gloo_pool):
     for world in (2, 3):  # world 3: the reduce-scatter falls back to gloo's own
-        for rank, res in enumerate(launch_local(_worker, world)):
+        for rank, res in enumerate(gloo_pool(world).run(_worker)):
             assert res["gather_async=False"] and res["gather_async=True"], (world, rank, res)
             assert res["scatter_sum"] < 1e-6 and res["scatter_avg"] < 1e-6, (world, rank, res)
             assert res["installed"] == [("GlooAllGather", "GlooReduceScatter")] * 4, (world, rank, res)

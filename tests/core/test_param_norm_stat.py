@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from deepshard.launch.local import launch_local
 from tests.core.zero_harness import distributed_run, engine_config, reference
 
 STEPS = 3
@@ -30,8 +29,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, 2)[0]
+def runs(gloo_pool):
+    return gloo_pool(2).run(_worker)[0]
 
 
 @pytest.mark.slow

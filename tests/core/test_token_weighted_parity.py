@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from deepshard.core import TrainingEngine
 from deepshard.finetune.models.llama import Llama, LlamaConfig
-from deepshard.launch.local import launch_local
 
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
 SEQ, ROWS, STEPS = 16, 4, 5
@@ -206,8 +205,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    return {1: launch_local(_worker, 1)[0], 2: launch_local(_worker, 2), 4: launch_local(_worker, 4)}
+def runs(gloo_pool) -> dict:
+    return {1: gloo_pool(1).run(_worker)[0], 2: gloo_pool(2).run(_worker), 4: gloo_pool(4).run(_worker)}
 
 
 @pytest.fixture(scope="module")

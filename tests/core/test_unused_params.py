@@ -15,8 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.launch.local import launch_local
-
 DIM, ROWS, LR, WD, BETAS = 8, 4, 1e-2, 0.1, (0.9, 0.95)
 BRANCH = [(True, True), (False, False), (False, True), (True, False)]  # step -> micro-step -> use the branch
 
@@ -91,8 +89,8 @@ def _worker() -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[int, dict]]:
-    return launch_local(_worker, 2)
+def runs(gloo_pool) -> list[dict[int, dict]]:
+    return gloo_pool(2).run(_worker)
 
 
 @pytest.mark.slow

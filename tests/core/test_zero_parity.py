@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.launch.local import launch_local
 from tests.core.zero_harness import distributed_run, engine_config, reference
 
 STEPS = 5
@@ -62,8 +61,8 @@ def _grad_ready_timing():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, 2, CASES)
+def runs(gloo_pool):
+    return gloo_pool(2).run(_worker, CASES)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

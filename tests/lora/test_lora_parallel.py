@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.launch.local import launch_local
 from tests.lora.test_lora_parity import (
     ALPHA,
     BETAS,
@@ -172,8 +171,8 @@ def ckpt_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def world2(ckpt_root):
-    return launch_local(_worker, 2, WORLD2, str(ckpt_root))
+def world2(ckpt_root, gloo_pool):
+    return gloo_pool(2).run(_worker, WORLD2, str(ckpt_root))
 
 
 # checkpoint of the world-2 run -> (pp, dp, tp, zero stage) it is resumed into at world 4
@@ -181,9 +180,9 @@ RESUME = {"pp2": (1, 2, 2, 3), "tp2": (2, 2, 1, 1)}
 
 
 @pytest.fixture(scope="module")
-def world4(world2):
+def world4(world2, gloo_pool):
     resume = {name: (world2[0][name]["checkpoint"], layout) for name, layout in RESUME.items()}
-    return launch_local(_worker, 4, WORLD4, None, resume)
+    return gloo_pool(4).run(_worker, WORLD4, None, resume)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

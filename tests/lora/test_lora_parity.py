@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from deepshard.finetune.models.llama import Llama, LlamaConfig
-from deepshard.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
 
@@ -152,8 +151,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, WORLD)
+def runs(gloo_pool):
+    return gloo_pool(WORLD).run(_worker)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

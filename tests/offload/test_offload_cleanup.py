@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from deepshard.core.update_rule import AdamW
@@ -85,6 +86,7 @@ def test_forked_child_does_not_remove_parent_files(tmp_path):
         store.close()
 
 
+@pytest.mark.slow  # fault injection (signals), five fresh interpreters: the full suite only
 def test_signals_exit_and_crash(tmp_path):
     """One child per case, run concurrently (each costs an `import torch`)."""
     cases = {"int": "loop", "term": "loop", "chain": "custom", "exit": "exit", "kill": "loop"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.launch.local import launch_local
 from tests.pipeline.pipeline_harness import Case, build_model, engine_config, reference, run_case
 
 WORLD2 = [
@@ -53,13 +52,13 @@ def _worker(cases: list[Case]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return launch_local(_worker, 2, WORLD2)
+def world2(gloo_pool):
+    return gloo_pool(2).run(_worker, WORLD2)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch_local(_worker, 4, WORLD4)
+def world4(gloo_pool):
+    return gloo_pool(4).run(_worker, WORLD4)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

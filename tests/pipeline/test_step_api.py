@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.launch.local import launch_local
 from tests.core.test_token_weighted_parity import CLIP, LR, MICRO, model
 
 AUX_WEIGHT = 0.25
@@ -120,8 +119,8 @@ def _worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return launch_local(_worker, 2)
+def runs(gloo_pool) -> list[dict]:
+    return gloo_pool(2).run(_worker)
 
 
 def reference(aux: bool) -> tuple[float, dict]:

@@ -94,6 +94,7 @@ def test_fit_memory_bad_size_is_one_line(size, capsys):
     assert len(err.splitlines()) == 1 and f"--fit-memory={size}" in err and "GiB" in err, err
 
 
+@pytest.mark.slow  # a fresh interpreter; the in-process tests above keep the inner loop's coverage
 def test_fit_memory_cli_prints_one_line():
     # its own process, as users run it: the baseline is read from the process (a test runner's grows)
     proc = subprocess.run([sys.executable, "-m", "deepshard.finetune.tools.estimate", "--fit-memory", "1GiB",

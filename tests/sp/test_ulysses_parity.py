@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from deepshard.finetune.models.llama import Llama, LlamaConfig
-from deepshard.launch.local import launch_local
 
 CFG = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
 SEQ, ROWS, STEPS = 16, 4, 3
@@ -176,8 +175,8 @@ def _worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict]]:
-    return {2: launch_local(_worker, 2), 4: launch_local(_worker, 4)}
+def runs(gloo_pool) -> dict[int, list[dict]]:
+    return {2: gloo_pool(2).run(_worker), 4: gloo_pool(4).run(_worker)}
 
 
 @pytest.fixture(scope="module")

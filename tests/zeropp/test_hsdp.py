@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from deepshard.launch.local import launch_local
 from tests.zeropp.zeropp_harness import build_engine, data, full_params, reference, rel, train
 
 STEPS, SAVE_AT = 5, 3
@@ -53,8 +52,8 @@ def _worker(tmp: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_local(_worker, 4, str(tmp_path_factory.mktemp("hsdp")))
+def runs(tmp_path_factory, gloo_pool):
+    return gloo_pool(4).run(_worker, str(tmp_path_factory.mktemp("hsdp")))
 
 
 @pytest.fixture(scope="module")

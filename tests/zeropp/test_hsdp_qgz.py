@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.launch.local import launch_local
 from tests.zeropp.zeropp_harness import (
     ByteCounter,
     build_engine,
@@ -88,8 +87,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, 4)
+def runs(gloo_pool):
+    return gloo_pool(4).run(_worker)
 
 
 def test_replica_mean_close_to_exact_and_equal_on_replicas(runs):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.launch.local import launch_local
 from tests.zeropp.zeropp_harness import build_engine, data, train
 
 pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
@@ -71,8 +70,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch_local(_worker, 4)
+def runs(gloo_pool):
+    return gloo_pool(4).run(_worker)
 
 
 def test_quantized_all_gather_within_half_a_step_per_block(runs):
