@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.compat.provide_deepspeed import ENV, VERSION, requested
+from deepshard.compat.deepspeed_provider import ENV, VERSION, requested
 
 PROBE = r"""
 import importlib.metadata, importlib.util, json, sys
@@ -175,3 +175,12 @@ def test_keys_that_change_results_stop_under_the_provider(tmp_path):
                         "by deepshard's engine, and ignoring it would change the results; remove it (or train on "
                         "DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
     assert lines[2] == "SPEED_ONLY_OK"
+
+
+def test_importing_the_machinery_provides_nothing():
+    """This pytest process imported the provider's module (above) and collected every test: ``deepspeed``
+    is still not served here, so a test that needs the real DeepSpeed skips rather than meets ours."""
+    from deepshard.compat.deepspeed_provider import active
+
+    assert not active()
+    assert "deepshard.compat.provide_deepspeed" not in sys.modules

@@ -10,8 +10,6 @@ step with one line naming the ds_config and the key; keys that only tune speed o
 
 from __future__ import annotations
 
-import sys
-
 # DeepSpeed keys (as ds_config.translate names them when unsupported) whose effect is on the numbers
 RESULT_CHANGING = ("optimizer.", "scheduler.", "prescale_gradients", "gradient_predivide_factor",
                    "data_types.grad_accum_dtype", "sparse_gradients", "compression_training", "curriculum_learning",
@@ -21,8 +19,10 @@ RESULT_CHANGING = ("optimizer.", "scheduler.", "prescale_gradients", "gradient_p
 
 
 def provider_active() -> bool:
-    """Whether this process serves ``deepspeed`` from deepshard (importing the provider activates it)."""
-    return "deepshard.compat.provide_deepspeed" in sys.modules
+    """Whether this process serves ``deepspeed`` from deepshard (the provider's finder is installed)."""
+    from deepshard.compat.deepspeed_provider import active
+
+    return active()
 
 
 def refuse_result_changing(unsupported: list[str], source: str) -> None:
