@@ -11,6 +11,7 @@ failure removes its temp dir on every path out.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -311,6 +312,7 @@ def architecture_diff(manifest: dict[str, Any], meta: dict[str, Any] | None) -> 
     theirs, ours = manifest.get("meta", {}).get("model"), (meta or {}).get("model")
     if not (isinstance(theirs, dict) and isinstance(ours, dict)):
         return ""
+    ours = json.loads(json.dumps(ours, default=str))  # as the manifest holds it: a tuple is a list there
     fields = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in sorted(set(theirs) | set(ours))
               if theirs.get(k) != ours.get(k)]
     return f" (the checkpoint's model differs: {', '.join(fields[:4])})" if fields else ""

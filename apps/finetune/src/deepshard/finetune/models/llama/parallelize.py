@@ -54,12 +54,12 @@ __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "paral
 
 def check_tp(cfg: LlamaConfig, tp: int) -> None:
     """ValueError unless ``tp`` splits the heads, the kv heads and the hidden units evenly."""
-    if cfg.n_kv_heads < tp:
-        raise ValueError(f"parallel.tp={tp} is more than model.n_kv_heads={cfg.n_kv_heads}: each tp rank must "
-                         f"own whole kv heads (replicating them is not supported); use parallel.tp <= "
-                         f"{cfg.n_kv_heads} and parallel.dp for the other ranks")
     for key, value in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
                        ("model.ffn_hidden", cfg.ffn_hidden)):
+        if key == "model.n_kv_heads" and value < tp:
+            raise ValueError(f"parallel.tp={tp} is more than model.n_kv_heads={value}: each tp rank must "
+                             f"own whole kv heads (replicating them is not supported); use parallel.tp <= "
+                             f"{value} and parallel.dp for the other ranks")
         if value % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {key}={value}: each tp rank must own "
                              f"whole heads / equal slices; choose tp among the divisors of {value}")
