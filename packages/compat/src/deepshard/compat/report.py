@@ -108,7 +108,7 @@ def nvme_aio(directory: str | None = None) -> tuple[bool, str]:
         swap = SwapFile(os.path.join(scratch, "probe.swp"), nbytes)
         engine = AioEngine(AioConfig(block_size=2**18))
         out, back = aligned_empty(nbytes), aligned_empty(nbytes)
-        out.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
+        out.copy_(torch.arange(nbytes, dtype=torch.int64, device=out.device).remainder(251).to(torch.uint8))
         engine.write(swap.fd, memoryview(out.numpy()), 0).wait()
         engine.read(swap.fd, memoryview(back.numpy()), 0).wait()
         direct = swap.direct
