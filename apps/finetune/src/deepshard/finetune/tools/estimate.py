@@ -194,8 +194,16 @@ def fit_line(cfg: dict, memory: int) -> str:
     return line
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.finetune.tools.estimate") -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: {prog} [--fit-memory SIZE] [overrides ...]\n\n{__doc__.split(': ', 1)[1]}", end="")
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from deepshard.finetune.config.hydra_errors import error_line
+
     memory = None
     try:
         for i, a in enumerate(args):
@@ -209,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         text = fit_line(cfg, memory) if memory is not None else report(cfg)[0]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (HydraException, OmegaConfBaseException) as e:  # a bad override: Hydra's refusal as the app's one line
+        print(f"error: {error_line(e, [prog, *args])}", file=sys.stderr)
         return 2
     print(text)
     return 0

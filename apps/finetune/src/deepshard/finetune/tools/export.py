@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from deepshard.finetune.tools.cli import ArgumentParser
 from deepshard.finetune.tools.hf_export import DTYPES, export_checkpoint
 
 
@@ -20,8 +20,8 @@ def parse_size(text: str) -> int:
     return int(float(t))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deepshard.finetune.tools.export", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.finetune.tools.export") -> int:
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint directory")
     parser.add_argument("out_dir", help="where to write the HF model folder")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))

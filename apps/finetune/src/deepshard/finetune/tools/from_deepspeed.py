@@ -14,18 +14,17 @@ leftover of a killed import is removed (one whose importer still runs is named, 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
+from deepshard.finetune.tools.cli import ArgumentParser
 
 __all__ = ["import_checkpoint", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.finetune.tools.from_deepspeed") -> int:
     """The command line: exit 0 and the new checkpoint's path, or 2 and one ``error:`` line."""
-    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.tools.from_deepspeed",
-                                 description=__doc__.split("\n\n")[1])
+    ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
     ap.add_argument("ds_checkpoint_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--tag", default=None, help="the checkpoint tag (default: the one in DS_CHECKPOINT_DIR/latest)")

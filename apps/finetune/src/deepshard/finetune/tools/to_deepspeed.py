@@ -13,13 +13,14 @@ import argparse
 import sys
 
 from deepshard.compat.deepspeed.ds_export import DS_SUB_GROUP_SIZE, export_checkpoint
+from deepshard.finetune.tools.cli import ArgumentParser
 
 __all__ = ["export_checkpoint", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.finetune.tools.to_deepspeed") -> int:
     """The command line: exit 0 and the written tag's path, or 2 and one ``error:`` line."""
-    ap = argparse.ArgumentParser(prog="python -m deepshard.finetune.tools.to_deepspeed")
+    ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
     ap.add_argument("ckpt")
     ap.add_argument("out_dir")
     ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1, 2 or 3)")
