@@ -5,7 +5,7 @@ packages), the accelerator (CUDA devices or the CPU), and what is usable here an
 found by trying it rather than by reading flags: a Triton kernel launched and checked against its
 reference, an O_DIRECT write and read through offload's own swap file and I/O engine in the temp dir,
 the process-group backends, the opt-in ``deepspeed`` provider and a real DeepSpeed.  Nothing is
-activated by asking: the provider's module is never imported here.
+activated by asking: only the provider's machinery is imported here, never its activating line.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import tempfile
 STACK = ("torch", "transformers", "accelerate", "trl", "peft", "triton")
 OURS = ("deepshard-kernels", "deepshard-core", "deepshard-offload", "deepshard-pipeline", "deepshard-launch",
         "deepshard-compat", "deepshard-finetune")
-PROVIDER = "deepshard.compat.provide_deepspeed"
-PROVIDER_ENV = "DEEPSHARD_DEEPSPEED"  # provide_deepspeed.ENV (importing that module would activate it)
+PROVIDER = "deepshard.compat.provide_deepspeed"  # the activating import (the machinery: deepspeed_provider)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,8 +143,11 @@ def backends() -> list[tuple[str, bool, str]]:
 
 def provider() -> tuple[bool, str]:
     """Whether the opt-in ``deepspeed`` provider is active in this process, and how it is asked for."""
+    from deepshard.compat.deepspeed_provider import ENV as PROVIDER_ENV
+    from deepshard.compat.deepspeed_provider import active as provider_active
+
     asked = os.environ.get(PROVIDER_ENV, "")
-    active = PROVIDER in sys.modules and any(type(f).__module__ == PROVIDER for f in sys.meta_path)
+    active = provider_active()
     if active:
         return True, f"`import deepspeed` gives deepshard's engine ({PROVIDER_ENV}={asked or 'unset'})"
     return False, (f"not active ({PROVIDER_ENV}={asked or 'unset'}); it is under `deepshard`, with "
