@@ -16,7 +16,11 @@ def moe_hf_config(family: str):
     """transformers' own config class: 3 layers, 5 experts, top-2; Qwen3-MoE with layer 1 dense."""
     import transformers as tf
 
-    kw = {**COMMON, "num_hidden_layers": 3, "num_experts_per_tok": 2, "router_aux_loss_coef": COEF}
+    # pad_token_id=None: transformers' embedding then has no padding_idx.  With one, the pad row's gradient
+    # is zeroed there; ours (no padding_idx, like every family here) trains it, which shows under the aux
+    # loss, whose statistics count padded positions when no attention mask is given.
+    kw = {**COMMON, "num_hidden_layers": 3, "num_experts_per_tok": 2, "router_aux_loss_coef": COEF,
+          "pad_token_id": None}
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**kw, head_dim=16, num_experts=5, moe_intermediate_size=20, norm_topk_prob=True,
                                  mlp_only_layers=[1])
