@@ -187,3 +187,33 @@ def test_lora_on_experts_is_refused_and_on_attention_passes():
     with pytest.raises(ValueError, match="peft.target_modules.*LoRA on MoE experts"):
         spec.check_parallel(cfg, lora=LoraConfig())
     spec.check_parallel(cfg, lora=LoraConfig(target_modules=("q_proj", "v_proj")))
+
+
+def test_activation_checkpointing_keeps_every_gradient_aux_loss_included():
+    """Blocks recomputed in backward (non-reentrant, as the recipe's ac) rewrite the router statistics
+    with the same values: every gradient equals the plain run's, the aux loss's included."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    spec = registry.get("qwen3_moe")
+    cfg = spec.config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=40, num_experts=5,
+                      moe_hidden=12, mlp_only_layers=(1,), router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+
+    def grads(ac: bool) -> dict[str, torch.Tensor]:
+        model = spec.build(cfg)
+        model.init_weights(0)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for i in (0, 2):
+                model.layers[i].mlp.gate.weight.copy_(torch.randn(5, 32, generator=g))
+        if ac:
+            for layer in model.layers:
+                layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        model(ids, ids, reduction="sum").backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain["layers.0.mlp.gate.weight"].abs().max() > 0
+    assert max((plain[n] - recomputed[n]).abs().max().item() for n in plain) == 0.0
