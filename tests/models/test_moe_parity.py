@@ -217,3 +217,27 @@ def test_activation_checkpointing_keeps_every_gradient_aux_loss_included():
     plain, recomputed = grads(False), grads(True)
     assert plain["layers.0.mlp.gate.weight"].abs().max() > 0
     assert max((plain[n] - recomputed[n]).abs().max().item() for n in plain) == 0.0
+
+
+@pytest.mark.parametrize(("override", "key"), [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
+                                               ("+peft=lora", "peft.target_modules"), ("parallel.dp=2", None)])
+def test_the_app_refuses_them_before_start(saved, override, key):
+    """Through the app's own settings (what runs before any worker starts), for a saved MoE folder."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from deepshard.finetune.config import register, validate
+
+    _, path, _ = saved
+    (path / "tokenizer.json").write_text("{}")
+    register()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="config", overrides=["model=hf", f"model.path={path}", "data.seq_len=32", override])
+    if key is None:
+        assert registry.spec_of(validate(OmegaConf.to_container(cfg, resolve=True), world_size=2).model).name
+        return
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        validate(OmegaConf.to_container(cfg, resolve=True), world_size=2)

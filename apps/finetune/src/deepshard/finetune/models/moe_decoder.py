@@ -99,15 +99,15 @@ def _parallelize(model: nn.Module, mesh: Any, **kwargs: Any) -> Any:
     return parallelize_llama(model, mesh, **kwargs)
 
 
-def _pipeline(model: nn.Module, mesh: Any, config: Any, **kwargs: Any) -> Any:
-    from deepshard.core.mesh import axis_size
+_NO_PP = "parallel.pp: pipeline stages are not built for MoE models yet (issue 40); use parallel.pp=1"
 
-    check_parallel(model.cfg, pp=max(2, axis_size(mesh, "pp")))
-    raise AssertionError("unreachable")
+
+def _pipeline(model: nn.Module, mesh: Any, config: Any, **kwargs: Any) -> Any:
+    raise ValueError(_NO_PP)
 
 
 def _stage_init(seed: int = 0, **kwargs: Any) -> Any:
-    raise ValueError("parallel.pp: not built for MoE models yet (issue 40)")
+    raise ValueError(_NO_PP)
 
 
 def moe_spec(name: str, config: type, hf: HFAdapter) -> ModelSpec:
