@@ -85,13 +85,14 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU FFNs as stacked weights; ``forward(x_sorted, counts)`` runs each expert
     on its contiguous run of rows (``counts[e]`` rows, in expert order)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "grouped") -> None:
+    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "grouped",
+                 device: torch.device | None = None) -> None:
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: valid values are {list(IMPLS)}")
         self.num_experts, self.hidden, self.impl = num_experts, hidden, impl
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden, device=device))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.impl == "grouped":
