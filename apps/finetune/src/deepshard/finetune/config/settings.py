@@ -485,6 +485,9 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
                          "(use offload.params=cpu or none there)")
     if settings.offload.params == "nvme":  # space and buffers for this model, before any worker starts
         settings = dataclasses.replace(settings, offload=check_param_swap(settings, world))
+    if registry.spec_of(settings.model).check_parallel is not None:  # what a family cannot run (MoE), by key
+        registry.spec_of(settings.model).check_parallel(settings.model, pp=parallel.pp, tp=parallel.tp,
+                                                        sp=parallel.sp, lora=settings.peft)
     if parallel.tp > 1:
         registry.spec_of(settings.model).check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:

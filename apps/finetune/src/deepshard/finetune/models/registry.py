@@ -22,7 +22,7 @@ from torch import nn
 
 from deepshard.finetune.models.hf import check_hf_dir, from_hf_name, load_hf_weights, to_hf_name
 
-BUILTIN = ("llama", "qwen2", "qwen3", "mistral")  # packages under deepshard.finetune.models that register a family on import
+BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")  # packages under deepshard.finetune.models that register a family on import
 DEFAULT_FAMILY = "llama"  # the presets' (model=tiny|small) family: its config's fields are the model.* keys
 
 
@@ -59,6 +59,8 @@ class ModelSpec:
     # (config, working_set.RunShape) -> (device, host, backward transient) bytes of one micro-batch
     activation_memory: Callable[[Any, Any], tuple[int, int, int]]
     presets: Mapping[str, Any] = field(default_factory=dict)  # name -> config (benches, tests)
+    # (config, *, pp, tp, sp, lora) -> None: ValueError, before start, for a layout the family cannot run
+    check_parallel: Callable[..., None] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

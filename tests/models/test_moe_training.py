@@ -1,0 +1,165 @@
+"""The MoE families trained by their registry recipe at world 2 (ZeRO-3 over dp=2, every expert on
+every rank, the stacked expert weights sharded like any parameter) equal transformers' own model
+trained by plain torch in one process: 3 steps of AdamW on masked variable-length chat rows (one
+row empty), losses and every parameter within 1e-5; the checkpoints export to folders transformers
+loads with our trained logits.  One launch serves every case.
+
+The load-balancing loss is not linear in tokens: its statistics are per rank and per micro-batch (as
+DeepSpeed's and Megatron's), so the reference computes it the same way, on each rank's rows apart,
+over every position (our app passes no attention mask: transformers' rule without one), and adds
+``coef * mean of the ranks' aux`` to the token-weighted cross-entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepshard.finetune.models import registry
+from deepshard.launch.local import launch_local
+from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows
+from tests.models.moe_refs import COEF, FAMILIES, moe_hf_model
+
+pytestmark = pytest.mark.slow
+
+STEPS, DP = 3, 2
+# eps 1e-5: Adam's first step is lr * g / (|g| + eps); some attention gradients here are ~1e-6, where a
+# 3e-8 rounding difference (grads agree to that) moved a parameter 1.05e-5 with eps 1e-6.
+LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-5, 0.1
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
+
+
+def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
+    import torch.distributed as dist
+
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+        initialize,
+    )
+    from deepshard.core.checkpoint.state import save_checkpoint
+
+    spec = registry.for_hf(hf_dir)
+    cfg = spec.hf.config_from_hf(hf_dir)
+    model = spec.build(cfg)
+    model.init_weights(0)
+    spec.hf.load_weights(model, hf_dir)
+    config = EngineConfig(zero=ZeroConfig(stage=3, reduce_bucket_size=3000, allgather_bucket_size=3000),
+                          precision=PrecisionConfig(dtype="fp32"),
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    mesh = build_mesh(ParallelDims(dp=DP))
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
+    ids, labels = chat_rows(STEPS)
+    rank = mesh["dp"].get_local_rank()
+    rows = slice(rank * ROWS // DP, (rank + 1) * ROWS // DP)
+    losses = []
+    for step in range(STEPS):
+        x, y = ids[step, rows], labels[step, rows]
+        num_items = engine.global_num_items((y != -100).sum())
+        loss = engine(x, y, reduction="sum")
+        engine.backward(loss, num_items=num_items)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        losses.append(total.item() / num_items.item())
+    meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+    ckpt = save_checkpoint(Path(ckpt_root) / family, STEPS, engine.optimizer, mesh["dp"], model=engine.model,
+                           app_state={"step": STEPS}, meta=meta)
+    return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()},
+            "checkpoint": str(ckpt)}
+
+
+def worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
+    from deepshard.core import init_distributed
+
+    init_distributed()
+    return {family: _run(family, hf_dirs[family], ckpt_root) for family in FAMILIES}
+
+
+def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers' model, 3 steps of torch.optim.AdamW on the whole batch: summed token loss over
+    the global valid count + coef * the mean over the dp ranks' row halves of each half's aux loss."""
+    model = moe_hf_model(family).train()
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    ids, labels = chat_rows(STEPS)
+    losses = []
+    for step in range(STEPS):
+        count = (labels[step] != -100).sum()
+        ce, aux = 0.0, 0.0
+        for r in range(DP):
+            rows = slice(r * ROWS // DP, (r + 1) * ROWS // DP)
+            out = model(ids[step, rows], output_router_logits=True)
+            ce = ce + torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels[step, rows].flatten(),
+                                                        ignore_index=-100, reduction="sum")
+            aux = aux + out.aux_loss / DP
+        (ce / count + COEF * aux).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((ce / count).item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    dirs = {}
+    for family in FAMILIES:
+        moe_hf_model(family).save_pretrained(str(root / family))
+        dirs[family] = str(root / family)
+    return launch_local(worker, DP, dirs, str(root / "ckpt")), dirs
+
+
+def _merged(ranks: list[dict], family: str) -> dict[str, torch.Tensor]:
+    params: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        params.update(rank[family]["params"])
+    return params
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero3_trains_as_transformers_does_with_per_rank_aux(runs, family):
+    ranks, _ = runs
+    ref_losses, ref_params = reference(family)
+    losses = ranks[0][family]["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    ours = _merged(ranks, family)
+    to_hf = registry.get(family).hf.to_hf_name
+    assert {to_hf(n) for n in ours} == set(ref_params)
+    worst = max(((ours[n] - ref_params[to_hf(n)]).abs().max().item(), n) for n in ours)
+    assert worst[0] < 1e-5, worst
+    start = dict(moe_hf_model(family).named_parameters())
+    assert all((p - start[n]).abs().max() > 1e-4 for n, p in ref_params.items())  # every parameter trained
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_loads_in_transformers_with_our_logits(runs, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from deepshard.finetune.tools.hf_export import export_checkpoint
+
+    ranks, dirs = runs
+    export_checkpoint(ranks[0][family]["checkpoint"], tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    spec = registry.for_hf(tmp_path / "hf")
+    assert spec.name == family
+    ours = spec.build(spec.hf.config_from_hf(dirs[family]))
+    ours.init_weights(0)
+    ours.load_state_dict(_merged(ranks, family), strict=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours.eval()(ids)).abs().max().item() < 1e-5
