@@ -162,3 +162,10 @@ def activate() -> None:
 def active() -> bool:
     """Whether the provider is installed in this interpreter."""
     return any(isinstance(f, DeepSpeedFinder) for f in sys.meta_path)
+
+
+def serving() -> bool:
+    """Whether ``import deepspeed`` has given deepshard's engine in this process: the HF stack's path (a
+    script that imports ``deepshard.compat.deepspeed`` itself is not on it, even under the provider)."""
+    ours = sys.modules.get(TARGET)
+    return active() and ours is not None and sys.modules.get("deepspeed") is ours

@@ -19,10 +19,10 @@ RESULT_CHANGING = ("optimizer.", "scheduler.", "prescale_gradients", "gradient_p
 
 
 def provider_active() -> bool:
-    """Whether this process serves ``deepspeed`` from deepshard (the provider's finder is installed)."""
-    from deepshard.compat.deepspeed_provider import active
+    """Whether this config came the HF stack's way: ``import deepspeed`` gave deepshard's engine."""
+    from deepshard.compat.deepspeed_provider import serving
 
-    return active()
+    return serving()
 
 
 def refuse_result_changing(unsupported: list[str], source: str) -> None:
