@@ -69,23 +69,35 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def check_hf_dir(path: str | Path, model: nn.Module) -> None:
-    """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly the
-    weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
+def check_tokenizer(path: Path) -> None:
+    """ValueError unless ``path`` holds a tokenizer (one of :data:`TOKENIZER_MARKERS`)."""
     if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
         raise ValueError(f"model.path={str(path)!r}: no tokenizer there (expected one of {list(TOKENIZER_MARKERS)}; "
                          f"save it with tokenizer.save_pretrained(DIR))")
-    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    missing = set(shapes)
+
+
+def safetensors_headers(path: Path) -> Iterator[tuple[Path, dict[str, tuple[int, ...]]]]:
+    """Each safetensors file of ``path`` with its tensors' shapes, read from the header only; one line
+    naming a file that cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
     for f in safetensors_files(path):
         try:
             with safe_open(str(f), framework="pt") as st:
-                found = {k: list(st.get_slice(k).get_shape()) for k in st.keys()}
+                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        yield f, found
+
+
+def check_hf_dir(path: str | Path, model: nn.Module) -> None:
+    """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly the
+    weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read)."""
+    path = Path(path)
+    check_tokenizer(path)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    missing = set(shapes)
+    for f, found in safetensors_headers(path):
         for hf_name, shape in found.items():
             name = from_hf_name(hf_name)
             if name not in shapes:
@@ -93,7 +105,7 @@ def check_hf_dir(path: str | Path, model: nn.Module) -> None:
                     continue
                 raise ValueError(f"{f}: weight {hf_name!r} has no place in our model")
             if shape != shapes[name]:
-                raise ValueError(f"{f}: {hf_name} has shape {shape}, config.json implies {shapes[name]}")
+                raise ValueError(f"{f}: {hf_name} has shape {list(shape)}, config.json implies {list(shapes[name])}")
             missing.discard(name)
     if missing:
         raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deepshard.core.dtensor_utils import copy_global
-from deepshard.finetune.models.hf import TOKENIZER_MARKERS, from_hf_name, safetensors_files
+from deepshard.finetune.models.hf import check_tokenizer, from_hf_name, safetensors_files, safetensors_headers
 
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -86,19 +86,11 @@ def load_moe_weights(model: nn.Module, path: str | Path) -> None:
 def check_moe_dir(path: str | Path, model: nn.Module) -> None:
     """Before start: a tokenizer is there and the headers name every weight of ``model`` (meta) with its
     shape, fused or per expert (headers only)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
-    if not any((path / n).is_file() for n in TOKENIZER_MARKERS):
-        raise ValueError(f"model.path={str(path)!r}: no tokenizer there (expected one of {list(TOKENIZER_MARKERS)})")
+    check_tokenizer(path)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     stacker, missing = _Stacker(shapes), set(shapes)
-    for f in safetensors_files(path):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+    for f, found in safetensors_headers(path):
         for hf_name, shape in found.items():
             name, expert, part = our_name(hf_name)
             if name not in shapes:
