@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,9 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
+# (HF name, its tensor, where it was read) -> the whole parameter, or None while pieces are still missing:
+# how a family folds several HF tensors into one of ours (MoE's per-expert weights into stacked ones)
+Assemble = Callable[[str, torch.Tensor, str], "torch.Tensor | None"]
 
 
 def read_json(f: Path) -> Any:
@@ -90,7 +93,8 @@ def safetensors_headers(path: Path) -> Iterator[tuple[Path, dict[str, tuple[int,
         yield f, found
 
 
-def check_hf_dir(path: str | Path, model: nn.Module) -> None:
+def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], str] = from_hf_name,
+                 assemble: Assemble | None = None) -> None:
     """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly the
     weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read)."""
     path = Path(path)
@@ -99,11 +103,16 @@ def check_hf_dir(path: str | Path, model: nn.Module) -> None:
     missing = set(shapes)
     for f, found in safetensors_headers(path):
         for hf_name, shape in found.items():
-            name = from_hf_name(hf_name)
+            name = rename(hf_name)
             if name not in shapes:
                 if "rotary_emb" in name:
                     continue
                 raise ValueError(f"{f}: weight {hf_name!r} has no place in our model")
+            if assemble is not None:
+                whole = assemble(hf_name, torch.empty(shape, device="meta"), str(f))
+                if whole is None:
+                    continue
+                shape = tuple(whole.shape)
             if shape != shapes[name]:
                 raise ValueError(f"{f}: {hf_name} has shape {list(shape)}, config.json implies {list(shapes[name])}")
             missing.discard(name)
@@ -112,8 +121,10 @@ def check_hf_dir(path: str | Path, model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time."""
+def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str], str] = from_hf_name,
+                    assemble: Assemble | None = None) -> None:
+    """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time
+    (``rename``/``assemble``: as in :func:`check_hf_dir`)."""
     from safetensors import safe_open
 
     params = {n: p for n, p in model.named_parameters() if ".lora_" not in n}  # LoRA adapters: not in a base
@@ -121,12 +132,16 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for hf_name in st.keys():
-                name = from_hf_name(hf_name)
+                name = rename(hf_name)
                 if name not in params:
                     if "rotary_emb" in name:
                         continue
                     raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our model")
                 t = st.get_tensor(hf_name)
+                if assemble is not None:
+                    t = assemble(hf_name, t, f"model.path={str(path)!r}")
+                    if t is None:
+                        continue
                 if t.shape != params[name].shape:
                     raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(t.shape)}, "
                                      f"our model expects {list(params[name].shape)}")

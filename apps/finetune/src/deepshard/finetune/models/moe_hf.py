@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepshard.core.dtensor_utils import copy_global
-from deepshard.finetune.models.hf import check_tokenizer, from_hf_name, safetensors_files, safetensors_headers
+from deepshard.finetune.models.hf import check_hf_dir, from_hf_name, load_hf_weights
 
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -53,55 +52,24 @@ class _Stacker:
         return torch.cat([torch.stack([got[(e, p)] for e in range(shape[0])]) for p in ("gate", "up")], dim=1)
 
 
-@torch.no_grad()
+def _expert_hooks(model: nn.Module) -> dict:
+    """``rename``/``assemble`` for :mod:`deepshard.finetune.models.hf`'s reader: per-expert HF tensors
+    stacked into our fused expert parameters, any other tensor as it is."""
+    stacker = _Stacker({n: tuple(p.shape) for n, p in model.named_parameters()})
+
+    def assemble(hf_name: str, t: torch.Tensor, where: str) -> torch.Tensor | None:
+        name, expert, part = our_name(hf_name)
+        return t if expert is None else stacker.add(name, expert, part, t, where)
+
+    return {"rename": lambda hf_name: our_name(hf_name)[0], "assemble": assemble}
+
+
 def load_moe_weights(model: nn.Module, path: str | Path) -> None:
     """Copy a HF MoE checkpoint (fused or per-expert) into ``model`` (plain or ZeRO-3 sharded)."""
-    from safetensors import safe_open
-
-    params = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
-    stacker = _Stacker({n: tuple(p.shape) for n, p in params.items()})
-    missing = set(params)
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for hf_name in st.keys():
-                name, expert, part = our_name(hf_name)
-                if name not in params:
-                    if "rotary_emb" in name:
-                        continue
-                    raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our model")
-                t = st.get_tensor(hf_name)
-                if expert is not None:
-                    t = stacker.add(name, expert, part, t, f"model.path={str(path)!r}")
-                    if t is None:
-                        continue
-                if tuple(t.shape) != tuple(params[name].shape):
-                    raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(t.shape)}, "
-                                     f"our model expects {list(params[name].shape)}")
-                copy_global(params[name], t)
-                missing.discard(name)
-    if missing:
-        raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")
+    load_hf_weights(model, path, **_expert_hooks(model))
 
 
 def check_moe_dir(path: str | Path, model: nn.Module) -> None:
     """Before start: a tokenizer is there and the headers name every weight of ``model`` (meta) with its
     shape, fused or per expert (headers only)."""
-    path = Path(path)
-    check_tokenizer(path)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    stacker, missing = _Stacker(shapes), set(shapes)
-    for f, found in safetensors_headers(path):
-        for hf_name, shape in found.items():
-            name, expert, part = our_name(hf_name)
-            if name not in shapes:
-                if "rotary_emb" in name:
-                    continue
-                raise ValueError(f"{f}: weight {hf_name!r} has no place in our model")
-            if expert is not None:
-                if stacker.add(name, expert, part, torch.empty(shape, device="meta"), str(f)) is None:
-                    continue
-            elif shape != shapes[name]:
-                raise ValueError(f"{f}: {hf_name} has shape {list(shape)}, config.json implies {list(shapes[name])}")
-            missing.discard(name)
-    if missing:
-        raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")
+    check_hf_dir(path, model, **_expert_hooks(model))
