@@ -23,6 +23,7 @@ from deepshard.finetune.models import registry
 from deepshard.launch.local import launch_local
 from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows
 from tests.models.moe_refs import COEF, FAMILIES, moe_hf_model
+from tests.models.train_harness import train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
-    import torch.distributed as dist
 
     from deepshard.core import (
         EngineConfig,
@@ -64,16 +64,7 @@ def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
     ids, labels = chat_rows(STEPS)
     rank = mesh["dp"].get_local_rank()
     rows = slice(rank * ROWS // DP, (rank + 1) * ROWS // DP)
-    losses = []
-    for step in range(STEPS):
-        x, y = ids[step, rows], labels[step, rows]
-        num_items = engine.global_num_items((y != -100).sum())
-        loss = engine(x, y, reduction="sum")
-        engine.backward(loss, num_items=num_items)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        losses.append(total.item() / num_items.item())
+    losses = train_steps(engine, ids, labels, rows, mesh["dp"].get_group())
     meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
     ckpt = save_checkpoint(Path(ckpt_root) / family, STEPS, engine.optimizer, mesh["dp"], model=engine.model,
                            app_state={"step": STEPS}, meta=meta)

@@ -53,9 +53,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
+def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, group) -> list[float]:
+    """One token-weighted step per leading index of ``ids`` on this rank's ``rows``; each step's global
+    mean loss."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(ids.shape[0]):
+        x, y = ids[step, rows], labels[step, rows]
+        num_items = engine.global_num_items((y != -100).sum())
+        loss = engine(x, y, reduction="sum")
+        engine.backward(loss, num_items=num_items)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        losses.append(total.item() / num_items.item())
+    return losses
+
+
 def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     """This rank's part of one case: the global losses and the trained parameters it holds, by our names."""
-    import torch.distributed as dist
 
     from deepshard.core import ParallelDims, build_mesh, initialize
     from deepshard.core.checkpoint.state import save_checkpoint
@@ -89,15 +106,7 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
         return {"losses": losses, "params": params}
     recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
     engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
-    for step in range(STEPS):
-        x, y = ids[step, rows], labels[step, rows]
-        num_items = engine.global_num_items((y != -100).sum())
-        loss = engine(x, y, reduction="sum")
-        engine.backward(loss, num_items=num_items)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        losses.append(total.item() / num_items.item())
+    losses += train_steps(engine, ids, labels, rows, mesh["dp"].get_group())
     out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
     if stage == 3:
         meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
