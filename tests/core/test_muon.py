@@ -176,3 +176,13 @@ def test_bad_values_name_the_key():
         OptimConfig(name="sgd")
     with pytest.raises(ValueError, match="ns_dtype"):
         OptimConfig(ns_dtype="fp8")
+
+
+def test_deepspeed_muon_and_bf16_state_keys_translate():
+    from deepshard.compat.ds_config import translate
+
+    t = translate({"optimizer": {"type": "Muon", "params": {"muon_lr": 0.01, "adam_lr": 1e-4}},
+                   "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+    assert {"optim.name=muon", "optim.muon_lr=0.01", "optim.lr=0.0001", "optim.state_dtype=bf16"} <= set(t.overrides)
+    with pytest.raises(ValueError, match="bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads"):
+        translate({"bf16": {"enabled": True, "bf16_optimizer_states": True}})
