@@ -85,6 +85,7 @@ else
     RUNS+=("s${s}_none:+zero=stage$s" "s${s}_cpu:+zero=stage$s +offload=cpu" "s${s}_nvme:+zero=stage$s +offload=nvme")
   done
   RUNS+=("s3_cpu_params:+zero=stage3 +offload=cpu offload.params=cpu")
+  RUNS+=("s3_muon_bf16:+zero=stage3 optim=muon optim.state_dtype=bf16")
   RUN_S=40; WARMUP=5
 fi
 SWAP="${NVME_PATH:-$OUT/swap}"

@@ -223,6 +223,48 @@ def _positive_int(value: object, key: str) -> None:
         raise ValueError(f"{key}={value!r}: expected a positive integer or \"auto\"")
 
 
+# DeepSpeed's Muon (runtime/zero/muon/original_muon.py MuonWithAuxAdam, engine._muon_param_groups):
+# lr for both halves unless muon_lr / adam_lr say otherwise; these defaults where the file says nothing
+MUON_DEFAULTS = {"muon_lr": 0.02, "adam_lr": 3e-4, "eps": 1e-10, "betas": [0.9, 0.95], "weight_decay": 0,
+                 "momentum": 0.95}
+
+
+def _muon(params: dict, tr: _Translator) -> None:
+    """optimizer.type=Muon: DeepSpeed's keys onto optim.* (params is consumed)."""
+    t = tr.t
+    t.set("optim.name", "muon", "optimizer.type")
+    shared = params.pop("lr", None)
+    for ds_key, ours in (("muon_lr", "optim.muon_lr"), ("adam_lr", "optim.lr")):
+        value = params.pop(ds_key, shared if shared is not None else MUON_DEFAULTS[ds_key])
+        t.set(ours, value, f"optimizer.params.{ds_key}")
+    for key in ("eps", "betas", "weight_decay", "momentum"):
+        t.set(f"optim.{key}", params.pop(key, MUON_DEFAULTS[key]), f"optimizer.params.{key}")
+    if "ns_steps" in params:
+        t.set("optim.ns_steps", params.pop("ns_steps"), "optimizer.params.ns_steps")
+    method = params.pop("ns_method", "gram")
+    if method not in ("gram", "standard"):
+        raise ValueError(f"optimizer.params.ns_method={method!r}: valid values are ['gram', 'standard']")
+    t.notes.append(f"optimizer.params.ns_method={method}: the standard quintic Newton-Schulz (the Gram form is "
+                   "the same iteration rearranged), in optim.ns_dtype")
+    if params.pop("per_head_muon", False):
+        t.unsupported.append("optimizer.params.per_head_muon=true")
+
+
+def _bf16_states(section: dict, name: str, tr: _Translator) -> None:
+    """bf16.bf16_master_weights_and_grads / bf16_optimizer_states (section is consumed): DeepSpeed's rule
+    that bf16 states need bf16 master weights is kept; gradients still accumulate in fp32 here."""
+    masters = bool(section.pop("bf16_master_weights_and_grads", False))
+    states = bool(section.pop("bf16_optimizer_states", False))
+    if states and not masters:
+        raise ValueError(f"{name}.bf16_optimizer_states=true needs {name}.bf16_master_weights_and_grads=true "
+                         "(DeepSpeed's rule: bf16 optimizer states require bf16 master weights)")
+    if states:
+        tr.set("optim.state_dtype", "bf16", f"{name}.bf16_optimizer_states")
+    elif masters:
+        tr.t.unsupported.append(f"{name}.bf16_master_weights_and_grads=true without bf16_optimizer_states "
+                                "(bf16 masters with fp32 states)")
+
+
 def translate(ds: dict) -> Translation:
     """deepshard's settings for a DeepSpeed config dict (see the module docstring)."""
     ds = _ds_values(ds)
@@ -235,9 +277,11 @@ def translate(ds: dict) -> Translation:
         handled.add("optimizer")
         opt = _section(ds["optimizer"], "optimizer")
         kind = str(opt.get("type", "AdamW"))
-        if kind.lower() not in ("adamw", "adam"):
-            t.unsupported.append(f"optimizer.type={kind}")
         params = dict(_section(opt.get("params", {}), "optimizer.params"))
+        if kind.lower() == "muon":
+            _muon(params, tr)
+        elif kind.lower() not in ("adamw", "adam"):
+            t.unsupported.append(f"optimizer.type={kind}")
         if params.get("adam_w_mode") is False:
             t.unsupported.append("optimizer.params.adam_w_mode=false")
             params.pop("adam_w_mode")
@@ -270,6 +314,8 @@ def translate(ds: dict) -> Translation:
             # false-valued switches ask for nothing we lack
             extra = {k: v for k, v in section.items() if k != "enabled" and not (
                 k in ("auto_cast", "immediate_grad_update") and not v)}
+            if name != "fp16":
+                _bf16_states(extra, name, tr)
             tr.copy(extra, name, {k: f"precision.{k}" for k in FP16_KEYS} if name == "fp16" else {})
     if not any(_enabled(ds.get(name)) for name in ("fp16", "bf16", "bfloat16")):
         t.pick("precision", "fp32")  # DeepSpeed trains such a config in fp32 (our default is auto)

@@ -90,15 +90,30 @@ class ZeroConfig:
                               f"reshard_after_forward={str(self.reshard_after_forward).lower()})")
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with decoupled weight decay on matrices (norm weights are not decayed)."""
+    """AdamW with decoupled weight decay on matrices (norm weights are not decayed); or Muon on the
+    hidden matrices with AdamW on the rest (``name="muon"``, core/muon.py)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    name: str = "adamw"  # "adamw" | "muon"
+    # Muon's keys (DeepSpeed's muon_lr and momentum; torch.optim.Muon's nesterov and ns_steps); lr drives
+    # AdamW's half (DeepSpeed's adam_lr) and the schedule scales both halves alike
+    muon_lr: float = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: str = "fp32"  # Newton-Schulz in fp32, or bf16 as torch.optim.Muon runs it (faster on GPUs)
+    # "bf16": the optimizer states in bf16, and the masters where the params are bf16 (stochastic
+    # rounding of the fp32 result: core/low_precision.py)
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -111,6 +126,17 @@ class OptimConfig:
             raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
         if self.grad_clip < 0:
             raise ConfigError("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.name not in OPTIMIZERS:
+            raise ConfigError("name", self.name, f"valid values are {list(OPTIMIZERS)}")
+        if self.muon_lr <= 0:
+            raise ConfigError("muon_lr", self.muon_lr, "must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("momentum", self.momentum, "must be in [0, 1)")
+        if not 1 <= self.ns_steps < 100:
+            raise ConfigError("ns_steps", self.ns_steps, "must be in [1, 100)")
+        for key in ("ns_dtype", "state_dtype"):
+            if getattr(self, key) not in ("fp32", "bf16"):
+                raise ConfigError(key, getattr(self, key), "valid values are ['fp32', 'bf16']")
 
 
 @dataclass(frozen=True)

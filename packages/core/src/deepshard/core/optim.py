@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deepshard.core.config import EngineConfig
+from deepshard.core.config import EngineConfig, OptimConfig
+from deepshard.core.low_precision import LOW_PRECISION_DTYPES
 from deepshard.core.mesh import local_device
 from deepshard.core.precision import LossScaler
 from deepshard.core.schedules import LRSchedule
@@ -143,6 +144,26 @@ def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:
     return [weight_decay if p.dim() >= 2 else 0.0 for p in params]
 
 
+def update_rule(stage: ZeroStage, oc: OptimConfig) -> UpdateRule:
+    """The update ``oc`` names over ``stage``'s parameters: AdamW, or Muon on the hidden matrices
+    (core/muon.py's split) with AdamW on the rest."""
+    state_dtype = LOW_PRECISION_DTYPES[oc.state_dtype]
+    adam = AdamW(betas=tuple(oc.betas), eps=oc.eps, state_dtype=state_dtype)
+    if oc.name == "adamw":
+        return adam
+    from deepshard.core.muon import Muon, muon_split
+
+    for name, p in zip(stage.names, stage.params):
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+            raise ValueError(f"optim.name=muon with tensor parallelism: {name} is split across tp ranks and "
+                             "Muon's Newton-Schulz over tp-sharded matrices is not built (use parallel.tp=1)")
+    shapes = tuple(tuple(p.shape) for p in stage.params)
+    return Muon(use_muon=tuple(muon_split(stage.names, shapes)), shapes=shapes, group=stage.shard_group(),
+                adam=adam, base_lr=oc.lr, muon_lr=oc.muon_lr, momentum=oc.momentum, nesterov=oc.nesterov,
+                ns_steps=oc.ns_steps, ns_dtype=LOW_PRECISION_DTYPES[oc.ns_dtype], state_dtype=state_dtype)
+
+
 def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: StoreFactory = DeviceStateStore,
                     fp32_masters: list[torch.Tensor] | None = None, rule: UpdateRule | None = None) -> ZeroOptimizer:
     """The optimizer over a ZeRO stage (one model, or a pipeline rank's stage modules seen as one):
@@ -154,7 +175,9 @@ def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: St
     """
     oc = config.optim
     if rule is None:
-        rule = AdamW(betas=tuple(oc.betas), eps=oc.eps)
+        rule = update_rule(stage, oc)
+    if rule.state_dtype != torch.float32:
+        fp32_masters = None  # bf16 masters: the bf16 params are their own (DeviceStateStore)
     store = store_factory(stage.local_params(), decays(stage.params, oc.weight_decay), rule, masters=fp32_masters)
     schedule = LRSchedule(config.scheduler, oc.lr)
     return ZeroOptimizer(stage, store, schedule.lr_at, LossScaler(config.precision), oc.grad_clip)

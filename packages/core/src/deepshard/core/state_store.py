@@ -82,21 +82,32 @@ class StoreFactory(Protocol):
 
 class DeviceStateStore(StateStore):
     """State beside the params.  With fp32 params the master *is* the param: no extra bytes.
-    ``masters`` (see :class:`StoreFactory`) become the store's own: it keeps them, no copy."""
+    ``masters`` (see :class:`StoreFactory`) become the store's own: it keeps them, no copy.
+
+    With a rule whose ``state_dtype`` is bf16 the states are bf16 and so are the masters where the
+    params are (stages 0-2 under bf16 precision: the param shard is the master, no fp32 copy at all;
+    DeepSpeed's rule that bf16 states come with bf16 masters); fp32 params (stage 3's shards) stay
+    the masters.  Checkpoints still hold fp32 (:meth:`state_dict` upcasts), so any run can resume them.
+    """
 
     def __init__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  masters: list[torch.Tensor] | None = None) -> None:
         super().__init__(params, weight_decays, rule)
-        self.aliased = all(p.dtype == torch.float32 for p in params)
+        lowp = rule.state_dtype
+        if lowp != torch.float32 and any(p.dtype not in (torch.float32, lowp) for p in params):
+            raise ValueError(f"optim.state_dtype={lowp}: the params are {params[0].dtype}; bf16 states need "
+                             "bf16 (or fp32) params to be their masters (use precision=bf16)")
+        self.aliased = all(p.dtype in (torch.float32, lowp) for p in params)
         if self.aliased:
-            assert masters is None, "fp32 params are their own masters"
+            assert masters is None or lowp != torch.float32, "fp32 params are their own masters"
             self.masters = list(params)
         elif masters is not None:
             assert all(m.dtype == torch.float32 and m.shape == p.shape for m, p in zip(masters, params, strict=True))
             self.masters = list(masters)
         else:
             self.masters = [p.detach().float().clone() for p in params]
-        self.states = {name: [torch.zeros_like(m) for m in self.masters] for name in rule.states}
+        self.states = {name: [torch.zeros_like(m, dtype=lowp) if rule.holds(name, i) else m.new_zeros(0, dtype=lowp)
+                              for i, m in enumerate(self.masters)] for name in rule.states}
 
     def step(self, grads: list[torch.Tensor], *, lr: float, step: int, grad_scale: float = 1.0) -> None:
         g32 = [g.float() if g.dtype != torch.float32 else g for g in grads]
@@ -106,12 +117,17 @@ class DeviceStateStore(StateStore):
                 p.copy_(m)
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
-        return {"master": self.masters, **self.states}
+        # bf16 storage is saved as fp32 copies (checkpoints stay fp32 whatever the run keeps); a state
+        # the rule does not hold for a param is an empty placeholder, which checkpoints skip
+        return {"master": [m.float() for m in self.masters],
+                **{k: [s.float() for s in ts] for k, ts in self.states.items()}}
 
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
-        for key, dst in self.state_dict().items():
-            for d, s in zip(dst, state[key]):
-                d.copy_(s)
+        live = {"master": self.masters, **self.states}
+        for key, dst in live.items():
+            for i, (d, s) in enumerate(zip(dst, state[key])):
+                if key == "master" or self.rule.holds(key, i):
+                    d.copy_(s)
         if not self.aliased:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
@@ -119,4 +135,3 @@ class DeviceStateStore(StateStore):
     def state_bytes(self) -> dict[str, int]:
         owned = [t for ts in self.states.values() for t in ts] + ([] if self.aliased else self.masters)
         return {"device": sum(t.numel() * t.element_size() for t in owned), "host": 0, "nvme": 0}
-

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch.optim.adamw import adamw
+
+from deepshard.core.low_precision import StochasticRounder, upcast
 
 try:  # optional (design.md: core -> kernels for fused AdamW); torch's fused kernel serves without it
     from deepshard.kernels.host_adam import host_adamw_runs_
@@ -39,6 +41,14 @@ class UpdateRule(ABC):
     """
 
     states: ClassVar[tuple[str, ...]] = ()
+    # the dtype a store keeps the states (and, where the params allow, the masters) in: bf16 halves them
+    # (deepshard.core.low_precision says how the fp32 result is rounded back)
+    state_dtype: torch.dtype = torch.float32
+
+    def holds(self, name: str, index: int) -> bool:
+        """Whether parameter ``index`` has state ``name`` (a rule that mixes updates, such as Muon with
+        AdamW, keeps only its own states per parameter; a store allocates nothing for the others)."""
+        return True
 
     @abstractmethod
     def update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], states: Mapping[str, list[torch.Tensor]],
@@ -68,6 +78,8 @@ class AdamW(UpdateRule):
     states: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    state_dtype: torch.dtype = torch.float32
+    rounder: StochasticRounder = field(default_factory=StochasticRounder, compare=False, repr=False)
 
     def update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], states: Mapping[str, list[torch.Tensor]],
                weight_decays: list[float], *, lr: float, step: int, grad_scale: float) -> None:
@@ -76,8 +88,20 @@ class AdamW(UpdateRule):
     def apply(self, masters: list[torch.Tensor], grads: list[torch.Tensor], states: Mapping[str, list[torch.Tensor]],
               weight_decays: list[float], *, lr: float, step: int, grad_scale: float = 1.0,
               outs: list[torch.Tensor | None] | None = None, one_pass: bool = False) -> None:
-        adamw_update(masters, grads, states["exp_avg"], states["exp_avg_sq"], weight_decays, self, lr=lr,
-                     step=step, grad_scale=grad_scale, outs=outs, one_pass=one_pass)
+        exp_avgs, exp_avg_sqs = states["exp_avg"], states["exp_avg_sq"]
+        if all(t.dtype == torch.float32 for ts in (masters, exp_avgs) for t in ts):
+            adamw_update(masters, grads, exp_avgs, exp_avg_sqs, weight_decays, self, lr=lr,
+                         step=step, grad_scale=grad_scale, outs=outs, one_pass=one_pass)
+            return
+        for i in range(len(masters)):  # bf16 storage: one param at a time in fp32, rounded back
+            lowp = (masters[i], exp_avgs[i], exp_avg_sqs[i])
+            m32, e32, v32 = (upcast(t) for t in lowp)
+            adamw_update([m32], [grads[i]], [e32], [v32], [weight_decays[i]], self, lr=lr, step=step,
+                         grad_scale=grad_scale)
+            for dst, src in zip(lowp, (m32, e32, v32)):
+                self.rounder.store(dst, src)
+            if outs is not None and outs[i] is not None:
+                outs[i].copy_(masters[i])
 
 
 def adamw_update(

@@ -497,4 +497,24 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
     if settings.uses_pipeline:
         validate_pipeline_layout(settings)
     validate_zeropp(settings, parallel.resolve(world))
+    check_optimizer(settings)
     return dataclasses.replace(settings, parallel=parallel.resolve(world))
+
+
+def check_optimizer(settings: Settings) -> None:
+    """Muon and bf16 states where they are built; the rest refused here, before any worker starts."""
+    optim, offload = settings.engine.optim, settings.offload
+    if optim.name == "muon" and (offload.device != "none" or offload.params != "none"):
+        raise ValueError(f"optim.name=muon with offload.device={offload.device!r}/offload.params={offload.params!r}: "
+                         "the host and NVMe stores update each piece of state as its gradient arrives, and "
+                         "Muon's Newton-Schulz needs each whole matrix gathered across ranks at once (use "
+                         "offload=none, or optim=adamw)")
+    if optim.name == "muon" and settings.parallel.tp > 1:
+        raise ValueError(f"optim.name=muon with parallel.tp={settings.parallel.tp}: Newton-Schulz over "
+                         "tensor-parallel matrices is not built (use parallel.tp=1)")
+    if optim.state_dtype == "bf16" and offload.device != "none":
+        raise ValueError(f"optim.state_dtype=bf16 with offload.device={offload.device!r}: the host and NVMe "
+                         "stores keep fp32 state (use offload.device=none)")
+    if optim.state_dtype == "bf16" and settings.engine.precision.dtype == "fp16":
+        raise ValueError("optim.state_dtype=bf16 with precision=fp16: bf16 states need bf16 (or fp32) "
+                         "params as their masters (use precision=bf16)")

@@ -26,7 +26,7 @@ from deepshard.core.checkpoint.failures import rank_and_world
 from deepshard.core.checkpoint.json_state import rng_state
 from deepshard.core.optim import ZeroOptimizer
 
-__all__ = ["FRESH_STATE_DICT", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "mesh_on",
+__all__ = ["FRESH_STATE_DICT", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "held", "mesh_on",
            "save_request", "state_kinds", "training_state", "unsupported_reason"]
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -41,6 +41,12 @@ def state_kinds(optimizer: ZeroOptimizer) -> tuple[tuple[str, str], ...]:
     """``(store key, checkpoint key prefix)``: the master under ``model.``, each state the update rule
     names under ``optim.<state>.`` (AdamW: ``optim.exp_avg.``, ``optim.exp_avg_sq.``)."""
     return (("master", "model."), *((s, f"optim.{s}.") for s in optimizer.store.rule.states))
+
+
+def held(optimizer: ZeroOptimizer, kind: str, index: int) -> bool:
+    """Whether param ``index`` has a ``kind`` to save (Muon keeps a momentum on its matrices and AdamW's
+    moments on the rest: each param's checkpoint holds only the states its update uses)."""
+    return kind == "master" or optimizer.store.rule.holds(kind, index)
 
 
 def clean_name(name: str) -> str:
@@ -102,7 +108,8 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     for i, (name, p) in enumerate(zip(stage.names, stage.params)):
         key = clean_name(name)
         for kind, prefix in state_kinds(optimizer):
-            out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
+            if held(optimizer, kind, i):
+                out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
     if model is not None:
         trained = {clean_name(n) for n in stage.names}
         for name, t in model.state_dict().items():
@@ -115,8 +122,8 @@ def fresh_keys(optimizer: ZeroOptimizer) -> frozenset[str]:
     """The DCP keys whose tensors the store made for this save (:data:`FRESH_STATE_DICT`), else none."""
     if not getattr(optimizer.store, FRESH_STATE_DICT, False):
         return frozenset()
-    return frozenset(prefix + clean_name(name) for name in optimizer.stage.names
-                     for _, prefix in state_kinds(optimizer))
+    return frozenset(prefix + clean_name(name) for i, name in enumerate(optimizer.stage.names)
+                     for kind, prefix in state_kinds(optimizer) if held(optimizer, kind, i))
 
 
 def checkpoint_bytes(state: dict[str, Any]) -> int:

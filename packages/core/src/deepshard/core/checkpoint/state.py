@@ -70,6 +70,7 @@ from deepshard.core.checkpoint.request import (
     SaveRequest,
     checkpoint_bytes,
     clean_name,
+    held,
     mesh_on,
     save_request,
     state_kinds,
@@ -262,9 +263,9 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {str(path)!r}: loading failed ({one_line(err)})") from None
     kinds = state_kinds(optimizer)
     loaded = {kind: [] for kind, _ in kinds}
-    for name in stage.names:
+    for i, name in enumerate(stage.names):
         for kind, prefix in kinds:
-            loaded[kind].append(local_tensor(state[prefix + clean_name(name)]))
+            loaded[kind].append(local_tensor(state[prefix + clean_name(name)]) if held(optimizer, kind, i) else None)
     optimizer.store.load_state_dict(loaded)
     stage.after_step()  # stages 1-2: all-gather the restored shards into the replicated params
     optimizer.num_updates = int(trainer["num_updates"])

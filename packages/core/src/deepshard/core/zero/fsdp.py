@@ -17,6 +17,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's hook types
+from torch.distributed.tensor import DTensor, Shard
 
 from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
 from deepshard.core.zero.collectives import GlooAllGather, GlooReduceScatter
@@ -127,6 +128,15 @@ class FullyShardedStage(ZeroStage):
 
     def local_params(self) -> list[torch.Tensor]:
         return [local_tensor(p.data) for p in self.params]
+
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """FSDP2's Shard(0) mesh dim (HSDP: dp_shard; the replicas hold identical shards)."""
+        for p in self.params:
+            if isinstance(p, DTensor):
+                for dim, placement in enumerate(p.placements):
+                    if placement == Shard(0):
+                        return p.device_mesh.get_group(dim)
+        return None
 
     def local_grads(self) -> list[torch.Tensor]:
         if self.param_offload is not None:  # with NVMe the gradients went to a file: their norms stand in

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from deepshard.core.dtensor_utils import dtensor_replication, local_tensor, storage_bytes
@@ -39,6 +40,10 @@ class ZeroStage(ABC):
     @abstractmethod
     def replication(self) -> list[int]:
         """How many ranks of the dp group hold an identical copy of each local gradient."""
+
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group over whose ranks :meth:`local_params` are Shard(0) row chunks (None: whole tensors)."""
+        return None
 
     def grad_handoffs(self) -> list[tuple[GradHandoff, int]]:
         """(handoff, index offset) pairs of the parts that hand final gradients over during backward."""
@@ -145,6 +150,9 @@ class _GatheringStage(_BucketedStage):
 
     def local_params(self) -> list[torch.Tensor]:
         return self._sharded_params()
+
+    def shard_group(self) -> dist.ProcessGroup | None:
+        return self.reducer.group
 
     def replication(self) -> list[int]:
         return [dtensor_replication(p) for p in self.params]
