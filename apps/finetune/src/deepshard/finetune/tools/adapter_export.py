@@ -159,6 +159,11 @@ def _base_lookup(cfg: Any, base: dict[str, Any], base_dir: str | None) -> Callab
     return params.__getitem__
 
 
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """A fused HF tensor from its pieces (one piece: itself, no copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base_dir: str | None = None,
                   max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
     """A full HF folder of the checkpoint's family: the base with ``alpha / r * B @ A`` merged into each target,
@@ -192,7 +197,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
     for k, idx in enumerate(groups, 1):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
         total += write_safetensors(out_dir_ready(out) / fname, [specs[i] for i in idx],
-                                   (torch.cat([merged(n) for n in fused[i][1]]) for i in idx))
+                                   (_cat([merged(n) for n in fused[i][1]]) for i in idx))
         weight_map.update({specs[i][0]: fname for i in idx})
     if len(groups) > 1:
         size = sum(torch_dtype.itemsize * math.prod(shape) for _, _, shape in specs)
