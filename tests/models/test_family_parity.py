@@ -146,6 +146,9 @@ def test_phi3_splits_its_fused_weights_and_picks_rope_factors_by_length(tmp_path
     ours = _ours(spec, cfg, tmp_path)
     names = {n for n, _ in ours.named_parameters()}
     assert "layers.1.self_attn.k_proj.weight" in names and "layers.1.mlp.up_proj.weight" in names
+    # what PEFT cannot adapt on Phi3ForCausalLM (export --adapter refuses LoRA there; --merge writes it)
+    assert spec.hf.split_modules(sorted(names)) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert registry.get("llama").hf.split_modules(sorted(names)) == set()
     ids = chat_rows()[0][0]
     with torch.no_grad():
         assert (ours(ids[:, :PHI3_ORIGINAL]) - hf(ids[:, :PHI3_ORIGINAL]).logits).abs().max().item() < 1e-5
