@@ -169,3 +169,50 @@ def test_datasets_reach_launched_workers_through_the_pipe_not_shared_memory():
         for i in range(len(ds)):
             for key, value in ds[i].items():
                 assert torch.equal(copy[i][key], value) and not copy[i][key].is_shared()
+
+
+def test_eval_path_is_the_eval_set_for_every_file_source(tmp_path):
+    """data.eval_path: the eval rows are exactly that file's (their token count, by a tokenizer call
+    written here), data.path trains whole; eval_fraction is not applied."""
+    rows, held = prompt_response_rows(12), prompt_response_rows(3, seed=9)
+    data = _data(write_jsonl(tmp_path / "train.jsonl", rows), pack=False, eval_fraction=0.2,
+                 eval_path=str(write_jsonl(tmp_path / "eval.jsonl", held)))
+    train, evals = build_datasets(data, TOK, 2048)
+    assert len(train) == 12 and len(evals) == 3
+    learned = sum(min(len(TOK(r["response"], add_special_tokens=False)["input_ids"]) + 1,
+                      64 + 1 - len(TOK(r["prompt"], add_special_tokens=False)["input_ids"])) for r in held)
+    assert sum(int((evals[i]["labels"] != -100).sum()) for i in range(3)) == learned  # the response + eos
+    (tmp_path / "eval.txt").write_text("one line\nanother line\n")
+    (tmp_path / "train.txt").write_text("\n".join(f"bob has {i} cups." for i in range(9)))
+    text = DataConfig(name="text", path=str(tmp_path / "train.txt"), eval_path=str(tmp_path / "eval.txt"),
+                      text_unit="line", seq_len=64, pack=False)
+    train, evals = build_datasets(text, TOK, 2048)
+    assert (len(train), len(evals)) == (9, 2)
+    saved = write_save_to_disk(tmp_path / "saved", held)
+    hf = DataConfig(name="hf_disk", path=str(write_save_to_disk(tmp_path / "tr", rows)), eval_path=str(saved),
+                    seq_len=64, pack=False)
+    assert len(build_datasets(hf, TOK, 2048)[1]) == 3
+    chats = [{"messages": [{"role": "user", "content": f"how many cups has bob? {i}"},
+                           {"role": "assistant", "content": f"bob has {i} cups."}]} for i in range(5)]
+    chat = DataConfig(name="chat", path=str(write_jsonl(tmp_path / "c.jsonl", chats[:3])), seq_len=64, pack=False,
+                      eval_path=str(write_jsonl(tmp_path / "ce.jsonl", chats[3:])))
+    train, evals = build_datasets(chat, TOK, 2048)
+    assert (len(train), len(evals)) == (3, 2)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"name": "embedded"}, r"data\.eval_path='x\.jsonl': data=embedded generates its documents"),
+    ({"name": "jsonl", "path": "t.jsonl"}, r"data\.eval_path='x\.jsonl': no file matches"),
+])
+def test_eval_path_refused_before_start_naming_the_key(data, message):
+    from deepshard.finetune.config.settings import _validate_data
+
+    with pytest.raises(ValueError, match=message):
+        _validate_data({**DataConfig().__dict__, **data, "eval_path": "x.jsonl"})
+
+
+def test_eval_file_of_another_format_is_refused_naming_the_key(tmp_path):
+    (tmp_path / "eval.jsonl").write_text("plain text, not JSON\n")
+    data = _data(write_jsonl(tmp_path / "t.jsonl", prompt_response_rows(3)), eval_path=str(tmp_path / "eval.jsonl"))
+    with pytest.raises(ValueError, match=r"^data\.eval_path='.*eval\.jsonl': .*eval\.jsonl:1: not valid JSON"):
+        check_records(data)

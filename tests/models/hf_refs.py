@@ -3,7 +3,9 @@
 
 Each family's case turns on what random small inputs would hide: Qwen2's q/k/v biases (made
 non-zero), Qwen3's q/k norms (weights away from 1) with a head_dim that is not hidden/heads, Mistral
-with rows longer than its sliding window, Llama 3.1's rope_type=llama3 with tied embeddings.
+with rows longer than its sliding window, Llama 3.1's rope_type=llama3 with tied embeddings, Phi-3
+with fused qkv/gate_up, Phi-4-mini's partial rotary and longrope (every row longer than
+original_max_position_embeddings: the long factors) and a sliding window.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ WINDOW = 6  # Mistral's sliding window: every row is longer
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)
-FAMILIES = ("qwen2", "qwen3", "mistral", "llama")
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama", "phi3")
+PHI3_ORIGINAL = 16  # Phi-3's original_max_position_embeddings: SEQ rows use the long factors, shorter ones the short
 
 
 def hf_config(family: str, **overrides):
@@ -31,6 +34,12 @@ def hf_config(family: str, **overrides):
         return tf.Qwen3Config(**{"head_dim": 16, **kw})  # 16 != 32 / 4: its own head_dim
     if family == "mistral":
         return tf.MistralConfig(**{"sliding_window": WINDOW, **kw})
+    if family == "phi3":  # head_dim 8, rotary 6 (0.75, as Phi-4-mini): 3 factors per set
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.5], "long_factor": [1.3, 4.0, 9.0],
+                "original_max_position_embeddings": PHI3_ORIGINAL}
+        return tf.Phi3Config(**{"sliding_window": 2 * WINDOW, **kw}, rope_parameters=rope,
+                             original_max_position_embeddings=PHI3_ORIGINAL)
     assert family == "llama"
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -12,10 +12,19 @@ import pytest
 import torch
 
 from deepshard.finetune.models import registry
-from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, WINDOW, chat_rows, reference_loss, save_hf
+from tests.models.hf_refs import (
+    FAMILIES,
+    PHI3_ORIGINAL,
+    SEQ,
+    VOCAB,
+    WINDOW,
+    chat_rows,
+    reference_loss,
+    save_hf,
+)
 
 SWITCH = {"qwen2": {"qkv_bias": False}, "qwen3": {"qk_norm": False}, "mistral": {"sliding_window": 0},
-          "llama": {"rope_scaling": ()}}
+          "llama": {"rope_scaling": ()}, "phi3": {"rope_short_factor": (), "rope_long_factor": (), "rope_original_max": 0, "rope_attention_factor": 1.0}}
 
 
 def _ours(spec, cfg, path):
@@ -60,7 +69,8 @@ def test_qwen2_biases_load_and_matter(tmp_path):
 @pytest.mark.parametrize(("family", "key", "value"), [
     ("qwen2", "use_sliding_window", True), ("qwen3", "attention_bias", True), ("qwen3", "layer_types", ["x"]),
     ("llama", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
-    ("mistral", "hidden_act", "gelu")])
+    ("mistral", "hidden_act", "gelu"), ("phi3", "resid_pdrop", 0.1),
+    ("phi3", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})])
 def test_what_a_family_cannot_represent_is_refused_by_key(tmp_path, family, key, value):
     save_hf(family, tmp_path)
     c = json.loads((tmp_path / "config.json").read_text())
@@ -79,7 +89,7 @@ def test_fewer_kv_heads_than_tp_ranks_is_refused_with_the_reason():
 def test_export_configs_name_their_family():
     """A config with a switch its family's HF class cannot express is refused at export, by key."""
     for family, arch in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
-                         ("mistral", "MistralForCausalLM"), ("llama", "LlamaForCausalLM")):
+                         ("mistral", "MistralForCausalLM"), ("llama", "LlamaForCausalLM"), ("phi3", "Phi3ForCausalLM")):
         spec = registry.get(family)
         assert spec.hf.config_dict(spec.config(dim=32, n_heads=4, n_kv_heads=2))["architectures"] == [arch]
     with pytest.raises(ValueError, match="model.qk_norm"):
@@ -123,3 +133,33 @@ def test_mistral_window_through_flex_equals_the_dense_mask(monkeypatch):
         fused = model(ids, doc_ids=doc_ids)
     assert (fused - dense).abs().max().item() < 1e-5
     assert (unwindowed - dense).abs().max().item() > 1e-2
+
+
+def test_phi3_splits_its_fused_weights_and_picks_rope_factors_by_length(tmp_path):
+    """Phi-3's qkv_proj/gate_up_proj load as our q/k/v and gate/up; a row of at most
+    original_max_position_embeddings positions takes the short factors (equal to transformers' too),
+    longer rows the long ones (with the short ones there, the logits differ); config.json round-trips."""
+    hf = save_hf("phi3", tmp_path)
+    spec = registry.for_hf(tmp_path)
+    cfg = spec.hf.config_from_hf(tmp_path)
+    assert (cfg.rotary_dim, cfg.rope_original_max, cfg.sliding_window) == (6, PHI3_ORIGINAL, 2 * WINDOW)
+    ours = _ours(spec, cfg, tmp_path)
+    names = {n for n, _ in ours.named_parameters()}
+    assert "layers.1.self_attn.k_proj.weight" in names and "layers.1.mlp.up_proj.weight" in names
+    # what PEFT cannot adapt on Phi3ForCausalLM (export --adapter refuses LoRA there; --merge writes it)
+    assert spec.hf.split_modules(sorted(names)) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert registry.get("llama").hf.split_modules(sorted(names)) == set()
+    ids = chat_rows()[0][0]
+    with torch.no_grad():
+        assert (ours(ids[:, :PHI3_ORIGINAL]) - hf(ids[:, :PHI3_ORIGINAL]).logits).abs().max().item() < 1e-5
+        theirs = hf(ids).logits
+        for change in ({"rope_long_factor": cfg.rope_short_factor},  # the long factors matter past the original
+                       {"rotary_dim": 8, "rope_short_factor": (*cfg.rope_short_factor, 1.0),  # so does partial rotary
+                        "rope_long_factor": (*cfg.rope_long_factor, 1.0)}):
+            other = spec.build(dataclasses.replace(cfg, **change))
+            other.init_weights(0)
+            other.load_state_dict(ours.state_dict())
+            assert (other.eval()(ids) - theirs).abs().max().item() > 1e-3, change
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "config.json").write_text(json.dumps(spec.hf.config_dict(cfg), default=str))
+    assert spec.hf.config_from_hf(tmp_path / "again") == cfg

@@ -3,7 +3,7 @@ chat-like rows through the family's own recipe (the registry's ``parallelize`` /
 the test process trains transformers' own model of it with torch.optim.AdamW on the whole batch.
 
 Cases: ZeRO-3 at dp=2 for every family (Qwen3 with its embedding and head in vocabulary tiles,
-Qwen2 with the chunked fused loss in several chunks), Qwen3 at tp=2 and Mistral at pp=2 (its rows
+Qwen2 with the chunked fused loss in several chunks, Phi-3 split from its fused checkpoint), Qwen3 at tp=2 and Mistral at pp=2 (its rows
 longer than the window).  One tp layout per process, run last (a second tp mesh after FSDP2 trips
 the kernels' one-mesh check).  Each ZeRO-3 case saves a checkpoint the export test reads.
 """
@@ -30,6 +30,7 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "zero3_llama": ("llama", 1, 2, 1, 3, {}),
          "pp2_mistral": ("mistral", 2, 1, 1, 1, {}),
          "zero3_qwen2_lora": ("qwen2", 1, 2, 1, 3, {}),
+         "zero3_phi3": ("phi3", 1, 2, 1, 3, {}),
          "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {})}
 LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
 TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0

@@ -54,6 +54,9 @@ def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[None]:
 def check_inputs(settings: Settings) -> None:
     """User data read through once (ValueError naming file and line), and model=hf's files."""
     check_records(settings.data)
+    if settings.data.eval_path is not None and settings.data.eval_fraction > 0:
+        print(f"notice: data.eval_path={settings.data.eval_path!r} is the eval set: data.eval_fraction="
+              f"{settings.data.eval_fraction} is not applied (every document of data.path trains)")
     if settings.model_name == "hf":  # config.json was read by validate(); here the tokenizer and weights' headers
         from deepshard.finetune.models import registry
 

@@ -147,6 +147,9 @@ class DataConfig:
     pack: bool = True  # false: one document per row, padded with -100 labels
     doc_mask: bool = True  # packed rows: attention stays inside each document
     eval_fraction: float = 0.0  # documents held out for eval loss / perplexity
+    # the eval set from its own file/dir/glob, read as data.path is (then data.path trains whole and
+    # eval_fraction is not applied); not for data=embedded
+    eval_path: typing.Optional[str] = None  # noqa: UP045
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -364,6 +367,13 @@ def _validate_data(c: dict) -> DataConfig:
         raise ValueError(f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
     if d.text_unit not in ("file", "paragraph", "line"):
         raise ValueError(f"data.text_unit={d.text_unit!r}: valid values are ['file', 'paragraph', 'line']")
+    if d.eval_path is not None:
+        from deepshard.finetune.data.records import expand
+
+        if d.name == "embedded":
+            raise ValueError(f"data.eval_path={d.eval_path!r}: data=embedded generates its documents; an eval "
+                             f"file needs a file-backed source (data=jsonl|text|hf_disk|chat)")
+        expand(d.eval_path, "data.eval_path")  # something is there (its format: prelaunch reads it through)
     return d
 
 

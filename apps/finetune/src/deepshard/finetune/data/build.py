@@ -38,14 +38,20 @@ def make_dataset(docs: list, data, tokenizer, *, what: str = "train") -> Dataset
 
 
 def build_datasets(data, tokenizer, vocab_size: int) -> tuple[Dataset, Dataset | None]:
-    """Tokenized train and eval datasets (eval is None when ``data.eval_fraction`` is 0)."""
+    """Tokenized train and eval datasets: eval from ``data.eval_path``'s rows, or the held-out
+    ``data.eval_fraction`` of data.path's documents (None when neither)."""
     if len(tokenizer) > vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size}: the tokenizer has {len(tokenizer)} tokens")
     docs = list(SOURCES[data.name](tokenizer, data))
     source = f"data.path={data.path!r}" if data.path else f"data={data.name}"
     if data.name == "text":
         source += f" (data.text_unit={data.text_unit})"
-    train, held = split_docs(docs, data.eval_fraction, data.seed, source)
+    if data.eval_path is not None:  # the eval set is its own file's: data.path trains whole
+        from deepshard.finetune.data.sources import eval_data
+
+        train, held = docs, list(SOURCES[data.name](tokenizer, eval_data(data)))
+    else:
+        train, held = split_docs(docs, data.eval_fraction, data.seed, source)
     train_set = make_dataset(train, data, tokenizer)
     eval_set = make_dataset(held, data, tokenizer, what="eval") if held else None
     return train_set, eval_set

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
@@ -52,8 +53,20 @@ def record_docs(tokenizer, data) -> Iterator[tuple[list[int], list[int]]]:
 SOURCES = {"embedded": embedded_docs, **dict.fromkeys(READERS, record_docs), "chat": chat_docs}
 
 
+def eval_data(data):
+    """``data`` reading ``data.eval_path`` (the eval set's own file) in place of ``data.path``."""
+    return dataclasses.replace(data, path=data.eval_path, eval_path=None, eval_fraction=0.0)
+
+
 def check_records(data) -> int:
-    """Read every record of a user data source now (ValueError naming file and line); returns the count."""
+    """Read every record of a user data source now (ValueError naming file and line; ``data.eval_path``'s
+    too, read the same way, so it has the same format); returns the training records' count."""
+    if data.eval_path is not None:
+        try:
+            check_records(eval_data(data))
+        except ValueError as e:
+            raise ValueError(f"data.eval_path={data.eval_path!r}: {e}".replace("data.path=", "data.eval_path=")) \
+                from None
     if data.name == "chat":  # conversations: the rows' shape, roles, assistant turns (the template needs the tokenizer)
         return check_chat_rows(data.path)
     return sum(1 for _ in read_records(data)) if data.name in READERS else 0

@@ -22,7 +22,7 @@ from torch import nn
 
 from deepshard.finetune.models.hf import check_hf_dir, from_hf_name, load_hf_weights, to_hf_name
 
-BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")  # packages under deepshard.finetune.models that register a family on import
+BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3")  # packages under deepshard.finetune.models that register a family on import
 DEFAULT_FAMILY = "llama"  # the presets' (model=tiny|small) family: its config's fields are the model.* keys
 
 
@@ -39,6 +39,17 @@ class HFAdapter:
     from_hf_name: Callable[[str], str] = from_hf_name
     load_weights: Callable[[nn.Module, str | Path], None] = load_hf_weights  # plain or sharded model
     check_dir: Callable[[str | Path, nn.Module], None] = check_hf_dir  # (folder, meta model): headers only
+    # export: our names in order -> (HF name, our names concatenated along dim 0 into it), for a family
+    # whose checkpoints fuse what it holds split (Phi-3's qkv_proj, gate_up_proj); None: one to one
+    fuse: Callable[[list[str]], list[tuple[str, list[str]]]] | None = None
+
+    def tensors(self, names: list[str]) -> list[tuple[str, list[str]]]:
+        """The HF tensors an export writes for our parameters ``names``: (HF name, its pieces)."""
+        return self.fuse(names) if self.fuse is not None else [(self.to_hf_name(n), [n]) for n in names]
+
+    def split_modules(self, names: list[str]) -> set[str]:
+        """Our modules (``q_proj``, ...) that the HF model holds fused into another: no PEFT adapter there."""
+        return {p.rsplit(".", 2)[-2] for _, pieces in self.tensors(names) if len(pieces) > 1 for p in pieces}
 
 
 @dataclass(frozen=True)

@@ -101,8 +101,13 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32"
     ckpt, out = Path(ckpt), Path(out_dir)
     manifest, cfg, lora, base = _need_lora(ckpt, "--adapter")
     tokenizer = _tokenizer_files(ckpt, manifest)
+    hf = registry.spec_of(cfg).hf
+    split = sorted(hf.split_modules([n for n, _ in registry.build_meta(cfg).named_parameters()])
+                   & set(lora.target_modules))
+    if split:
+        raise ValueError(f"--adapter: checkpoint {str(ckpt)!r} has adapters on {split}, which the family's HF model "
+                         f"holds fused (no PEFT adapter fits there); export with --merge")
     with torch.device("meta"):  # the base's weights are not needed to save adapters: no memory for them
-        hf = registry.spec_of(cfg).hf
         skeleton = hf.causal_lm(hf.config_dict(cfg))
     if base.get("path"):  # what adapter_config.json names as the base (PeftModel reads it from the model)
         skeleton.name_or_path = skeleton.config._name_or_path = str(base["path"])
@@ -154,6 +159,11 @@ def _base_lookup(cfg: Any, base: dict[str, Any], base_dir: str | None) -> Callab
     return params.__getitem__
 
 
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """A fused HF tensor from its pieces (one piece: itself, no copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base_dir: str | None = None,
                   max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
     """A full HF folder of the checkpoint's family: the base with ``alpha / r * B @ A`` merged into each target,
@@ -178,14 +188,16 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
             w = w.float() + lora.scaling * (load_full_tensor(ckpt, b).float() @ load_full_tensor(ckpt, a).float())
         return w.to(torch_dtype)
 
-    specs = [(hf.to_hf_name(n), torch_dtype, shape) for n, shape in names]
+    shapes = dict(names)
+    fused = hf.tensors([n for n, _ in names])  # (HF name, our weights concatenated into it)
+    specs = [(h, torch_dtype, (sum(shapes[n][0] for n in parts), *shapes[parts[0]][1:])) for h, parts in fused]
     groups = list(plan_shards(specs, max_shard_bytes))
     weight_map: dict[str, str] = {}
     total = 0
     for k, idx in enumerate(groups, 1):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
         total += write_safetensors(out_dir_ready(out) / fname, [specs[i] for i in idx],
-                                   (merged(names[i][0]) for i in idx))
+                                   (_cat([merged(n) for n in fused[i][1]]) for i in idx))
         weight_map.update({specs[i][0]: fname for i in idx})
     if len(groups) > 1:
         size = sum(torch_dtype.itemsize * math.prod(shape) for _, _, shape in specs)

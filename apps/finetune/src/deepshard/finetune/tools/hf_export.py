@@ -40,8 +40,10 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
     spec, cfg = registry.from_meta(meta)  # the family names the HF config and the weights' names
     tokenizer = sealed_files(ckpt, manifest, TOKENIZER)  # before writing anything: refused, or copied at the end
     torch_dtype, hf_dtype = DTYPES[dtype]
-    infos = tensor_infos(ckpt, PREFIX)
-    specs = [(spec.hf.to_hf_name(i.key[len(PREFIX):]), torch_dtype, i.shape) for i in infos]
+    infos = {i.key[len(PREFIX):]: i for i in tensor_infos(ckpt, PREFIX)}
+    groups_of = spec.hf.tensors(list(infos))  # (HF name, our tensors concatenated into it)
+    specs = [(hf, torch_dtype, (sum(infos[n].shape[0] for n in names), *infos[names[0]].shape[1:]))
+             for hf, names in groups_of]
     out.mkdir(parents=True, exist_ok=True)
     groups = list(plan_shards(specs, max_shard_bytes))
     weight_map: dict[str, str] = {}
@@ -49,7 +51,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp
     for n, idx in enumerate(groups, 1):
         name = "model.safetensors" if len(groups) == 1 else f"model-{n:05d}-of-{len(groups):05d}.safetensors"
         # a generator: each tensor is read, cast and written before the next is loaded
-        tensors = (load_full_tensor(ckpt, infos[i]).to(torch_dtype) for i in idx)
+        tensors = (_joined(ckpt, [infos[n] for n in groups_of[i][1]]).to(torch_dtype) for i in idx)
         total += write_safetensors(out / name, [specs[i] for i in idx], tensors)
         weight_map.update({specs[i][0]: name for i in idx})
     if len(groups) > 1:
@@ -74,6 +76,13 @@ def copy_sealed(ckpt: Path, names: list[str], out: Path) -> None:
         fd = os.open(ckpt / name, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in since the check: refused
         with os.fdopen(fd, "rb") as src, open(dst, "wb") as f:
             shutil.copyfileobj(src, f)
+
+
+def _joined(ckpt: Path, infos: list) -> torch.Tensor:
+    """One tensor, or a fused one: its pieces concatenated along dim 0."""
+    if len(infos) == 1:
+        return load_full_tensor(ckpt, infos[0])
+    return torch.cat([load_full_tensor(ckpt, i) for i in infos])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

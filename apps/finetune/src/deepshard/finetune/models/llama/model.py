@@ -65,6 +65,13 @@ class LlamaConfig:
     sliding_window: int = 0  # > 0: a position attends to itself and the sliding_window - 1 before it (Mistral)
     # Llama 3.1's rope_type=llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     rope_scaling: tuple[float, ...] = ()
+    rotary_dim: int = 0  # RoPE on the first rotary_dim of each head, the rest passed through (Phi-4-mini); 0: all
+    # Phi-3's rope_type=longrope: a factor per frequency dividing it, the short set for rows of at most
+    # rope_original_max positions, the long set beyond (chosen per forward, as HF does); cos/sin x attention factor
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_original_max: int = 0
+    rope_attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.head_dim < 0:
@@ -77,6 +84,7 @@ class LlamaConfig:
         if self.rope_scaling and (len(self.rope_scaling) != 4 or self.rope_scaling[2] <= self.rope_scaling[1]):
             raise ValueError(f"model.rope_scaling={list(self.rope_scaling)}: expected [factor, low_freq_factor, "
                              "high_freq_factor, original_max_position_embeddings] with high > low, or []")
+        self._check_rotary()
         if self.sliding_window < 0:
             raise ValueError(f"model.sliding_window={self.sliding_window}: must be >= 0 (0: full attention)")
         if self.loss_chunk_size < 0:
@@ -88,6 +96,25 @@ class LlamaConfig:
             raise ValueError(f"model.mlp_tiles={self.mlp_tiles}: must be >= 1 (1: untiled)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
+
+    def _check_rotary(self) -> None:
+        """Partial rotary and longrope's factors, resolved and checked (frozen: once, here)."""
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"model.rotary_dim={self.rotary_dim}: must be even and in [2, head_dim={self.head_dim}] "
+                             "(0: head_dim)")
+        for key in ("rope_short_factor", "rope_long_factor"):
+            object.__setattr__(self, key, tuple(float(v) for v in getattr(self, key)))
+        if not (self.rope_short_factor or self.rope_long_factor or self.rope_original_max):
+            return
+        half = self.rotary_dim // 2
+        if len(self.rope_short_factor) != half or len(self.rope_long_factor) != half:
+            raise ValueError(f"model.rope_short_factor/rope_long_factor: longrope needs {half} factors each "
+                             f"(rotary_dim / 2), got {len(self.rope_short_factor)} and {len(self.rope_long_factor)}")
+        if self.rope_original_max < 1 or self.rope_scaling:
+            raise ValueError(f"model.rope_original_max={self.rope_original_max}: longrope needs it >= 1, and no "
+                             f"model.rope_scaling (got {list(self.rope_scaling)})")
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float) -> torch.Tensor:
@@ -102,13 +129,26 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: flo
 
 
 def rope_cache(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's convention: cos/sin of shape [seq, head_dim] with the two halves duplicated."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    """HF's convention: cos/sin of shape [seq, rotary_dim] with the two halves duplicated; under
+    longrope [2, seq, rotary_dim], the short factors' tables then the long ones' (:func:`rope_rows`)."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
     if cfg.rope_scaling:
         inv_freq = llama3_inv_freq(inv_freq, *cfg.rope_scaling)
-    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    sets = [inv_freq]
+    if cfg.rope_original_max:
+        sets = [inv_freq / torch.tensor(f, device=device) for f in (cfg.rope_short_factor, cfg.rope_long_factor)]
+    emb = [torch.outer(torch.arange(seq_len, device=device).float(), f) for f in sets]
+    emb = torch.stack([torch.cat([e, e], dim=-1) for e in emb]).squeeze(0)
+    return emb.cos() * cfg.rope_attention_factor, emb.sin() * cfg.rope_attention_factor
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, seq: int, long_after: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' first ``seq`` rows; under longrope (3-d tables) the long factors' when the row is
+    longer than ``long_after`` positions, else the short ones' (HF picks by the forward's length too)."""
+    if cos.dim() == 3:
+        cos, sin = cos[int(seq > long_after)], sin[int(seq > long_after)]
+    return cos[:seq], sin[:seq]
 
 
 class Attention(nn.Module):
@@ -118,6 +158,7 @@ class Attention(nn.Module):
         self.kernels = cfg.kernels
         self.sp_group = None  # Ulysses sequence parallelism's group, set from outside (models/ulysses.py)
         self.window = cfg.sliding_window
+        self.long_after = cfg.rope_original_max
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -137,8 +178,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.sp_group is not None:  # whole sequences for heads/sp heads; RoPE then sees global positions
             q, k, v = ulysses_heads(q, k, v, self.sp_group)
-        s_all = q.shape[2]
-        q, k = apply_rotary(q, k, cos[:s_all].to(q.dtype), sin[:s_all].to(q.dtype), backend=self.kernels)
+        cos, sin = rope_rows(cos, sin, q.shape[2], self.long_after)
+        r = cos.shape[-1]
+        if r < self.head_dim:  # partial rotary: the rest of each head passes through
+            (q, q_pass), (k, k_pass) = q.split([r, self.head_dim - r], -1), k.split([r, self.head_dim - r], -1)
+        q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype), backend=self.kernels)
+        if r < self.head_dim:
+            q, k = torch.cat([q, q_pass], -1), torch.cat([k, k_pass], -1)
         out = attend(q, k, v, mask, window=self.window)  # causal; inside documents with a mask (flex on CUDA, dense SDPA else)
         if self.sp_group is not None:
             out = ulysses_tokens(out, self.sp_group)
