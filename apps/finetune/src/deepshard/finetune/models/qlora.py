@@ -64,10 +64,10 @@ def nf4_bytes(numel: int) -> int:
 
 
 def nf4_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of each frozen ``nn.Linear`` inside the blocks (``model.layers``): the weights
-    QLoRA stores as NF4 (LoRA layers included; their adapters are not frozen and not ``layers``' own)."""
+    """(name, module) of each ``nn.Linear`` inside the blocks (``model.layers``) but LoRA's adapters: the
+    weights QLoRA stores as NF4 (LoRA freezes them all; with or without adapters applied, the same names)."""
     for name, module in model.layers.named_modules():
-        if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B"):
             yield f"layers.{name}.weight", module
 
 
@@ -99,7 +99,8 @@ def apply_nf4(model: nn.Module, *, world: int = 1) -> int:
     to_nf4 = _torchao().to_nf4
     check_nf4_model(model, world=world)
     total = 0
-    for _, module in list(nf4_weights(model)):
+    for name, module in list(nf4_weights(model)):
+        assert not module.weight.requires_grad, f"{name} trains: QLoRA quantizes a frozen base only"
         w = module.weight.detach()
         rows, cols = w.shape
         q = to_nf4(w.float().contiguous(), block_size=NF4_BLOCK,
@@ -152,5 +153,4 @@ def count_nf4(model_cfg: object) -> int:
     """Elements of the block Linear weights ``peft.base_quant=nf4`` stores as NF4 (the estimator's count)."""
     from deepshard.finetune.models.registry import build_meta
 
-    model = build_meta(model_cfg)
-    return sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, nn.Linear))
+    return sum(m.weight.numel() for _, m in nf4_weights(build_meta(model_cfg)))
