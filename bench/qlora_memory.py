@@ -41,8 +41,15 @@ def census(tensors: list[torch.Tensor]) -> int:
 
 
 def _variant(kind: str, dim: int, layers: int, world: int) -> dict:
-    from deepshard.core import EngineConfig, OptimConfig, ParallelDims, PrecisionConfig, ZeroConfig, build_mesh
-    from deepshard.core import initialize
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+        initialize,
+    )
     from deepshard.finetune.models import registry
     from deepshard.finetune.models.lora import apply_lora
     from deepshard.finetune.models.qlora import apply_nf4, nf4_weights
