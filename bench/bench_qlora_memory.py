@@ -8,7 +8,7 @@ parameter's local shard down to the inner tensors and counts each untyped storag
 are those of the frozen block Linear weights (Ψ_base of them); the expected figure for NF4 is 0.5 B x
 Ψ_base / world plus the scales.  Each variant also runs 2 steps on random tokens (seconds per step).
 
-    python bench/qlora_memory.py [--world 2] [--dim 512 --layers 4]
+    python bench/bench_qlora_memory.py [--world 2] [--dim 512 --layers 4]
 """
 
 from __future__ import annotations
