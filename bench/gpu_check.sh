@@ -91,6 +91,7 @@ else
   RUNS+=("s3_muon_bf16:+zero=stage3 optim=muon optim.state_dtype=bf16")
   RUN_S=40; WARMUP=5
 fi
+RUNS+=("s3_qlora:+zero=stage3 +peft=lora peft.base_quant=nf4")  # QLoRA: NF4 base sharded by ZeRO-3 (issue 44)
 SWAP="${NVME_PATH:-$OUT/swap}"
 mkdir -p "$SWAP"
 for run in "${RUNS[@]}"; do

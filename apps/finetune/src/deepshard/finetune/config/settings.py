@@ -489,6 +489,12 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
             from deepshard.finetune.models.peft_adapter import check_init_from
 
             check_init_from(settings.peft.init_from, settings.peft)
+        if settings.peft.base_quant != "none":  # QLoRA: what its NF4 base cannot run, said before start
+            from deepshard.finetune.models.qlora import check_qlora
+
+            check_qlora(settings.peft, settings.model, stage=engine.zero.stage, dp=parallel.resolve(world).dp,
+                        tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, dp_replicate=parallel.dp_replicate,
+                        offload_params=settings.offload.params, quantized_weights=engine.zero.quantized_weights)
     if settings.offload.params == "nvme" and (parallel.pp > 1 or parallel.tp > 1 or settings.peft is not None):
         raise ValueError("offload.params='nvme' swaps whole ZeRO-3 units of plain (not tensor-parallel) "
                          "parameters, whole blocks of one model: not with parallel.pp/tp > 1 or +peft=lora "

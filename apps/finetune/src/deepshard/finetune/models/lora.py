@@ -53,6 +53,7 @@ class LoraConfig:
     target_modules: tuple[str, ...] = LORA_TARGETS
     modules_to_save: tuple[str, ...] = ()
     init_from: str | None = None  # a PEFT adapter folder to continue from
+    base_quant: str = "none"  # nf4: QLoRA, the frozen block Linear weights stored as NF4 (models/qlora.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -69,6 +70,9 @@ class LoraConfig:
             if bad:
                 raise ValueError(f"{key}={list(names)}: unknown module name {bad[0]!r}; valid names are "
                                  f"{list(valid)}")
+        if self.base_quant not in ("none", "nf4"):
+            raise ValueError(f"peft.base_quant={self.base_quant!r}: valid values are ['none', 'nf4'] (nf4: QLoRA's "
+                             f"4-bit NormalFloat base)")
         overlap = set(self.target_modules) & set(self.modules_to_save)
         if overlap:
             raise ValueError(f"peft.modules_to_save={list(self.modules_to_save)}: {sorted(overlap)[0]!r} is "
@@ -210,7 +214,7 @@ def lora_settings(c: dict | None) -> LoraConfig | None:
         raise ValueError(f"peft.name={c['name']!r}: valid values are ['lora'] (or leave +peft out)")
     lora = LoraConfig(r=c["r"], alpha=float(c["alpha"]), dropout=float(c["dropout"]),
                         target_modules=tuple(c["target_modules"]), modules_to_save=tuple(c["modules_to_save"]),
-                        init_from=c["init_from"])
+                        init_from=c["init_from"], base_quant=c.get("base_quant", "none"))
     return lora
 
 

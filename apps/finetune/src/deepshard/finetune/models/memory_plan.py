@@ -22,7 +22,8 @@ class ModelCounts:
     """Elements of one rank's model before data-parallel sharding, and its ZeRO-3 units at ``world``."""
 
     num_params: int  # trainable, already divided by tp x pp
-    frozen: int = 0  # a LoRA base's frozen parameters
+    frozen: int = 0  # a LoRA base's frozen parameters (in the compute dtype / fp32 shards)
+    nf4: int = 0  # a QLoRA base's block Linear weights, stored as NF4 (not in ``frozen``)
     largest_unit: int = 0  # the largest unit all-gathered whole
     units: tuple[int, ...] = ()  # every unit's shard (root, tiled units, blocks)
     gathered: tuple[int, ...] = ()  # the units gathered whole (not a tiled embedding or head)
@@ -32,7 +33,13 @@ def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, 
                  tiled: bool = False) -> ModelCounts:
     """The counts of ``model_cfg`` (``lora``: a LoraConfig) for a run at ``world`` data-parallel ranks."""
     model = build_meta(model_cfg)
-    return ModelCounts(num_params=count_params(model_cfg, lora) // (tp * pp), frozen=count_frozen(model_cfg, lora),
+    nf4 = 0
+    if lora is not None and getattr(lora, "base_quant", "none") == "nf4":
+        from deepshard.finetune.models.qlora import count_nf4
+
+        nf4 = count_nf4(model_cfg)
+    return ModelCounts(num_params=count_params(model_cfg, lora) // (tp * pp), nf4=nf4,
+                       frozen=count_frozen(model_cfg, lora) - nf4,
                        largest_unit=_largest_unit(model, tiled), units=tuple(_unit_shards(model, world, tiled)),
                        gathered=tuple(_unit_shards(model, world, tiled, gathered=True)))
 

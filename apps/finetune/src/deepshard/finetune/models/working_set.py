@@ -95,6 +95,10 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
                   nvme_buffer_bytes=buffers if o.params != "nvme" else 0, frozen_params=counts.frozen,
                   param_buffer_bytes=buffers if o.params == "nvme" else 0)
     ws.device["model states"] = e.device
+    if counts.nf4:  # QLoRA's NF4 base, ZeRO-3 shards: 0.5 B/param + scales (models/qlora.py)
+        from deepshard.finetune.models.qlora import nf4_bytes
+
+        ws.device["model states"] += nf4_bytes(counts.nf4) // s.dp
     if o.params == "nvme":
         ws.host["swap buffers"] = buffers
     else:

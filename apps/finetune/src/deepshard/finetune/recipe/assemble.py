@@ -104,10 +104,17 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
                                offload_params=offload_params, device=device)
         return PipelineStepper(engine, mesh, microbatches=s.micro_batches_per_step, device=device,
                                micro_batch_size=t.micro_batch_size, seq_len=s.data.seq_len, pad_id=pad_id)
-    sharded_init = e.zero.stage == 3  # no rank ever holds the whole model (DeepSpeed's zero.Init)
+    nf4 = s.peft is not None and s.peft.base_quant == "nf4"
+    # no rank ever holds the whole model (DeepSpeed's zero.Init); QLoRA quantizes each full weight first
+    sharded_init = e.zero.stage == 3 and not nf4
     recipe = partial(spec.parallelize, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
                      offload_params=offload_params, ac_offload=e.ac_offload)
-    engine = initialize(build_model(s, device, materialize=not sharded_init), e, mesh=mesh,
+    model = build_model(s, device, materialize=not sharded_init)
+    if nf4:  # the frozen block weights as NF4, before ZeRO-3 shards them (models/qlora.py)
+        from deepshard.finetune.models.qlora import apply_nf4
+
+        apply_nf4(model, world=mesh["dp"].size())
+    engine = initialize(model, e, mesh=mesh,
                         parallelize_fn=recipe, store_factory=store_factory, offload_params=offload_params,
                         materialize=_materializer(s, offload_params) if sharded_init else None)
     return EngineStepper(engine, grad_accum=t.grad_accum, device=device, micro_batch_size=t.micro_batch_size)
@@ -122,6 +129,8 @@ def run_meta(s: Settings) -> dict:
     if s.peft is not None:
         meta["peft"] = dataclasses.asdict(s.peft)
         meta["base"] = {"model": s.model_name, "path": s.model_path, "seed": s.train.seed}
+        if s.peft.base_quant != "none":  # the ZeRO-3 ranks its NF4 scales were blocked for (export --merge)
+            meta["nf4"] = {"world": s.parallel.dp}
     return meta
 
 

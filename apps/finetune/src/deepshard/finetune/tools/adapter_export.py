@@ -11,6 +11,8 @@ state only; its manifest's ``meta`` names the LoRA settings (``peft``) and the b
 - ``--merge`` writes a full HF model (today's export format): each base weight, streamed from the
   base's safetensors (or rebuilt from the seed for a model trained from scratch), plus
   ``alpha / r * B @ A`` where it has adapters; trained modules_to_save replace their base copies.
+  A QLoRA run's (``peft.base_quant=nf4``) block weights are quantized as training did and
+  dequantized first: the merge is the model the adapters were trained on.
 - ``peft.init_from=DIR`` loads a PEFT adapter folder (``peft.utils.load_peft_weights``) into a
   run's adapters; its ``adapter_config.json`` must match ``peft.r``/``alpha``/``target_modules``.
 """
@@ -49,8 +51,11 @@ def lora_meta(ckpt: str | Path) -> tuple[dict[str, Any], Any, LoraConfig, dict[s
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: its manifest names no model architecture (meta.model)")
     p = dict(meta["peft"])
     lora = LoraConfig(r=p["r"], alpha=p["alpha"], dropout=p["dropout"], target_modules=tuple(p["target_modules"]),
-                        modules_to_save=tuple(p["modules_to_save"]))
-    return manifest, registry.from_meta(meta)[1], lora, dict(meta.get("base", {}))
+                        modules_to_save=tuple(p["modules_to_save"]), base_quant=p.get("base_quant", "none"))
+    base = dict(meta.get("base", {}))
+    if lora.base_quant != "none":  # QLoRA: the ZeRO-3 world its NF4 scales were blocked for
+        base["nf4_world"] = int(meta.get("nf4", {}).get("world", 1))
+    return manifest, registry.from_meta(meta)[1], lora, base
 
 
 def is_lora_checkpoint(ckpt: str | Path) -> bool:
@@ -180,8 +185,16 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
     # names and shapes in our order (a tied head is the embedding: once)
     names = [(n, tuple(p.shape)) for n, p in registry.build_meta(cfg).named_parameters()]
 
+    quantized = set()
+    if lora.base_quant == "nf4":  # QLoRA: the adapters learned on the dequantized NF4 base; merge into that
+        from deepshard.finetune.models.qlora import nf4_roundtrip, nf4_weights
+
+        quantized = {n for n, _ in nf4_weights(registry.build_meta(cfg))}
+
     def merged(name: str) -> torch.Tensor:
         w = load_full_tensor(ckpt, infos[name]) if name in infos else base_weight(name)  # trained modules_to_save
+        if name in quantized:
+            w = nf4_roundtrip(w, world=base["nf4_world"])
         stem = name[:-len(".weight")]
         a, b = infos.get(f"{stem}.lora_A.weight"), infos.get(f"{stem}.lora_B.weight")
         if a is not None and b is not None:
