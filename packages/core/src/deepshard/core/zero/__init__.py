@@ -87,8 +87,9 @@ def apply_zero(
             feedback = ErrorFeedback(err_beta=config.loco_err_beta, reset_t=config.loco_reset_t) if config.loco else None
             attach_qgz([*blocks, model], mesh, bits=config.quantized_gradients_bits,
                        node_size=config.quantized_gradients_node_size, feedback=feedback)
-        return FullyShardedStage(model, param_offload=offload_params,
-                                 error_feedback=feedback)
+        stage = FullyShardedStage(model, param_offload=offload_params, error_feedback=feedback)
+        stage.expert_parallel = bool(experts)
+        return stage
     if offload_params is not None:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
     names, params = trainable(model)

@@ -39,6 +39,7 @@ class SplitStage(ZeroStage):
     def __init__(self, parts: list[ZeroStage]) -> None:
         assert parts and len({p.zero_stage for p in parts}) == 1, "one ZeRO level for every part"
         self.parts = parts
+        self.expert_parallel = True
         self.zero_stage = parts[0].zero_stage
         self.names = [n for p in parts for n in p.names]
         self.params: list[nn.Parameter] = [q for p in parts for q in p.params]
