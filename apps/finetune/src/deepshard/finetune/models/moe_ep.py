@@ -76,10 +76,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
     """Keep only this rank's experts in every sparse layer of ``model`` (real or meta weights) and route
     their tokens over ``ep_mesh``; returns the expert modules (ZeRO shards them over the dp ranks left
     after ep).  ValueError naming the keys unless ep divides the experts."""
-    from deepshard.finetune.models.moe import SparseMoe
-
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    layers = [m for m in model.modules() if isinstance(m, SparseMoe)]
+    layers = [m for m in model.modules() if hasattr(m, "ep_group")]  # models/moe.py's SparseMoe (no import: a cycle)
     experts = []
     for moe in layers:
         if moe.num_experts % ep:
