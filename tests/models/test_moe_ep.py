@@ -2,12 +2,13 @@
 
 One world-4 launch (the session's gloo pool) trains a tiny Qwen3-MoE (8 experts, top-2, both layers
 sparse) through the family's registry recipe in several layouts: ep=2 (2 expert groups x 2 ranks
-each, experts ZeRO-sharded over the 2) and ep=4 (each rank 2 experts), ZeRO 1 and 3, 2 micro-batches
+each, experts ZeRO-sharded over the 2) and ep=4 (each rank 2 experts), ZeRO 1 and 3 (and 2, 0), 2 micro-batches
 per step, on masked variable-length rows (one row empty).  The oracle is transformers' own model
 trained by torch.optim.AdamW in this process with every expert local: the summed token loss over
 the global count plus ``coef x`` the mean over (rank, micro-batch) of each one's aux loss (the
 statistics are per rank and micro-batch).  Losses and every parameter after 3 steps within 1e-5, and
-the experts chosen for every token equal those of a router written here, on transformers' logits.
+the experts chosen for every token equal those of a router written here, on transformers' logits;
+the gradient norm the step clips by equals the reference's (Adam would hide a mis-scaled gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ STEPS, WORLD, ACCUM, ROWS, SEQ = 3, 4, 2, 16, 20
 NUM_EXPERTS, TOP_K, COEF = 8, 2, 0.02
 LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-5, 0.1
 # name -> (ep, zero stage)
-CASES = {"ep2_zero1": (2, 1), "ep4_zero1": (4, 1), "ep2_zero3": (2, 3), "ep4_zero3": (4, 3)}
+CASES = {"ep2_zero1": (2, 1), "ep4_zero1": (4, 1), "ep2_zero3": (2, 3), "ep4_zero3": (4, 3), "ep2_zero2": (2, 2),
+         "ep4_zero0": (4, 0)}
 
 
 def hf_moe(seed: int = 0) -> torch.nn.Module:
@@ -99,7 +101,7 @@ def _case(name: str, hf_dir: str) -> dict:
                         parallelize_fn=partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none"))
     rank = mesh["dp"].get_local_rank()
     ids, labels = rows()
-    losses, routes, ops = [], [], set()
+    losses, norms, routes, ops = [], [], [], set()
     for step in range(STEPS):
         count = engine.global_num_items(sum((labels[step, micro(rank, m)] != -100).sum() for m in range(ACCUM)))
         total = torch.zeros(())
@@ -111,7 +113,7 @@ def _case(name: str, hf_dir: str) -> dict:
                 ops = {e.key for e in prof.key_averages()}
             routes.append({k: v.clone() for k, v in model.router_stats.routes.items()})
             total += loss.detach()
-        engine.step()
+        norms.append(engine.step().grad_norm)
         dist.all_reduce(total)
         losses.append(total.item() / count.item())
     params = {}
@@ -119,7 +121,7 @@ def _case(name: str, hf_dir: str) -> dict:
         full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         params[n] = full
     firsts = {n: m.first for n, m in engine.model.named_modules() if hasattr(m, "first")}
-    return {"losses": losses, "routes": routes, "params": params, "firsts": firsts,
+    return {"losses": losses, "norms": norms, "routes": routes, "params": params, "firsts": firsts,
             "grouped": "aten::_grouped_mm" in ops, "all_to_all": any("all_to_all" in k or "alltoall" in k for k in ops)}
 
 
@@ -130,7 +132,7 @@ def _worker(hf_dir: str) -> dict:
     return {name: _case(name, hf_dir) for name in CASES}
 
 
-def reference() -> tuple[list[float], list[dict[int, torch.Tensor]], dict[str, torch.Tensor]]:
+def reference() -> tuple[list[float], list[float], list[dict[int, torch.Tensor]], dict[str, torch.Tensor]]:
     """transformers' model, every expert local, 3 AdamW steps on the whole batch: the summed token loss
     over the global count + coef x the mean of the (rank, micro-batch) aux losses; the experts a router
     written here picks from its logits, per (rank, micro-batch) in rank order."""
@@ -140,7 +142,7 @@ def reference() -> tuple[list[float], list[dict[int, torch.Tensor]], dict[str, t
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=LR, betas=BETAS, eps=EPS)
     ids, labels = rows()
-    losses, routes = [], []
+    losses, norms, routes = [], [], []
     for step in range(STEPS):
         count = (labels[step] != -100).sum()
         ce, aux = 0.0, 0.0
@@ -152,10 +154,11 @@ def reference() -> tuple[list[float], list[dict[int, torch.Tensor]], dict[str, t
                 aux = aux + out.aux_loss / (WORLD * ACCUM)
                 routes.append({i: _route(lg) for i, lg in enumerate(out.router_logits)})
         (ce / count + COEF * aux).backward()
+        norms.append(torch.sqrt(sum(p.grad.square().sum() for p in params)).item())
         opt.step()
         opt.zero_grad()
         losses.append((ce / count).item())
-    return losses, routes, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, routes, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _route(logits: torch.Tensor) -> torch.Tensor:
@@ -190,9 +193,12 @@ def _merged(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
 def test_expert_parallel_trains_as_one_process_with_every_expert(runs, name):
     from deepshard.finetune.models import registry
 
-    ranks, (ref_losses, ref_routes, ref_params) = runs
+    ranks, (ref_losses, ref_norms, ref_routes, ref_params) = runs
     losses = ranks[0][name]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    # Adam hides a gradient's scale from the parameters: the clipping norm shows it (experts counted once)
+    norms = ranks[0][name]["norms"]
+    assert max(abs(a / b - 1) for a, b in zip(norms, ref_norms, strict=True)) < 1e-5, (norms, ref_norms)
     for step in range(STEPS):  # each rank's micro-batches routed as the reference router routes them
         for rank in range(WORLD):
             for m in range(ACCUM):
