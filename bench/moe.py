@@ -34,7 +34,7 @@ class Counter:
     """Wraps torch.distributed's collectives; ``total`` bytes this rank sent to other ranks while ``on``."""
 
     NAMES = ("broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-             "reduce_scatter_single", "all_to_all_single", "all_reduce", "batch_isend_irecv", "send", "isend")
+             "reduce_scatter_single", "all_to_all_single", "all_reduce", "batch_isend_irecv")
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -50,8 +50,6 @@ class Counter:
         g = dist.get_world_size(group)
         if name == "batch_isend_irecv":
             self.total += sum(op.tensor.nbytes for op in args[0] if "isend" in getattr(op.op, "__name__", ""))
-        elif name in ("send", "isend"):
-            self.total += args[0].nbytes
         elif name == "broadcast":
             src = kwargs.get("src", args[1] if len(args) > 1 else None)
             self.total += args[0].nbytes * (g - 1) if src == dist.get_rank() else 0
