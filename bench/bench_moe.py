@@ -11,7 +11,7 @@ Fixed shape: 8 experts, top-2, hidden 256, expert FFN 512, 4 layers, 4096 tokens
 per step counted at the collective (every ``torch.distributed`` call wrapped, as bench_zeropp.py
 counts: an all-to-all's bytes from its input splits), and each rank's peak RSS; JSON on stdout.
 
-    python bench/moe.py [--steps 3] [--warmup 1] [--layouts ep4 zero3 ep2_dp2]
+    python bench/bench_moe.py [--steps 3] [--warmup 1] [--layouts ep4 zero3 ep2_dp2]
 """
 
 from __future__ import annotations
