@@ -220,7 +220,8 @@ def test_activation_checkpointing_keeps_every_gradient_aux_loss_included():
 
 
 @pytest.mark.parametrize(("override", "key"), [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
-                                               ("+peft=lora", "peft.target_modules"), ("parallel.dp=2", None)])
+                                               ("+peft=lora", "peft.target_modules"), ("parallel.dp=2", None),
+                                               ("parallel.ep=2", r"parallel.ep=2 does not divide model.num_experts=5")])
 def test_the_app_refuses_them_before_start(saved, override, key):
     """Through the app's own settings (what runs before any worker starts), for a saved MoE folder."""
     from pathlib import Path

@@ -34,6 +34,9 @@ class ParallelDims:
     # such groups; dp_shard x dp_replicate = dp (dp_shard=-1: dp / dp_replicate)
     dp_shard: int = -1
     dp_replicate: int = 1
+    # expert parallelism (MoE): groups of ep consecutive dp ranks split the experts; carved out of dp
+    # (ep divides dp), experts are ZeRO-sharded over the dp / ep ranks left (the ``edp`` axis)
+    ep: int = 1
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in ``dp`` and check that the product is the world size (ValueError naming the keys)."""
@@ -59,7 +62,24 @@ class ParallelDims:
                 + f" = {dp * others} != world size {world_size}: the product must equal the number of ranks"
             )
         shard, replicate = self._split_dp(dp)
-        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, sp=self.sp, dp_shard=shard, dp_replicate=replicate)
+        self._check_ep(dp, replicate)
+        return ParallelDims(pp=self.pp, dp=dp, tp=self.tp, sp=self.sp, dp_shard=shard, dp_replicate=replicate,
+                            ep=self.ep)
+
+    def _check_ep(self, dp: int, replicate: int) -> None:
+        """``ep`` divides ``dp``; the layouts it is not built with are refused by key."""
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep={self.ep}: must be a positive integer")
+        if self.ep == 1:
+            return
+        if dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} does not divide the data-parallel size parallel.dp={dp}: "
+                             f"expert parallelism is carved out of dp; choose ep among the divisors of {dp}")
+        for key, value in (("parallel.pp", self.pp), ("parallel.tp", self.tp), ("parallel.sp", self.sp),
+                           ("parallel.dp_replicate", replicate)):
+            if value > 1:
+                raise ValueError(f"{key}={value} with parallel.ep={self.ep}: not built (experts split over dp "
+                                 f"ranks only); use {key}=1")
 
     def _split_dp(self, dp: int) -> tuple[int, int]:
         """``(dp_shard, dp_replicate)`` for a data-parallel size ``dp``; their product must be ``dp``."""
@@ -111,6 +131,14 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh:
     """One mesh with all four named axes (size-1 axes included), so sub-meshes are ``mesh["dp"]`` etc."""
     world = dist.get_world_size()
     dims = dims.resolve(world)
+    if dims.ep > 1:
+        # dp split into (edp, ep), ep inner (an expert group is ep neighbouring ranks), flattened back into
+        # ``dp`` for the dense params, the data and the loss counts; experts shard over ``edp``
+        mesh = init_device_mesh(device_type(), (dims.pp, dims.dp // dims.ep, dims.ep, dims.sp, dims.tp),
+                                mesh_dim_names=("pp", "edp", "ep", "sp", "tp"))
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        mesh["edp", "ep"]._flatten("dp")
+        return mesh
     if dims.dp_replicate == 1:
         return init_device_mesh(device_type(), (dims.pp, dims.dp, dims.sp, dims.tp), mesh_dim_names=AXES)
     # HSDP: dp split into (dp_replicate, dp_shard), flattened back into ``dp`` for everything else
@@ -126,6 +154,14 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh:
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
     """The size of ``axis``, 1 where the mesh lacks it (meshes built by hand name only what they use)."""
     return mesh[axis].size() if axis in (mesh.mesh_dim_names or ()) else 1
+
+
+def expert_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh] | None:
+    """``(ep, edp)`` sub-meshes of an expert-parallel mesh (``parallel.ep > 1``), None otherwise: the
+    ranks that split the experts, and the dp ranks left after ep that ZeRO shards each expert over."""
+    if axis_size(mesh, "ep") == 1:
+        return None
+    return mesh["ep"], mesh["edp"]
 
 
 def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -19,13 +19,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from deepshard.core.activation_checkpoint import apply_ac
 from deepshard.core.config import ZeroConfig
-from deepshard.core.mesh import zero_mesh
+from deepshard.core.mesh import expert_meshes, zero_mesh
 from deepshard.core.mixed_precision import apply_mixed_precision
 from deepshard.core.precision import DTYPES
 from deepshard.core.step import IGNORE_INDEX, num_params
 from deepshard.core.tensor_parallel import apply_tp
 from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
 from deepshard.core.zero.hsdp import hsdp_mesh
+from deepshard.core.zero.split import check_experts
 
 __all__ = ["IGNORE_INDEX", "ShardedPart", "find_blocks", "parallelize_model"]
 
@@ -64,12 +65,15 @@ def parallelize_model(
     tp_plan: Mapping[str, ParallelStyle] | None = None,
     offload_params: ParamOffload | None = None,
     ac_offload: bool = False,
+    experts: Sequence[nn.Module] = (),
 ) -> ShardedPart:
     """TP over ``mesh["tp"]`` (when the mesh has that axis and ``tp_plan`` is given), activation
     checkpointing of ``blocks``, precision, then ZeRO over ``mesh["dp"]`` (``dp x sp`` with sequence
     parallelism: :func:`deepshard.core.mesh.zero_mesh`); in place.
 
     ``model`` is fp32, with real weights or on the meta device (ZeRO-3's sharded init).
+    ``experts``: with ``parallel.ep > 1``, the modules holding this rank's experts; ZeRO shards their
+    params over ``mesh["edp"]`` (the dp ranks left after ep), the rest over dp.
     """
     names = mesh.mesh_dim_names or ()
     tp_size = mesh["tp"].size() if "tp" in names else 1
@@ -85,7 +89,13 @@ def parallelize_model(
     psi = num_params(p for p in model.parameters() if p.requires_grad)
     dp_mesh = zero_mesh(mesh)  # dp, or dp x sp flattened: sequence-parallel ranks share the shards
     torch_dtype = DTYPES[dtype]
+    meshes = expert_meshes(mesh)
+    if meshes is None:
+        experts = ()
+    elif experts:
+        check_experts(zero, dtype=dtype, hsdp=hsdp_mesh(mesh) is not None, offload_params=offload_params is not None)
     fp32_masters = apply_mixed_precision(model, dp_mesh, zero_stage=zero.stage, dtype=torch_dtype)  # before ZeRO
     stage = apply_zero(model, dp_mesh, zero, blocks=list(blocks), param_dtype=torch_dtype,
-                       offload_params=offload_params, shard_mesh=hsdp_mesh(mesh))
+                       offload_params=offload_params, shard_mesh=hsdp_mesh(mesh), experts=experts,
+                       expert_mesh=None if meshes is None else meshes[1])
     return ShardedPart(stage, fp32_masters, psi)

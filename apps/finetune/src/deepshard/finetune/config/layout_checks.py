@@ -90,3 +90,16 @@ def validate_zeropp(settings: Settings, parallel: ParallelDims) -> None:
         raise ValueError(f"zero.{on[0]}=true with a ZeRO-3 shard group of one rank (parallel.dp_shard=1 x "
                          f"parallel.sp=1, data-parallel size {parallel.dp}): no weight is all-gathered and no "
                          f"gradient reduce-scattered, so there is nothing to quantize; set it false")
+
+
+def check_ep(settings: Settings, ep: int) -> None:
+    """Expert parallelism (``parallel.ep`` > 1): an MoE model whose experts ep divides (the family's
+    ``check_parallel``), ep dividing dp and none of the layouts it is not built with, before start."""
+    from deepshard.core.zero.split import check_experts
+
+    settings.parallel.resolve(settings.world_size)  # ep divides dp; not with pp/tp/sp/dp_replicate
+    if not getattr(settings.model, "num_experts", 0):
+        raise ValueError(f"parallel.ep={ep}: model {settings.model_name!r} has no experts; expert parallelism "
+                         f"needs an MoE model (qwen3_moe, mixtral) or parallel.ep=1")
+    check_experts(settings.engine.zero, dtype=settings.engine.precision.dtype,
+                  offload_params=settings.offload.params != "none")

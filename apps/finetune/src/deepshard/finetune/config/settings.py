@@ -30,6 +30,7 @@ from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
 from deepshard.finetune.config.ds_config import resolve_batch_as_given
 from deepshard.finetune.config.layout_checks import (
+    check_ep,
     check_mlp_tiles,
     check_param_swap,
     validate_pipeline_layout,
@@ -503,7 +504,10 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         settings = dataclasses.replace(settings, offload=check_param_swap(settings, world))
     if registry.spec_of(settings.model).check_parallel is not None:  # what a family cannot run (MoE), by key
         registry.spec_of(settings.model).check_parallel(settings.model, pp=parallel.pp, tp=parallel.tp,
-                                                        sp=parallel.sp, lora=settings.peft)
+                                                        sp=parallel.sp, lora=settings.peft,
+                                                        **({"ep": parallel.ep} if parallel.ep > 1 else {}))
+    if parallel.ep > 1:
+        check_ep(settings, parallel.ep)
     if parallel.tp > 1:
         registry.spec_of(settings.model).check_tp(settings.model, parallel.tp)
     if parallel.sp > 1:

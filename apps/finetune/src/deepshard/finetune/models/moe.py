@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepshard.core.step import add_aux_loss
+from deepshard.finetune.models.moe_ep import ScaleGrad, dispatch_and_run
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 IMPLS = ("grouped", "loop")
@@ -48,6 +49,7 @@ class RouterStats:
     mask: torch.Tensor | None = None  # [tokens] float, 1 = counts; None: every position
     entries: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     aux: torch.Tensor | None = None
+    routes: dict[int, torch.Tensor] | None = None  # a dict: each layer's expert ids [tokens, k] kept (tests)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -91,18 +93,33 @@ class Experts(nn.Module):
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: valid values are {list(IMPLS)}")
         self.num_experts, self.hidden, self.impl = num_experts, hidden, impl
+        # expert parallelism (models/moe_ep.py): this module holds experts first .. first + num_local - 1
+        self.first, self.num_local, self.grad_scale = 0, num_experts, 1.0
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim, device=device))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden, device=device))
 
+    def shard(self, rank: int, ep: int) -> None:
+        """Keep only expert group ``rank`` of ``ep`` (its weights' gradient scaled ``1/ep``: models/moe_ep.py)."""
+        assert self.num_local == self.num_experts and self.num_experts % ep == 0
+        self.num_local = self.num_experts // ep
+        self.first, self.grad_scale = rank * self.num_local, 1.0 / ep
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(self, name)
+            part = whole.detach()[self.first:self.first + self.num_local].clone()
+            setattr(self, name, nn.Parameter(part, requires_grad=whole.requires_grad))
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            w_in, w_out = ScaleGrad.apply(w_in, self.grad_scale), ScaleGrad.apply(w_out, self.grad_scale)
         if self.impl == "grouped":
             offs = counts.cumsum(0).to(torch.int32)
-            gate, up = grouped_linear(x, self.gate_up_proj, offs).chunk(2, dim=-1)
-            return grouped_linear(F.silu(gate) * up, self.down_proj, offs)
+            gate, up = grouped_linear(x, w_in, offs).chunk(2, dim=-1)
+            return grouped_linear(F.silu(gate) * up, w_out, offs)
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time
-            gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(x[start:start + n], w_in[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w_out[e]))
             start += n
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
@@ -124,6 +141,7 @@ class SparseMoe(nn.Module):
         self.stats = stats if stats is not None else RouterStats(last_layer=layer_id)
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden, impl)
+        self.ep_group: object | None = None  # the ep ranks' group under expert parallelism (models/moe_ep.py)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k]) of router ``logits`` [T, E]."""
@@ -141,10 +159,15 @@ class SparseMoe(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
         weights, idx = self.route(logits)
+        if self.stats.routes is not None:
+            self.stats.routes[self.layer_id] = idx.detach()
         order = idx.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         token = order // self.top_k
-        out = self.experts(flat[token], counts)
+        if self.ep_group is None:
+            out = self.experts(flat[token], counts)
+        else:  # to the experts' ranks and back (all-to-all)
+            out = dispatch_and_run(self.experts, flat[token], counts, self.ep_group)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         y = torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype)).reshape(shape)
         return self._balance(y, logits, idx)

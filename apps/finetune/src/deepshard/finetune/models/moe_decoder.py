@@ -2,9 +2,11 @@
 Mixtral (``models/qwen3_moe``, ``models/mixtral``) are this model with their config's switches.
 
 A layer is sparse unless it is in ``mlp_only_layers`` or ``(layer + 1) % decoder_sparse_step`` is not
-0 (transformers' rule); a dense layer keeps the Llama MLP with ``ffn_hidden``.  Every rank holds every
-expert (no expert-parallel axis yet): ZeRO shards the stacked expert weights over dp like any other
-parameter.  What the layouts cannot run yet is refused before start (:func:`check_parallel`).
+0 (transformers' rule); a dense layer keeps the Llama MLP with ``ffn_hidden``.  At ``parallel.ep=1``
+every rank holds every expert and ZeRO shards the stacked expert weights over dp like any other
+parameter; with ``parallel.ep=N`` each rank keeps ``num_experts / N`` of them, tokens reach them by
+all-to-all (``models/moe_ep.py``) and ZeRO shards them over the dp ranks left after ep.  What the
+layouts cannot run yet is refused before start (:func:`check_parallel`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from deepshard.finetune.models.llama.model import Llama, LlamaConfig
 from deepshard.finetune.models.moe import IMPLS, ROUTINGS, RouterStats, SparseMoe
+from deepshard.finetune.models.moe_ep import apply_ep
 from deepshard.finetune.models.moe_hf import check_moe_dir, load_moe_weights
 from deepshard.finetune.models.registry import HFAdapter, ModelSpec, register
 
@@ -75,8 +78,12 @@ class MoeDecoder(Llama):
         return super().forward(input_ids, labels, doc_ids=doc_ids, reduction=reduction)
 
 
-def check_parallel(cfg: MoeConfig, *, pp: int = 1, tp: int = 1, sp: int = 1, lora: Any = None) -> None:
+def check_parallel(cfg: MoeConfig, *, pp: int = 1, tp: int = 1, sp: int = 1, lora: Any = None,
+                   ep: int = 1) -> None:
     """Before start: the layouts the MoE families do not run yet, each refused naming its key."""
+    if ep > 1 and cfg.num_experts % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={cfg.num_experts}: each rank holds "
+                         f"num_experts / ep experts; choose ep among its divisors")
     for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.sp", sp)):
         if value > 1:
             raise ValueError(f"{key}={value}: not built for MoE models yet (the experts are neither split nor "
@@ -95,8 +102,10 @@ def _parallelize(model: nn.Module, mesh: Any, **kwargs: Any) -> Any:
     from deepshard.core.mesh import axis_size
     from deepshard.finetune.models.llama.parallelize import parallelize_llama
 
-    check_parallel(model.cfg, tp=axis_size(mesh, "tp"), sp=axis_size(mesh, "sp"), pp=axis_size(mesh, "pp"))
-    return parallelize_llama(model, mesh, **kwargs)
+    ep = axis_size(mesh, "ep")
+    check_parallel(model.cfg, tp=axis_size(mesh, "tp"), sp=axis_size(mesh, "sp"), pp=axis_size(mesh, "pp"), ep=ep)
+    experts = apply_ep(model, mesh["ep"]) if ep > 1 else []
+    return parallelize_llama(model, mesh, experts=experts, **kwargs)
 
 
 _NO_PP = "parallel.pp: pipeline stages are not built for MoE models yet (issue 40); use parallel.pp=1"

@@ -60,6 +60,9 @@ def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
     """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
     stages 1-2 would need a strided dp-over-tp placement that is not built here."""
     stage = optimizer.stage
+    if stage.expert_parallel:
+        return ("MoE experts split over parallel.ep > 1 (each rank's experts would be saved under the same names; "
+                "gathering them to the canonical [num_experts, ...] tensors is not built: save at parallel.ep=1)")
     if 0 < stage.zero_stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
         return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
     return None

@@ -11,11 +11,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
-from deepshard.core.zero.fsdp import CpuParamOffload, FullyShardedStage, ParamOffload, apply_fsdp
+from deepshard.core.zero.fsdp import (
+    CpuParamOffload,
+    FullyShardedStage,
+    ParamOffload,
+    apply_fsdp,
+    shard_experts,
+)
 from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.hsdp import hpz_reshard
 from deepshard.core.zero.reducer import AllReduceReducer, FullGradScatterReducer, ReduceScatterReducer
+from deepshard.core.zero.split import SplitStage, check_experts
 from deepshard.core.zero.stages import (
     ReplicatedStage,
     ShardedGradStage,
@@ -24,7 +31,7 @@ from deepshard.core.zero.stages import (
     trainable,
 )
 
-__all__ = ["CpuParamOffload", "GradHandoff", "ParamOffload", "ZeroStage", "apply_fsdp", "apply_zero"]
+__all__ = ["CpuParamOffload", "GradHandoff", "ParamOffload", "SplitStage", "ZeroStage", "apply_fsdp", "apply_zero"]
 
 
 def apply_zero(
@@ -36,6 +43,8 @@ def apply_zero(
     param_dtype: torch.dtype = torch.float32,
     offload_params: ParamOffload | None = None,
     shard_mesh: DeviceMesh | None = None,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> ZeroStage:
     """Make ``model`` data-parallel over ``dp_mesh`` at ``config.stage``; returns the stage handle,
     built from its parts (stages 1-2: a reducer and a gatherer; stage 2's reducer hands final
@@ -44,12 +53,23 @@ def apply_zero(
     Stages 0-2 expect the model already in its compute dtype; stage 3 expects fp32 params and
     casts to ``param_dtype`` per all-gather (FSDP2's MixedPrecisionPolicy).  ``shard_mesh``: the 2-D
     ``(dp_replicate, dp_shard)`` mesh of HSDP (zero.hsdp), stage 3 only; default ``dp_mesh``.
+
+    ``experts`` (MoE with expert parallelism): modules holding this rank's experts, whose params are
+    ZeRO-sharded over ``expert_mesh`` (the dp ranks left after ep, torchtitan's layout) instead of
+    ``dp_mesh``: stage 3 shards them with their own FSDP2 units; stages 0-2 reduce them in their own
+    group (a :class:`SplitStage` of the two parts).
     """
     reduce_dtype = DTYPES[config.reduce_dtype]
+    if experts:
+        assert expert_mesh is not None, "experts need their mesh"
+        check_experts(config, dtype="fp32" if param_dtype == torch.float32 else str(param_dtype),
+                      hsdp=shard_mesh is not None, offload_params=offload_params is not None)
     if shard_mesh is not None and config.stage != 3:
         raise ValueError(f"HSDP (parallel.dp_replicate > 1) needs zero.stage=3 (got zero.stage={config.stage})")
     if config.stage == 3:
         mesh = dp_mesh if shard_mesh is None else shard_mesh
+        if experts:  # before the blocks: FSDP2 leaves params a nested unit owns to that unit
+            shard_experts(experts, expert_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         gather = None
         if config.quantized_weights:  # ZeRO++ (imports deepshard.kernels)
             from deepshard.core.zero.quantized import zeropp_all_gather
@@ -67,12 +87,29 @@ def apply_zero(
             feedback = ErrorFeedback(err_beta=config.loco_err_beta, reset_t=config.loco_reset_t) if config.loco else None
             attach_qgz([*blocks, model], mesh, bits=config.quantized_gradients_bits,
                        node_size=config.quantized_gradients_node_size, feedback=feedback)
-        return FullyShardedStage(model, param_offload=offload_params,
-                                 error_feedback=feedback)
+        stage = FullyShardedStage(model, param_offload=offload_params, error_feedback=feedback)
+        stage.expert_parallel = bool(experts)
+        return stage
     if offload_params is not None:
         raise ValueError(f"offload.params=cpu needs zero.stage=3 (got zero.stage={config.stage})")
-    group = dp_mesh.get_group()
     names, params = trainable(model)
+    if not experts:
+        return _bucketed(model, names, params, dp_mesh, config, blocks=blocks, reduce_dtype=reduce_dtype)
+    owned = {id(p) for m in experts for p in m.parameters()}
+    dense = [(n, p) for n, p in zip(names, params) if id(p) not in owned]
+    moe = [(n, p) for n, p in zip(names, params) if id(p) in owned]
+    parts = [_bucketed(model, [n for n, _ in group], [p for _, p in group], mesh, config, blocks=blocks,
+                       reduce_dtype=reduce_dtype, overlap=i == 0 and config.overlap_allgather)
+             for i, (group, mesh) in enumerate(((dense, dp_mesh), (moe, expert_mesh)))]
+    return SplitStage(parts)
+
+
+def _bucketed(model: nn.Module, names: list[str], params: list[nn.Parameter], dp_mesh: DeviceMesh,
+              config: ZeroConfig, *, blocks: Sequence[nn.Module], reduce_dtype: torch.dtype,
+              overlap: bool | None = None) -> ZeroStage:
+    """Stages 0-2 over ``params`` (the model's, or one part of them) and ``dp_mesh``'s group."""
+    overlap = config.overlap_allgather if overlap is None else overlap
+    group = dp_mesh.get_group()
     reducer_kwargs = dict(reduce_bucket_size=config.reduce_bucket_size, overlap=config.overlap_comm,
                           reduce_dtype=reduce_dtype)
     if config.stage == 2:
@@ -85,9 +122,9 @@ def apply_zero(
         return ReplicatedStage(names, params, reducer=reducer)
     locals_ = [local_tensor(p.data) for p in params]
     # overlap_allgather: gathered unit by unit inside the next forward (see zero/gather.py)
-    order, units = forward_units(model, params, list(blocks)) if config.overlap_allgather else (None, [])
+    order, units = forward_units(model, params, list(blocks)) if overlap else (None, [])
     gatherer = ShardGatherer(locals_, group, allgather_bucket_size=config.allgather_bucket_size, order=order)
-    if config.overlap_allgather:
+    if overlap:
         gatherer.hook_forward(model, units)
     cls = ShardedOptimizerStage if config.stage == 1 else ShardedGradStage
-    return cls(names, params, reducer=reducer, gatherer=gatherer, gather_in_forward=config.overlap_allgather)
+    return cls(names, params, reducer=reducer, gatherer=gatherer, gather_in_forward=overlap)

@@ -105,6 +105,20 @@ def apply_fsdp(
         offload_params.attach(model, blocks)
 
 
+def shard_experts(experts: Iterable[nn.Module], mesh: DeviceMesh, *, param_dtype: torch.dtype,
+                  reduce_dtype: torch.dtype) -> None:
+    """Stage 3 of MoE experts under expert parallelism: each module of this rank's experts its own FSDP2
+    unit over ``mesh`` (the dp ranks left after ep), gathered when it runs and resharded after (torchtitan's
+    layout).  Call before :func:`apply_fsdp`, whose units then leave these params alone."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    gloo = dist.get_backend(mesh.get_group()) == "gloo"
+    for module in experts:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        if gloo:
+            module.set_custom_all_gather(GlooAllGather())
+            module.set_custom_reduce_scatter(GlooReduceScatter())
+
+
 class FullyShardedStage(ZeroStage):
     """Stage 3: the sharded fp32 params *are* the master weights; FSDP2 reduce-scatters grads."""
 

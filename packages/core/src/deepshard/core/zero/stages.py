@@ -28,6 +28,7 @@ class ZeroStage(ABC):
     zero_stage: int
     params: list[nn.Parameter]
     names: list[str]
+    expert_parallel: bool = False  # MoE experts split over an ep axis (zero.split): not checkpointable yet
 
     @abstractmethod
     def local_params(self) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ all-reduce.  The rank ``r`` is never split, so every rank and target works where
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -113,12 +113,13 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                       ac: str = "none", offload_params: ParamOffload | None = None,
-                      ac_offload: bool = False) -> ShardedPart:
+                      ac_offload: bool = False, experts: Sequence[nn.Module] = ()) -> ShardedPart:
     """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
 
     ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
     0-2 compute in ``dtype`` (the fp32 local shards are kept for the master weights); stage 3
     keeps fp32 shards and casts per all-gather.  The engine and every pipeline stage take this.
+    ``experts``: an MoE model's expert modules under ``parallel.ep`` (sharded over ``mesh["edp"]``).
     """
     check_tp(model.cfg, mesh["tp"].size())
     sp = axis_size(mesh, "sp")
@@ -129,7 +130,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
-                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload)
+                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload,
+                             experts=experts)
     if mesh["tp"].size() > 1 and getattr(model, "lm_head", None) is not None:
         model.head_loss_fn = partial(_logits_loss, model.lm_head)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
