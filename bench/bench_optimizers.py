@@ -1,7 +1,7 @@
 """The README run (apps/finetune/main.py +zero=stage3, 100 steps, same seed) with AdamW and Muon, and with
 fp32 and bf16 optimizer states: final losses side by side, one JSON line.
 
-    python bench/optimizers.py [--out DIR] [--steps 100] [--timeout 600]
+    python bench/bench_optimizers.py [--out DIR] [--steps 100] [--timeout 600]
 
 Each run is bench/bench_app_run.py (the app unchanged, its TensorBoard scalars read back).  No goal on
 which optimizer wins; bf16 states are expected within 2% of fp32 states' final loss.
