@@ -15,7 +15,7 @@ from deepshard.finetune.models import registry
 from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, WINDOW, chat_rows, reference_loss, save_hf
 
 SWITCH = {"qwen2": {"qkv_bias": False}, "qwen3": {"qk_norm": False}, "mistral": {"sliding_window": 0},
-          "llama": {"rope_scaling": ()}}
+          "llama": {"rope_scaling": ()}, "gemma3": {"final_softcap": 0.0}}
 
 
 def _ours(spec, cfg, path):

@@ -102,7 +102,7 @@ def hf_fields(cfg: GemmaConfig, *, dtype: str, bos_token_id: int | None, eos_tok
     return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                 head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar),
                 sliding_window=cfg.sliding_window or None, layer_types=list(cfg.layer_types),
                 attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.final_softcap or None,
                 tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
@@ -125,3 +125,8 @@ def causal_lm_of(hf_class: str, config_class: str, config: dict[str, Any]) -> nn
     import transformers
 
     return getattr(transformers, hf_class)(getattr(transformers, config_class).from_dict(config))
+
+
+def _number(x: float) -> int | float:
+    """An integral value as an int (transformers' config classes type-check ``query_pre_attn_scalar``)."""
+    return int(x) if float(x).is_integer() else x
