@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from deepshard.core.dtensor_utils import copy_global
@@ -235,11 +235,12 @@ class Gemma(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The tied head (soft-capped): under TP the embedding's vocabulary shard gives this rank's
-        columns of the logits, then all-gathered (the loss then sees every rank's vocabulary)."""
+        columns of the logits, then all-gathered (the loss then sees every rank's vocabulary), as a
+        column-parallel head does."""
         w = self.embed_tokens.weight
-        if isinstance(w, DTensor):
-            part = h @ w.to_local().t()
-            logits = DTensor.from_local(part, w.device_mesh, [Shard(part.dim() - 1)], run_check=False).full_tensor()
+        if isinstance(w, DTensor):  # h enters as Replicate: its gradient is summed over the vocabulary shards
+            hd = DTensor.from_local(h, w.device_mesh, [Replicate()], run_check=False)
+            logits = torch.matmul(hd, w.t()).full_tensor()
         else:
             logits = h @ w.t()
         cap = self.cfg.final_softcap
