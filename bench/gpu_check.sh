@@ -71,6 +71,9 @@ EOF
 part kernels_tests $(( SMOKE ? 120 : 100 )) "$PY" -m pytest tests/kernels -m triton -q -p no:cacheprovider \
   --junitxml="$OUT/kernels_tests.xml" -o addopts="" -W ignore
 
+# 2b. Gemma on CUDA's attention paths (flex masks per layer kind, soft-capped scores) against the CPU's
+part gemma_cuda 90 "$PY" -m pytest tests/models/test_gemma.py -k cuda -q -p no:cacheprovider -o addopts="" -W ignore
+
 # 3. the app: model=small, bf16, 30 steps, ZeRO 0-3 x offload none/cpu/nvme (+ params on the host)
 if (( SMOKE )); then
   COMMON=(model=tiny precision=fp32 train.max_steps=4 data.seq_len=64 train.micro_batch_size=2

@@ -180,3 +180,53 @@ def test_the_estimator_counts_gemma_s_extra_norms_and_capped_scores():
     more = registry.spec_of(capped).activation_memory(capped, shape)[0] - registry.spec_of(gemma).activation_memory(
         gemma, shape)[0]
     assert more == 2 * (2 * 4 + 4) * 2 * 4 * 64 * 64  # 2 blocks x scores, capped, fp32 probs [b, heads, s, s]
+
+
+def test_gemma_lora_equals_peft_on_transformers(tmp_path):
+    """Our LoRA on every projection of Gemma 3 against PEFT's on transformers' model, factors equal:
+    the loss and every adapter's gradient (the base frozen) within 1e-5."""
+    from deepshard.finetune.models.lora import apply_lora
+    from tests.models.train_harness import ALPHA, RANK, TARGETS, _peft, adapter_value, hf_name
+
+    hf = _hf("gemma3_capped")
+    hf.save_pretrained(str(tmp_path))
+    _, _, ours = _load(tmp_path)
+    apply_lora(ours, r=RANK, alpha=ALPHA, target_modules=TARGETS, seed=None)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if ".lora_" in n:
+                p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
+    theirs = _peft(hf)
+    ids, labels = chat_rows()
+    loss = ours(ids[0], labels[0])
+    loss.backward()
+    ref = reference_loss(theirs(ids[0]).logits, labels[0])
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    grads = {hf_name(n): p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    mine = {"model." + n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert set(mine) == set(grads) and len(mine) == 2 * 7 * 2
+    assert max((mine[n] - grads[n]).abs().max().item() for n in mine) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own attention paths (bench/gpu_check.sh runs it)")
+@pytest.mark.parametrize("name", ["gemma2_capped", "gemma3_capped"])
+def test_gemma_on_cuda_equals_the_cpu_path(tmp_path, name):
+    """On CUDA with the fused kernels: a flex BlockMask per kind of layer (documents, the sliding
+    window), Triton RMS/rotary/loss, Gemma 2's capped scores on the math path; logits and loss equal
+    the CPU's (fp32) with packed documents, and the gradients flow."""
+    _hf(name).save_pretrained(str(tmp_path))
+    spec, cfg, cpu = _load(tmp_path)
+    gpu = spec.build(dataclasses.replace(cfg, kernels="triton", loss_chunk_size=16)).cuda()
+    gpu.load_state_dict(cpu.state_dict(), strict=False)
+    ids, labels = chat_rows()
+    doc_ids = (torch.arange(SEQ) >= SEQ // 2).long().expand(ids.shape[1], SEQ)
+    with torch.no_grad():
+        want_logits = cpu(ids[0], doc_ids=doc_ids)
+        want = cpu(ids[0], labels[0], doc_ids=doc_ids)
+    loss = gpu.train()(ids[0].cuda(), labels[0].cuda(), doc_ids=doc_ids.cuda())
+    loss.backward()
+    with torch.no_grad():
+        logits = gpu.eval()(ids[0].cuda(), doc_ids=doc_ids.cuda()).cpu()
+    assert abs(loss.item() - want.item()) < 1e-4 and (logits - want_logits).abs().max().item() < 1e-4
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu.parameters())
