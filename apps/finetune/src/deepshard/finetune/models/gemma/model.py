@@ -249,7 +249,7 @@ class Gemma(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
+        h = h * h.new_tensor(self.cfg.dim ** 0.5)  # the scale rounded to the embedding's dtype first, as HF
         masks = {SLIDING: None, FULL: None}
         if doc_ids is not None:  # flex (CUDA) holds the window in its BlockMask; not with soft-capped scores
             fused = use_flex(doc_ids.device, self.cfg.kernels) and not self.cfg.attn_softcap
