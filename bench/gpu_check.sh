@@ -76,6 +76,8 @@ part families_cuda 90 "$PY" -m pytest tests/models/test_family_cuda.py -q -p no:
 # 2c. MoE: grouped GEMM on CUDA (fp32, against the per-expert loop) and the expert dispatch through a 1-rank nccl
 #     all-to-all (one GPU: every expert local, the exchange still runs)
 part moe_ep 60 "$PY" -c 'import torch, torch.distributed as dist; from deepshard.core import init_distributed; from deepshard.finetune.models.moe import SparseMoe; init_distributed(); torch.manual_seed(0); d = "cuda" if torch.cuda.is_available() else "cpu"; m = SparseMoe(256, 512, 8, 2, routing="softmax_topk").to(d); [torch.nn.init.normal_(p, std=0.05) for p in m.parameters()]; x = torch.randn(4, 512, 256, device=d); ref = m(x); m.ep_group = dist.group.WORLD; y = m(x); y.sum().backward(); torch.testing.assert_close(y, ref); m.experts.impl = "loop"; torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4); print("moe_ep ok", dist.get_backend())'
+# 2d. Gemma on CUDA's attention paths (flex masks per layer kind, soft-capped scores) against the CPU's
+part gemma_cuda 90 "$PY" -m pytest tests/models/test_gemma.py -k cuda -q -p no:cacheprovider -o addopts="" -W ignore
 
 # 3. the app: model=small, bf16, 30 steps, ZeRO 0-3 x offload none/cpu/nvme (+ params on the host)
 if (( SMOKE )); then

@@ -62,6 +62,10 @@ ALLOWED = {
     f"{FINETUNE}/data/resumable.py:*": "data order from a seeded host generator (identical on every rank)",
     f"{FINETUNE}/models/llama/model.py:Llama.init_weights":
         "seeded host RNG: the same init on any device and world size; copied into the (sharded) params",
+    f"{FINETUNE}/models/gemma/model.py:Gemma.init_weights":
+        "seeded host RNG, as Llama.init_weights: copied into the (sharded) params",
+    f"{FINETUNE}/models/gemma/model.py:GemmaRMSNorm.__init__":
+        "a module parameter: follows the caller's torch.device context (meta, then to_empty)",
     f"{FINETUNE}/models/lora.py:init_adapters":
         "seeded host RNG for the adapters, as Llama.init_weights: copied into the (sharded) params",
     "packages/compat/src/deepshard/compat/deepspeed/ds_layout.py:DsCheckpoint.full":

@@ -5,7 +5,8 @@ Each family's case turns on what random small inputs would hide: Qwen2's q/k/v b
 non-zero), Qwen3's q/k norms (weights away from 1) with a head_dim that is not hidden/heads, Mistral
 with rows longer than its sliding window, Llama 3.1's rope_type=llama3 with tied embeddings, Phi-3
 with fused qkv/gate_up, Phi-4-mini's partial rotary and longrope (every row longer than
-original_max_position_embeddings: the long factors) and a sliding window.
+original_max_position_embeddings: the long factors) and a sliding window, Gemma 3
+(see ``GEMMA3``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ WINDOW = 6  # Mistral's sliding window: every row is longer
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)
-FAMILIES = ("qwen2", "qwen3", "mistral", "llama", "phi3")
+FAMILIES = ("qwen2", "qwen3", "mistral", "llama", "phi3", "gemma3")
 PHI3_ORIGINAL = 16  # Phi-3's original_max_position_embeddings: SEQ rows use the long factors, shorter ones the short
+# Gemma 3: a sliding and a global layer (rows longer than the window), their own RoPE bases (the global
+# one linearly scaled), q/k norms, query_pre_attn_scalar != head_dim, the final logits soft-capped
+GEMMA3 = dict(head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+              query_pre_attn_scalar=12, final_logit_softcapping=5.0,
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})
 
 
 def hf_config(family: str, **overrides):
@@ -40,6 +47,8 @@ def hf_config(family: str, **overrides):
                 "original_max_position_embeddings": PHI3_ORIGINAL}
         return tf.Phi3Config(**{"sliding_window": 2 * WINDOW, **kw}, rope_parameters=rope,
                              original_max_position_embeddings=PHI3_ORIGINAL)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**{**GEMMA3, **kw})
     assert family == "llama"
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

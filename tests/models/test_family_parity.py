@@ -24,7 +24,8 @@ from tests.models.hf_refs import (
 )
 
 SWITCH = {"qwen2": {"qkv_bias": False}, "qwen3": {"qk_norm": False}, "mistral": {"sliding_window": 0},
-          "llama": {"rope_scaling": ()}, "phi3": {"rope_short_factor": (), "rope_long_factor": (), "rope_original_max": 0, "rope_attention_factor": 1.0}}
+          "llama": {"rope_scaling": ()}, "phi3": {"rope_short_factor": (), "rope_long_factor": (), "rope_original_max": 0, "rope_attention_factor": 1.0},
+          "gemma3": {"final_softcap": 0.0}}
 
 
 def _ours(spec, cfg, path):

@@ -28,10 +28,12 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "zero3_qwen2": ("qwen2", 1, 2, 1, 3, {"loss_chunk_size": 16}),
          "zero3_mistral": ("mistral", 1, 2, 1, 3, {}),
          "zero3_llama": ("llama", 1, 2, 1, 3, {}),
+         "zero3_gemma3": ("gemma3", 1, 2, 1, 3, {"loss_chunk_size": 16}),  # the soft-capped chunked loss
          "pp2_mistral": ("mistral", 2, 1, 1, 1, {}),
          "zero3_qwen2_lora": ("qwen2", 1, 2, 1, 3, {}),
          "zero3_phi3": ("phi3", 1, 2, 1, 3, {}),
-         "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {})}
+         "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {}),
+         "tp2_gemma3": ("gemma3", 1, 1, 2, 0, {})}
 LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
 TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
 

@@ -93,10 +93,11 @@ def safetensors_headers(path: Path) -> Iterator[tuple[Path, dict[str, tuple[int,
         yield f, found
 
 
-def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], str] = from_hf_name,
+def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], str | None] = from_hf_name,
                  assemble: Assemble | None = None) -> None:
     """Before any worker starts: a tokenizer is there, and the safetensors headers hold exactly the
-    weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read)."""
+    weights of ``model`` (on the meta device) with its shapes (headers only: no tensor is read).
+    ``rename`` gives our name of a HF tensor, or None for one the family leaves out."""
     path = Path(path)
     check_tokenizer(path)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -104,6 +105,8 @@ def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], 
     for f, found in safetensors_headers(path):
         for hf_name, shape in found.items():
             name = rename(hf_name)
+            if name is None:  # left out on purpose by the family (Gemma 3's vision tower)
+                continue
             if name not in shapes:
                 if "rotary_emb" in name:
                     continue
@@ -121,7 +124,7 @@ def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], 
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str], str] = from_hf_name,
+def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str], str | None] = from_hf_name,
                     assemble: Assemble | None = None) -> None:
     """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time
     (``rename``/``assemble``: as in :func:`check_hf_dir`)."""
@@ -133,6 +136,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str
         with safe_open(str(f), framework="pt") as st:
             for hf_name in st.keys():
                 name = rename(hf_name)
+                if name is None:
+                    continue
                 if name not in params:
                     if "rotary_emb" in name:
                         continue

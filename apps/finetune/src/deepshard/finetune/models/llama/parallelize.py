@@ -113,8 +113,10 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                       ac: str = "none", offload_params: ParamOffload | None = None,
-                      ac_offload: bool = False, experts: Sequence[nn.Module] = ()) -> ShardedPart:
-    """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
+                      ac_offload: bool = False, experts: Sequence[nn.Module] = (),
+                      tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None) -> ShardedPart:
+    """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place
+    (``tp_plan``: another decoder's plan for the same recipe, Gemma's; default :func:`llama_tp_plan`).
 
     ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
     0-2 compute in ``dtype`` (the fp32 local shards are kept for the master weights); stage 3
@@ -130,8 +132,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
-                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload,
-                             experts=experts)
+                             tp_plan=(tp_plan or llama_tp_plan)(model), offload_params=offload_params,
+                             ac_offload=ac_offload, experts=experts)
     if mesh["tp"].size() > 1 and getattr(model, "lm_head", None) is not None:
         model.head_loss_fn = partial(_logits_loss, model.lm_head)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
