@@ -145,7 +145,12 @@ class TransformersLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         kwargs: dict[str, Any] = {}
-        if doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
+        if input_ids.is_meta:  # counting FLOPs on meta: a ready 4-D causal mask (transformers' own mask
+            # code reads values, which meta tensors have none of)
+            s = input_ids.shape[1]
+            kwargs["attention_mask"] = torch.ones(s, s, dtype=torch.bool, device="meta").tril().expand(
+                input_ids.shape[0], 1, s, s)
+        elif doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
             kwargs["position_ids"] = positions_in_documents(doc_ids)
         logits = self.hf(input_ids=input_ids, use_cache=False, **kwargs).logits
         if labels is None:
