@@ -22,7 +22,8 @@ from torch import nn
 
 from deepshard.finetune.models.hf import check_hf_dir, from_hf_name, load_hf_weights, to_hf_name
 
-BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma")  # packages under deepshard.finetune.models that register a family on import
+BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma",
+           "transformers_path")  # packages under deepshard.finetune.models that register a family on import
 DEFAULT_FAMILY = "llama"  # the presets' (model=tiny|small) family: its config's fields are the model.* keys
 
 
@@ -72,6 +73,9 @@ class ModelSpec:
     presets: Mapping[str, Any] = field(default_factory=dict)  # name -> config (benches, tests)
     # (config, *, pp, tp, sp, lora) -> None: ValueError, before start, for a layout the family cannot run
     check_parallel: Callable[..., None] | None = None
+    # model_type -> whether this family reads it when no family lists it (the transformers path's fallback)
+    claims: Callable[[str], bool] | None = None
+    describe: Callable[[Any], str] | None = None  # config -> the run's line naming the path it takes
 
 
 _SPECS: dict[str, ModelSpec] = {}
@@ -133,9 +137,19 @@ def for_hf(path: str | Path) -> ModelSpec:
     for spec in _SPECS.values():
         if model_type in spec.hf.model_types:
             return spec
+    for spec in _SPECS.values():
+        if spec.claims is not None and spec.claims(model_type):
+            return spec
     valid = sorted(t for spec in _SPECS.values() for t in spec.hf.model_types)
     raise ValueError(f"model.path={str(path)!r}: config.json has model_type={model_type!r}; "
-                     f"supported model types are {valid}")
+                     f"supported model types are {valid}, or any with a causal LM class in transformers "
+                     f"(the transformers path)")
+
+
+def path_line(cfg: Any) -> str:
+    """The run's line saying which path its model takes: native (the family) or its spec's own words."""
+    spec = spec_of(cfg)
+    return spec.describe(cfg) if spec.describe is not None else f"model: native ({spec.name})"
 
 
 def from_meta(meta: Mapping[str, Any]) -> tuple[ModelSpec, Any]:

@@ -203,6 +203,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
                         run_dir=run_dir, zero_stage=s.engine.zero.stage,
                         step_hooks=step_hooks_from_env(os.environ))
     logger.print(header(s, world, engine.num_params, len(dataset)))
+    logger.print(registry.path_line(s.model))  # native family or transformers' own code
     return loop
 
 

@@ -1,0 +1,304 @@
+"""The transformers path: ``model=hf`` on GPT-2 (Conv1D, tied head), GPT-NeoX (its config's TP plan,
+its ``embed_out`` key) and OLMo2 (q/k norms over all heads), tiny random models made by transformers'
+own config classes and saved by ``save_pretrained``.
+
+World 1: our token-weighted loss on masked variable-length rows equals the one computed in the test
+from transformers' logits; packed documents see only themselves.  One shared world-2 run: ZeRO-3 on
+each model (GPT-2 with grad accumulation and AC, GPT-NeoX with CPU offload, OLMo2 with LoRA once) and
+GPT-NeoX at tp=2 equal transformers' model trained by plain torch.optim.AdamW (losses and every
+parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits.
+Refusals (pp, sp, tp without a plan, LoRA on Conv1D) are one line from the app's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepshard.finetune.models import registry
+from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows, reference_loss
+
+STEPS, LR, BETAS, EPS, WD = 3, 2e-3, (0.9, 0.95), 1e-6, 0.1
+KINDS = ("gpt2", "neox", "olmo2")
+# name -> (kind, dp, tp, zero stage, grad_accum, ac, cpu offload, lora)
+CASES = {"zero3_gpt2": ("gpt2", 2, 1, 3, 2, "full", False, False),
+         "zero3_neox": ("neox", 2, 1, 3, 1, "none", True, False),
+         "zero3_olmo2": ("olmo2", 2, 1, 3, 1, "none", False, False),
+         "zero3_olmo2_lora": ("olmo2", 2, 1, 3, 1, "none", False, True),
+         "tp2_neox": ("neox", 1, 2, 0, 1, "none", False, False)}  # one tp mesh per process: last
+TARGETS, RANK, ALPHA = ("q_proj", "v_proj"), 4, 8.0
+
+
+def hf_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt2":
+        return tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, **common)
+    if kind == "neox":
+        return tf.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                                max_position_embeddings=64, **common)
+    return tf.Olmo2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=48, max_position_embeddings=64, **common)
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    """transformers' own model, seeded, its biases and norm weights moved off zero / one."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def adapter_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A LoRA factor's start by its transformers name (B non-zero, so both factors train)."""
+    return 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, name))))
+
+
+def _ours(hf_dir: str, device: str | None = "cpu"):
+    """(spec, config, model) as the app builds it: on meta, then (``device``) materialized and loaded."""
+    spec = registry.for_hf(hf_dir)
+    cfg = spec.hf.config_from_hf(hf_dir)
+    model = registry.build_meta(cfg)
+    if device is not None:
+        model.to_empty(device=device)
+        model.init_weights(0)
+        spec.hf.load_weights(model, hf_dir)
+    return spec, cfg, model
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("transformers_path")
+    for kind in KINDS:
+        hf_model(kind).save_pretrained(str(root / kind))
+    return {kind: str(root / kind) for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_our_loss_is_transformers_token_weighted_loss(dirs, kind):
+    spec, cfg, model = _ours(dirs[kind])
+    assert spec.name == "transformers" and registry.path_line(cfg).startswith("model: transformers path (")
+    ids, labels = chat_rows(1)
+    with torch.no_grad():
+        ours = model.eval()(ids[0], labels[0], reduction="sum") / (labels[0] != -100).sum()
+        ref = reference_loss(hf_model(kind)(ids[0]).logits, labels[0])
+    assert abs(ours.item() - ref.item()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ("gpt2", "olmo2"))
+def test_packed_documents_see_only_themselves(dirs, kind):
+    """Two documents in one row (doc_ids) give each the logits it has alone (absolute and rotary positions)."""
+    _, _, model = _ours(dirs[kind])
+    ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    doc_ids = (torch.arange(SEQ) >= 9).long().unsqueeze(0)
+    ref = hf_model(kind)
+    with torch.no_grad():
+        packed = model.eval()(ids, doc_ids=doc_ids)
+        alone = torch.cat([ref(ids[:, :9]).logits, ref(ids[:, 9:]).logits], dim=1)
+    assert (packed - alone).abs().max().item() < 1e-5
+
+
+def _worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
+    from deepshard.core import init_distributed
+
+    init_distributed()
+    return {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES}
+
+
+def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+        initialize,
+    )
+    from deepshard.core.checkpoint.state import save_checkpoint
+    from deepshard.core.zero import CpuParamOffload
+    from deepshard.finetune.models.lora import apply_lora
+
+    kind, dp, tp, stage, accum, ac, offload, lora = CASES[name]
+    spec, cfg, model = _ours(hf_dir, device=None)  # on meta
+    if lora:
+        apply_lora(model, r=RANK, alpha=ALPHA, target_modules=TARGETS, seed=None)
+
+    def materialize(m: torch.nn.Module) -> None:
+        m.init_weights(0)
+        spec.hf.load_weights(m, hf_dir)
+        if lora:
+            for n, p in m.named_parameters():
+                if ".lora_" in n:
+                    from deepshard.core.dtensor_utils import copy_global
+
+                    copy_global(p, adapter_value(spec.hf.to_hf_name(n).replace(".weight", ""), tuple(p.shape)))
+
+    if stage != 3:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            materialize(model)
+    config = EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000),
+                          precision=PrecisionConfig(dtype="fp32"), grad_accum=accum, ac=ac,
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    mesh = build_mesh(ParallelDims(pp=1, dp=dp, tp=tp))
+    params = CpuParamOffload() if offload else None
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac, offload_params=params)
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, offload_params=params,
+                        materialize=materialize if stage == 3 else None)
+    ids, labels = chat_rows(STEPS)
+    r = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        x, y = ids[step, r * ROWS // dp:(r + 1) * ROWS // dp], labels[step, r * ROWS // dp:(r + 1) * ROWS // dp]
+        num_items = engine.global_num_items((y != -100).sum())
+        total = torch.zeros(())
+        for part in range(accum):  # the step's rows in ``accum`` micro-batches, one token-weighted loss
+            rows = slice(part * len(x) // accum, (part + 1) * len(x) // accum)
+            loss = engine(x[rows], y[rows], reduction="sum")
+            engine.backward(loss, num_items=num_items)
+            total += loss.detach()
+        engine.step()
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        losses.append(total.item() / num_items.item())
+    full = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for n, p in engine.model.named_parameters()}
+    out = {"losses": losses, "params": full}
+    if name in ("zero3_gpt2", "zero3_neox"):
+        meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+        out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
+                                                model=engine.model, app_state={"step": STEPS}, meta=meta))
+    return out
+
+
+def reference(kind: str, lora: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers' model, 3 steps of torch.optim.AdamW on the whole batch (decay on matrices), the
+    summed token loss over labels != -100 divided by their count; ``lora``: PEFT's adapters only."""
+    model = hf_model(kind).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS)))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(adapter_value(_hf_name(n).replace(".weight", ""), tuple(p.shape)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+    ids, labels = chat_rows(STEPS)
+    losses = []
+    for step in range(STEPS):
+        logits = model(ids[step]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100, reduction="sum")
+        loss = loss / (labels[step] != -100).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {_hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _hf_name(peft_name: str) -> str:
+    return peft_name.removeprefix("base_model.model.").replace(".default.", ".").replace(".base_layer.", ".")
+
+
+@pytest.fixture(scope="module")
+def world2(dirs, gloo_pool, tmp_path_factory):
+    return gloo_pool(2).run(_worker, dirs, str(tmp_path_factory.mktemp("transformers_ckpt")))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_world2_trains_as_plain_torch(world2, name):
+    kind, _, _, _, _, _, _, lora = CASES[name]
+    ref_losses, ref_params = reference(kind, lora)
+    losses = world2[0][name]["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    ours = world2[0][name]["params"]
+    assert set(ours) <= set(ref_params) and set(ref_params) - set(ours) <= {"lm_head.weight"}  # tied: one name
+    worst = max(((ours[n] - ref_params[n]).abs().max().item(), n) for n in ours)
+    assert worst[0] < 1e-5, worst
+    start = dict(hf_model(kind).named_parameters())
+    moved = {n for n in ours if n not in start or (ours[n] - start[n]).abs().max() > 1e-4}
+    assert moved == ({n for n in ours if ".lora_" in n} if lora else set(ours))
+
+
+@pytest.mark.parametrize("name", ("zero3_gpt2", "zero3_neox"))
+def test_export_loads_in_transformers_with_our_logits(world2, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    from deepshard.finetune.tools.hf_export import export_checkpoint
+
+    export_checkpoint(world2[0][name]["checkpoint"], tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == hf_config(CASES[name][0]).model_type
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    trained = hf_model(CASES[name][0])
+    missing = trained.load_state_dict(world2[0][name]["params"], strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (loaded(ids).logits - trained(ids).logits).abs().max().item() < 1e-5
+
+
+def _settings(hf_dir: str, *overrides: str, world: int = 2):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from deepshard.finetune.config import register, validate
+
+    register()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="config", overrides=["model=hf", f"model.path={hf_dir}", "data.seq_len=32", *overrides])
+    return validate(OmegaConf.to_container(cfg, resolve=True), world_size=world)
+
+
+@pytest.mark.parametrize(("kind", "overrides", "message"), [
+    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path \(Olmo2ForCausalLM\) has no pipeline"),
+    ("olmo2", ["parallel.sp=2"], r"^parallel.sp=2: the transformers path \(Olmo2ForCausalLM\) has no sequence"),
+    ("gpt2", ["parallel.tp=2"], r"^parallel.tp=2: GPT2LMHeadModel .* has no base_model_tp_plan"),
+    ("gpt2", ["+peft=lora", "peft.target_modules=[q_proj]"], r"GPT2LMHeadModel has no nn.Linear of those names"),
+])
+def test_refusals_are_one_line_before_start(dirs, kind, overrides, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _settings(dirs[kind], *overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_the_app_reads_any_causal_lm_as_the_transformers_path(dirs):
+    s = _settings(dirs["neox"], "parallel.tp=2")  # GPT-NeoX's config carries a tp plan
+    assert registry.spec_of(s.model).name == "transformers" and s.model.arch == "GPTNeoXForCausalLM"
+    assert registry.path_line(s.model) == "model: transformers path (GPTNeoXForCausalLM)"
+    assert registry.path_line(registry.get("llama").config()) == "model: native (llama)"
+
+
+def test_the_estimator_and_the_flop_count_take_it(dirs):
+    """The app's preflight and profiler run on it: FLOPs counted on meta, activations from its bound."""
+    from deepshard.finetune.models.working_set import working_set_of
+    from deepshard.finetune.recipe.assemble import step_flops
+
+    s = _settings(dirs["olmo2"], "+zero=stage3", "ac=full")
+    c = s.model
+    tokens = s.train.micro_batch_size * s.data.seq_len
+    matmul = sum(p.numel() for n, p in hf_model("olmo2").named_parameters() if p.dim() == 2 and "embed" not in n)
+    assert step_flops(s) >= 6 * tokens * matmul * s.train.grad_accum  # 6 FLOPs per weight per token, at least
+    ws = working_set_of(s, baseline=0)
+    assert ws.device["activations"] >= tokens * (c.n_layers * c.dim + c.vocab_size) * 4
