@@ -1,4 +1,4 @@
-"""How the Llama model is parallelized: its TP plan, handed to core's one recipe (TP -> AC -> precision -> ZeRO).
+"""How the Llama model is parallelized: its TP plan, handed to core's one recipe (TP -> AC -> compile -> precision -> ZeRO).
 
 ``parallelize_llama`` works on the whole model or on one pipeline stage (a stage lacks the
 embedding or the head: the plan only names what exists), and is what ``pipeline_llama`` hands
@@ -113,8 +113,8 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                       ac: str = "none", offload_params: ParamOffload | None = None,
-                      ac_offload: bool = False) -> ShardedPart:
-    """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place.
+                      ac_offload: bool = False, compile: bool = False) -> ShardedPart:
+    """The Llama recipe: core's TP -> AC -> compile -> precision -> ZeRO with this family's TP plan, in place.
 
     ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
     0-2 compute in ``dtype`` (the fp32 local shards are kept for the master weights); stage 3
@@ -129,7 +129,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     tiled = apply_vocab_tiling(model, mesh["dp"], rows=rows, param_dtype=DTYPES[dtype],
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
-                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload)
+                             tp_plan=llama_tp_plan(model), offload_params=offload_params, ac_offload=ac_offload,
+                             compile=compile)
     if mesh["tp"].size() > 1 and getattr(model, "lm_head", None) is not None:
         model.head_loss_fn = partial(_logits_loss, model.lm_head)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
@@ -198,7 +199,8 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
 
     def parallelize(stage: nn.Module) -> ShardedPart:
         return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac,
-                                 offload_params=offload_params, ac_offload=config.ac_offload)
+                                 offload_params=offload_params, ac_offload=config.ac_offload,
+                                 compile=config.compile)
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
