@@ -85,6 +85,7 @@ else
     RUNS+=("s${s}_none:+zero=stage$s" "s${s}_cpu:+zero=stage$s +offload=cpu" "s${s}_nvme:+zero=stage$s +offload=nvme")
   done
   RUNS+=("s3_cpu_params:+zero=stage3 +offload=cpu offload.params=cpu")
+  RUNS+=("s3_compile:+zero=stage3 compile=true")  # per-block torch.compile (issue 42): its tok/s and MFU beside s3_none's
   RUN_S=40; WARMUP=5
 fi
 SWAP="${NVME_PATH:-$OUT/swap}"

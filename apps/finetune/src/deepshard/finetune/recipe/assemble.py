@@ -149,7 +149,7 @@ def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
     layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp}{sp})" if split or sp else ""
     params_scope = " per pp/tp rank" if split else ""  # each pp/tp rank holds a part
     return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
-            f"{s.engine.precision.dtype}, {num_params / 1e6:.2f}M {'trainable (LoRA) ' if s.peft else ''}"
+            f"{s.engine.precision.dtype}{', compiled blocks' if s.engine.compile else ''}, {num_params / 1e6:.2f}M {'trainable (LoRA) ' if s.peft else ''}"
             f"params{params_scope}, {num_windows} windows of {s.data.seq_len} tokens")
 
 
