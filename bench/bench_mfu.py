@@ -1,5 +1,5 @@
 """Eager vs ``compile=true`` through the app, in one run: the README model and ``model=small`` at
-world 2, ZeRO 0, 2 and 3; tokens/s, MFU, peak RSS per run and compile time (cold: each run's inductor
+world 2, ZeRO 0, 2 and 3; tokens/s, MFU, the largest process's peak RSS and compile time (cold: each run's inductor
 cache is its own run dir).  JSON on stdout (and ``--out FILE``).
 
     python bench/bench_mfu.py [--models tiny,small] [--stages 0,2,3] [--steps tiny=30,small=8]
@@ -24,9 +24,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "apps/finetune/main.py"
 TORCHTITAN_MFU = (0.33, 0.39)
-# the child's peak RSS: the largest of the app's processes (its workers are waited for by main.py)
-RSS = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-       "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+
+
+def _watch(cmd: list[str], timeout: float, env: dict) -> tuple[object, str, float]:
+    """Run ``cmd``; its return code, output and the largest RSS any of its processes reached (MiB,
+    sampled every 0.2 s: the workers are not reaped by their parent's parent, so rusage misses them)."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        peak, start = 0, time.perf_counter()
+        while proc.poll() is None:
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                proc.wait()
+                break
+            try:
+                procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                peak = max([peak, *(p.memory_info().rss for p in procs if p.is_running())])
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        log.seek(0)
+        rc = proc.returncode if proc.returncode is not None else "timeout"
+        return rc, log.read(), peak / 2**20
 
 
 def _scalars(logdir: Path) -> dict[str, list[float]]:
@@ -40,21 +61,15 @@ def _scalars(logdir: Path) -> dict[str, list[float]]:
 def run(model: str, stage: int, compiled: bool, steps: int, warmup: int, out: Path, timeout: float) -> dict:
     name = f"{model}_zero{stage}_{'compiled' if compiled else 'eager'}"
     run_dir = out / name
-    cmd = [sys.executable, "-c", RSS, sys.executable, str(MAIN), f"model={model}", f"+zero=stage{stage}",
+    cmd = [sys.executable, str(MAIN), f"model={model}", f"+zero=stage{stage}",
            f"compile={'true' if compiled else 'false'}", f"train.max_steps={steps}", "launcher.nproc_per_node=2",
            f"train.log_every={steps}", "checkpoint.every_steps=0", "checkpoint.resume=none",
            f"checkpoint.dir={run_dir / 'ckpt'}", f"hydra.run.dir={run_dir}", "precision=fp32"]
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # cold: the run dir's cache
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        rc, log = "timeout", ""
+    rc, log, peak_mib = _watch(cmd, timeout, env)
     result: dict = {"name": name, "model": model, "zero": stage, "compile": compiled, "rc": rc,
-                    "wall_s": round(time.perf_counter() - t0, 1)}
-    rss = [line.split()[1] for line in log.splitlines() if line.startswith("peak_rss_kib")]
-    result["peak_rss_mib"] = round(int(rss[-1]) / 1024, 1) if rss else None
+                    "wall_s": round(time.perf_counter() - t0, 1), "peak_rss_mib": round(peak_mib, 1)}
     try:
         s = _scalars(run_dir / "tensorboard")
         late = slice(warmup, None)
