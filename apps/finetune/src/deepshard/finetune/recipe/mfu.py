@@ -77,7 +77,7 @@ def measure_cpu_gemm(threads: int, budget_s: float = 1.0) -> float:
     torch.set_num_threads(threads)
     best, start = 0.0, time.perf_counter()
     try:
-        a = torch.randn(2048, 2048)
+        a = torch.randn(2048, 2048, device="cpu")  # the host's own rate: host memory on purpose
         torch.mm(a[:1024, :1024], a[:1024, :1024])  # warm the BLAS and its threads
         for n in (1024, 1024, 1024, 2048):
             x = a[:n, :n].contiguous()
