@@ -94,6 +94,7 @@ else
   done
   RUNS+=("s3_cpu_params:+zero=stage3 +offload=cpu offload.params=cpu")
   RUNS+=("s3_muon_bf16:+zero=stage3 optim=muon optim.state_dtype=bf16")
+  RUNS+=("s3_compile:+zero=stage3 compile=true")  # per-block torch.compile (issue 42): its tok/s and MFU beside s3_none's
   RUN_S=40; WARMUP=5
 fi
 RUNS+=("s3_qlora:+zero=stage3 +peft=lora peft.base_quant=nf4")  # QLoRA: NF4 base sharded by ZeRO-3 (issue 44)

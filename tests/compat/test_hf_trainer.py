@@ -302,8 +302,9 @@ def test_refused_before_training(tmp_path):
     from tests.compat.hf_trainer_harness import collate, rows, tiny_llama
 
     ds = {"zero_optimization": {"stage": 2}}
-    with pytest.raises(ValueError, match=r"^TrainingArguments\(torch_compile=True\)"):
-        TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, torch_compile=True, report_to=[])
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(torch_compile_mode='reduce-overhead'\)"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, torch_compile=True,
+                          torch_compile_mode="reduce-overhead", report_to=[])
     with pytest.raises(ValueError, match=r"^TrainingArguments\(load_best_model_at_end=True\)"):
         TrainingArguments(output_dir=str(tmp_path), deepspeed=ds, load_best_model_at_end=True,
                           eval_strategy="steps", save_strategy="steps", report_to=[])

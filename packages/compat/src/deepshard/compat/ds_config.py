@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepshard.compat.ds_compile import translate_compile
+
 AUTO = "auto"
 GROUPS = ("zero", "precision", "scheduler", "optim", "offload")  # config groups a translation may pick
 SCHEDULERS = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "warmup_cosine"}
@@ -388,6 +390,9 @@ def translate(ds: dict) -> Translation:
         _positive_int(ds["sequence_parallel_size"], "sequence_parallel_size")
         sp = ds["sequence_parallel_size"]
         tr.set("parallel.sp", sp if sp in (AUTO, None) else int(sp), "sequence_parallel_size")
+    if "compile" in ds:  # torch.compile / DeepCompile: ds_compile.py
+        handled.add("compile")
+        translate_compile(_section(ds["compile"], "compile"), tr)
     t.notes += [f"{k}: {BUILT_IN[k]}" for k in ds if k not in handled and k in BUILT_IN]
     t.unsupported += [k for k in ds if k not in handled and k not in BUILT_IN]
     return t

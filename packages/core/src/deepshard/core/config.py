@@ -148,6 +148,7 @@ class EngineConfig:
     grad_accum: int = 1
     ac: str = "none"
     ac_offload: bool = False  # checkpointed blocks' inputs in host memory (activation_checkpoint.offloaded_checkpoint)
+    compile: bool = False  # torch.compile per block (core/compile.py), after TP and AC, before ZeRO
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:

@@ -141,7 +141,7 @@ def initialize(
     if parallelize_fn is None:
         parallelize_fn = partial(parallelize_model, mesh=mesh, zero=config.zero, dtype=config.precision.dtype,
                                  ac=config.ac, blocks=blocks, offload_params=offload_params,
-                                 ac_offload=config.ac_offload)
+                                 ac_offload=config.ac_offload, compile=config.compile)
     part = parallelize_fn(model)
     if on_meta:
         device = local_device()

@@ -1,5 +1,5 @@
 """The one place the order of a model's parallelisms is written: TP, activation checkpointing,
-precision, ZeRO (torchtitan's ``parallelize_llama`` order).
+compile, precision, ZeRO (torchtitan's ``parallelize_llama`` order).
 
 A model family wraps :func:`parallelize_model` with its TP plan (the app's ``parallelize_llama``);
 ``deepshard.core.initialize`` and ``deepshard.pipeline.build_pipeline`` both take that function as
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from deepshard.core.activation_checkpoint import apply_ac
+from deepshard.core.compile import apply_compile
 from deepshard.core.config import ZeroConfig
 from deepshard.core.mesh import expert_meshes, zero_mesh
 from deepshard.core.mixed_precision import apply_mixed_precision
@@ -66,9 +67,10 @@ def parallelize_model(
     offload_params: ParamOffload | None = None,
     ac_offload: bool = False,
     experts: Sequence[nn.Module] = (),
+    compile: bool = False,
 ) -> ShardedPart:
     """TP over ``mesh["tp"]`` (when the mesh has that axis and ``tp_plan`` is given), activation
-    checkpointing of ``blocks``, precision, then ZeRO over ``mesh["dp"]`` (``dp x sp`` with sequence
+    checkpointing of ``blocks``, ``torch.compile`` per block (``compile``), precision, then ZeRO over ``mesh["dp"]`` (``dp x sp`` with sequence
     parallelism: :func:`deepshard.core.mesh.zero_mesh`); in place.
 
     ``model`` is fp32, with real weights or on the meta device (ZeRO-3's sharded init).
@@ -84,8 +86,10 @@ def parallelize_model(
     blocks = find_blocks(model) if blocks is None else blocks
     if isinstance(blocks, nn.Module):
         apply_ac(blocks, ac, offload=ac_offload)
-    elif ac != "none":
-        raise ValueError("ac needs the blocks as an nn.ModuleList or ModuleDict")
+    elif ac != "none" or compile:
+        raise ValueError("ac and compile need the blocks as an nn.ModuleList or ModuleDict")
+    if compile:  # after TP and AC (the checkpoint is traced into the graph), before ZeRO's hooks
+        apply_compile(blocks, inside_checkpoint=ac_offload)
     psi = num_params(p for p in model.parameters() if p.requires_grad)
     dp_mesh = zero_mesh(mesh)  # dp, or dp x sp flattened: sequence-parallel ranks share the shards
     torch_dtype = DTYPES[dtype]

@@ -28,6 +28,7 @@ from deepshard.core import OptimConfig, PrecisionConfig, SchedulerConfig, ZeroCo
 from deepshard.core.config import AC_MODES, EngineConfig
 from deepshard.core.config_error import named
 from deepshard.core.mesh import ParallelDims
+from deepshard.finetune.config.compile_check import check_compile
 from deepshard.finetune.config.ds_config import resolve_batch_as_given
 from deepshard.finetune.config.layout_checks import (
     check_ep,
@@ -245,6 +246,7 @@ class AppSchema:
     ac: str = "auto"
     ac_offload: Any = switch(False)  # the checkpointed blocks' inputs kept in host memory (ac=full or every_2)
     kernels: str = "auto"  # auto | triton | torch: fused Triton kernels where CUDA is present
+    compile: Any = switch(False)  # torch.compile per block (after TP and AC, before ZeRO)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)  # type: ignore[valid-type]
 
 
@@ -477,7 +479,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         ac = cfg["ac"]
     with named({"grad_accum": "train.grad_accum", "ac": "ac", "ac_offload": "ac_offload"}.__getitem__):
         engine = EngineConfig(zero=zero, precision=precision, optim=optim, scheduler=scheduler,
-                              grad_accum=train.grad_accum, ac=ac, ac_offload=cfg["ac_offload"])
+                              grad_accum=train.grad_accum, ac=ac, ac_offload=cfg["ac_offload"],
+                              compile=cfg.get("compile", False))
     settings = Settings(engine=engine, model=model, model_name=cfg["model"]["name"], model_path=cfg["model"]["path"],
                         world_size=world, parallel=parallel, offload=_validate_offload(cfg["offload"], engine.zero.stage),
                         train=train, data=data, profile=_validate_profile(cfg["profile"]),
@@ -518,6 +521,8 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         validate_pipeline_layout(settings)
     validate_zeropp(settings, parallel.resolve(world))
     check_optimizer(settings)
+    if settings.engine.compile:
+        check_compile(settings)
     return dataclasses.replace(settings, parallel=parallel.resolve(world))
 
 

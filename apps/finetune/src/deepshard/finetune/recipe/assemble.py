@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from deepshard.core import build_mesh, init_distributed, initialize
 from deepshard.core.checkpoint import progress as save_progress
+from deepshard.core.compile import configure_compile
 from deepshard.core.mesh import local_device
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.config import Settings
@@ -39,7 +40,8 @@ from deepshard.finetune.recipe.faults import step_hooks_from_env
 from deepshard.finetune.recipe.liveness import BeatingProfiler
 from deepshard.finetune.recipe.loop import SampleConfig, TrainingLoop
 from deepshard.finetune.recipe.metrics import RunLogger
-from deepshard.finetune.recipe.profiling import build_profiler, model_flops
+from deepshard.finetune.recipe.mfu import flops_per_token, param_counts
+from deepshard.finetune.recipe.profiling import build_profiler
 from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper
 from deepshard.launch.heartbeat import Heartbeat
 from deepshard.launch.local import worker_threads
@@ -108,7 +110,7 @@ def build_stepper(s: Settings, mesh, *, rank: int, pad_id: int = 0) -> EngineSte
     # no rank ever holds the whole model (DeepSpeed's zero.Init); QLoRA quantizes each full weight first
     sharded_init = e.zero.stage == 3 and not nf4
     recipe = partial(spec.parallelize, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac,
-                     offload_params=offload_params, ac_offload=e.ac_offload)
+                     offload_params=offload_params, ac_offload=e.ac_offload, compile=e.compile)
     model = build_model(s, device, materialize=not sharded_init)
     if nf4:  # the frozen block weights as NF4, before ZeRO-3 shards them (models/qlora.py)
         from deepshard.finetune.models.qlora import apply_nf4
@@ -135,13 +137,16 @@ def run_meta(s: Settings) -> dict:
 
 
 def step_flops(s: Settings) -> int:
-    """Model FLOPs of one optimizer step on one rank (every micro-batch of the step, split over tp and pp)."""
-    d, t = s.data, s.train
-    # counted on the meta device, where Triton kernels cannot run: the torch paths do the same math
-    torch_model = dataclasses.replace(s.model, kernels="torch")
-    build = registry.spec_of(torch_model).build
-    flops = model_flops(lambda: build(torch_model), t.micro_batch_size, d.seq_len, d.pack and d.doc_mask)
-    return flops * s.micro_batches_per_step // (s.parallel.tp * s.parallel.pp)
+    """Model FLOPs of one optimizer step on one rank (``recipe/mfu.py``'s count for every token of the
+    step's micro-batches, split over the tp, pp and sp ranks that share them)."""
+    d, t, cfg = s.data, s.train, s.model
+    model = build_model(s, torch.device("meta"), materialize=False)  # with LoRA's frozen base and adapters
+    active = getattr(cfg, "num_experts_per_tok", 1) / getattr(cfg, "num_experts", 1)
+    trainable, frozen = param_counts(model, experts_active=active)
+    per_token = flops_per_token(trainable=trainable, frozen=frozen, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                                head_dim=cfg.head_dim, seq_len=d.seq_len)
+    tokens = t.micro_batch_size * d.seq_len * s.micro_batches_per_step
+    return per_token * tokens // (s.parallel.tp * s.parallel.pp * s.parallel.sp)
 
 
 def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
@@ -153,7 +158,7 @@ def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
     layout = f" (pp {par.pp} x dp {par.dp} x tp {par.tp}{sp})" if split or sp else ""
     params_scope = " per pp/tp rank" if split else ""  # each pp/tp rank holds a part
     return (f"deepshard: {world} rank(s){layout}, zero stage {s.engine.zero.stage}{offload}, "
-            f"{s.engine.precision.dtype}, {num_params / 1e6:.2f}M {'trainable (LoRA) ' if s.peft else ''}"
+            f"{s.engine.precision.dtype}{', compiled blocks' if s.engine.compile else ''}, {num_params / 1e6:.2f}M {'trainable (LoRA) ' if s.peft else ''}"
             f"params{params_scope}, {num_windows} windows of {s.data.seq_len} tokens")
 
 
@@ -173,6 +178,8 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
     mesh = build_mesh(s.parallel)
     dp = mesh["dp"]
+    if s.engine.compile:  # inductor's cache in the run dir (a restart reuses it) unless the env names one
+        configure_compile(cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(run_dir, "compile_cache"))
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(s.model_path)
     stepper = build_stepper(s, mesh, rank=rank, pad_id=tokenizer.pad_token_id or 0)
@@ -201,7 +208,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
                         eval_set=eval_set, ckpt=ckpt, logger=logger, prof=prof, beat=beat, guard=guard,
                         tokenizer=tokenizer, sample=sample, start_step=start_step, world=world,
                         run_dir=run_dir, zero_stage=s.engine.zero.stage,
-                        step_hooks=step_hooks_from_env(os.environ))
+                        step_hooks=step_hooks_from_env(os.environ), compiled=s.engine.compile)
     logger.print(header(s, world, engine.num_params, len(dataset)))
     logger.print(registry.path_line(s.model))  # native family or transformers' own code
     return loop

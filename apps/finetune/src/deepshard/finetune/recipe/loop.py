@@ -10,6 +10,7 @@ tests inject faults (``faults.py``) without a line of test code in the loop.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from deepshard.core.compile import compile_stats
 from deepshard.core.mesh import local_device
 from deepshard.finetune.recipe.checkpointing import RunCheckpoints
 from deepshard.finetune.recipe.divergence import DivergenceGuard, TrainingDiverged
@@ -60,7 +62,10 @@ class TrainingLoop:
     run_dir: str
     zero_stage: int
     step_hooks: Sequence[Callable[[int, Any], None]] = ()
+    compiled: bool = False  # compile=true: the compile cost and recompiles are logged
     losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    graphs_after_first: int = 0  # graphs compiled by the end of the first step (the rest are recompiles)
     evals: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -105,8 +110,12 @@ class TrainingLoop:
         """TensorBoard scalars, the progress bar, and a line every ``train.log_every`` steps."""
         logger, stats = self.logger, out.stats
         self.losses.append(out.loss)
+        self.step_seconds.append(seconds)
         tok_s = self.ckpt.tokens_per_step / seconds
         logger.scalars(step, self.prof.end_step(step, seconds))
+        mfu = f"  mfu {self.prof.mfu:.1%}" if self.prof.mfu is not None else ""
+        if self.compiled:
+            self.log_compile(step, seconds)
         if out.memory is not None:  # every rank's model state and, on CUDA, device peaks (one all-gather)
             mem = memory_scalars(out.memory, world=self.world, device=local_device())
             logger.scalars(step, mem)
@@ -121,7 +130,17 @@ class TrainingLoop:
         logger.progress({"loss": f"{out.loss:.3f}", "tok/s": f"{tok_s:,.0f}"})
         if step % self.train.log_every == 0 or step == self.train.max_steps:
             logger.print(f"step {step:>5}  loss {out.loss:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"
-                         f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}")
+                         f"  scale {stats.loss_scale:g}  tok/s {tok_s:,.0f}{mfu}")
+
+    def log_compile(self, step: int, seconds: float) -> None:
+        """compile=true: the first step's compile cost once, then every step's graph and recompile counts."""
+        c = compile_stats()
+        if step == self.start_step + 1:
+            self.graphs_after_first = c.graphs
+            self.logger.print(f"compile: {c.graphs} graph(s) in {c.compile_s:.1f}s of inductor, first step "
+                              f"{seconds:.1f}s (cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
+        self.logger.scalars(step, {"compile/graphs": c.graphs, "compile/seconds": c.compile_s,
+                                   "compile/recompiles": c.graphs - self.graphs_after_first})
 
     def check(self, step: int, out: StepOutput, *, last: bool) -> None:
         """``train.max_bad_steps`` bad steps in a row (non-finite, or a blown-up state) stop the run
@@ -155,6 +174,14 @@ class TrainingLoop:
         self.ckpt.timings.clear()
         return stop
 
+    def run_mfu(self) -> float | None:
+        """The run's MFU: model FLOPs over the steps' time, the first step (compile, warm-up) left out
+        when there are others; None without a peak (an unknown GPU and no profile.peak_tflops)."""
+        prof, times = self.prof, self.step_seconds[1:] or self.step_seconds
+        if not (prof.flops_per_step and prof.peak > 0 and times):
+            return None
+        return prof.flops_per_step * len(times) / sum(times) / (prof.peak * 1e12)
+
     def finish(self, elapsed: float) -> dict:
         """Close checkpoints and logs, sample if asked, print the summary line; returns the summary."""
         losses, ckpt, guard, sample = self.losses, self.ckpt, self.guard, self.sample
@@ -168,7 +195,11 @@ class TrainingLoop:
                    "tokens_per_s": ckpt.tokens_per_step * ran / max(elapsed, 1e-9), "world_size": self.world,
                    "zero_stage": self.zero_stage, "run_dir": self.run_dir, **self.evals,
                    "start_step": self.start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
-                   "skipped_steps": guard.skipped}
+                   "skipped_steps": guard.skipped, "mfu": self.run_mfu()}
+        if self.compiled:
+            c = compile_stats()
+            summary.update(compile_graphs=c.graphs, compile_s=c.compile_s,
+                           recompiles=c.graphs - self.graphs_after_first)
         if sample.prompt:
             summary["sample"] = greedy_sample(self.stepper, self.tokenizer, sample.prompt,
                                               num_tokens=sample.num_tokens, max_seq_len=sample.max_seq_len,
@@ -178,11 +209,22 @@ class TrainingLoop:
         self.logger.print(
             f"{what}: steps {self.start_step + 1}-{self.start_step + ran} in {elapsed:.1f}s, loss "
             f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of first/last {k}), "
-            f"{summary['tokens_per_s']:,.0f} tok/s, "
+            f"{summary['tokens_per_s']:,.0f} tok/s, {mfu_text(summary['mfu'])}{compile_text(summary)}"
             f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}logs in {self.run_dir}"
             f"{unsaved(ckpt)}")
         dist.destroy_process_group()
         return summary
+
+
+def mfu_text(mfu: float | None) -> str:
+    return "" if mfu is None else f"MFU {mfu:.1%}, "
+
+
+def compile_text(summary: dict) -> str:
+    if "compile_graphs" not in summary:
+        return ""
+    return (f"compiled ({summary['compile_graphs']} graphs, {summary['compile_s']:.1f}s, "
+            f"{summary['recompiles']} recompiles after step 1), ")
 
 
 def unsaved(ckpt: RunCheckpoints) -> str:

@@ -3,8 +3,9 @@
 The split is measured around the engine's calls (forward, backward, optimizer step); the time the
 ZeRO stage spends waiting for its collectives (``finish_backward`` after backward, the parameter
 all-gather after the step) is timed by the optimizer itself (``ZeroOptimizer.comm_wait_s``) and
-reported as communication wait, so backward and optimizer are compute only.  Model FLOPs come from FlopCounterMode on one
-micro-batch of a meta-device copy of the model (no memory, no time on the real one).
+reported as communication wait, so backward and optimizer are compute only.  Model FLOPs and the
+peak come from ``mfu.py`` (PaLM's count; the device table or this host's measured GEMM rate), and
+MFU is logged on every run, profiled or not.
 """
 
 from __future__ import annotations
@@ -13,39 +14,12 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from deepshard.core.training_engine import TrainingEngine
-
-# dense bf16/fp16 tensor-core peaks per device, TFLOP/s (fp32 is far lower; set profile.peak_tflops)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
-               "V100": 125.0, "T4": 65.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
-CPU_FLOPS_PER_CYCLE = 32  # fp32 AVX2: 2 FMA units x 8 lanes x 2
-
-
-def peak_tflops(device: torch.device, threads: int) -> float:
-    """The device table by CUDA name; on CPU an AVX2 estimate for the threads this rank uses (~2.5 GHz)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    return threads * 2.5e9 * CPU_FLOPS_PER_CYCLE / 1e12
-
-
-def model_flops(build: Callable[[], torch.nn.Module], micro_batch_size: int, seq_len: int,
-                with_doc_ids: bool) -> int:
-    """FLOPs of one forward + backward of one micro-batch (per rank, before any sharding)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.device("meta"):
-        model = build()
-    model.to("meta")
-    x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    kwargs = {"doc_ids": torch.zeros_like(x)} if with_doc_ids else {}
-    with FlopCounterMode(display=False) as counter:
-        model(x, x, **kwargs).backward()
-    return counter.get_total_flops()
+from deepshard.finetune.recipe.mfu import peak_tflops
 
 
 class StepProfiler:
@@ -59,6 +33,7 @@ class StepProfiler:
         self.trace_steps = sorted(trace_steps or [])
         self.trace_dir = trace_dir
         self.rank = rank
+        self.mfu: float | None = None  # the last step's, for the log line and the summary
         self.times: dict[str, float] = defaultdict(float)
         self.trace = None
         self.comm_wait_s = engine.optimizer.comm_wait_s  # the optimizer times the stage's collective waits
@@ -105,13 +80,14 @@ class StepProfiler:
             achieved = self.flops_per_step / seconds
             out["profile/tflops"] = achieved / 1e12
             if self.peak > 0:
-                out["train/mfu"] = achieved / (self.peak * 1e12)
+                out["train/mfu"] = self.mfu = achieved / (self.peak * 1e12)
         return out
 
 
 def build_profiler(profile, engine: TrainingEngine, *, flops_per_step: int, trace_dir: str, rank: int,
                    device: torch.device) -> StepProfiler:
-    """The run's profiler from its ``profile`` section: the peak from config or the device table."""
-    peak = profile.peak_tflops or peak_tflops(device, torch.get_num_threads())
+    """The run's profiler from its ``profile`` section: the peak from config, the device table, or
+    this host's measured GEMM rate at this rank's threads."""
+    peak = peak_tflops(device, torch.get_num_threads(), profile.peak_tflops)
     return StepProfiler(enabled=profile.enabled, engine=engine, flops_per_step=flops_per_step, peak=peak,
                         trace_steps=list(profile.trace_steps), trace_dir=trace_dir, rank=rank)

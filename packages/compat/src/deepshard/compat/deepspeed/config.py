@@ -110,7 +110,8 @@ def engine_config(s: dict[str, dict[str, Any]], *, grad_accum: int) -> EngineCon
                 "ac_offload": "activation_checkpointing.cpu_checkpointing"}.__getitem__):
         return EngineConfig(zero=zero, precision=precision, optim=optim_config, scheduler=scheduler_config,
                             grad_accum=grad_accum, ac=s["app"].get("ac", "none"),
-                            ac_offload=bool(s["app"].get("ac_offload", False)))
+                            ac_offload=bool(s["app"].get("ac_offload", False)),
+                            compile=bool(s["app"].get("compile", False)))
 
 
 def read_ds_config(config: dict | str | Path | None) -> tuple[dict, str]:

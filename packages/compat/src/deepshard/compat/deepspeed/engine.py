@@ -110,6 +110,34 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
                              "wrong under ZeRO's gradient hooks); use use_reentrant=False")
         return enable(gradient_checkpointing_kwargs=ckpt, **kwargs)
 
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
+                **kwargs: Any) -> None:
+        """DeepSpeed's ``engine.compile()``: here ``torch.compile`` of each block (fullgraph, inductor),
+        ZeRO's collectives staying in their hooks around the blocks.  DeepCompile's ``schedule`` (its
+        graph passes) is refused, with the reason, as the ds_config's ``deepcompile`` is."""
+        from deepshard.compat.deepspeed import find_blocks
+        from deepshard.compat.ds_compile import DEEPCOMPILE_REFUSED
+        from deepshard.core.compile import apply_compile
+
+        if schedule is not None:
+            raise ValueError(f"engine.compile(schedule=...): {DEEPCOMPILE_REFUSED}")
+        if backend != "inductor":
+            raise ValueError(f"engine.compile(backend={backend!r}): only 'inductor' is supported")
+        if compile_kwargs or kwargs:
+            raise ValueError(f"engine.compile(compile_kwargs={compile_kwargs or kwargs!r}): not supported; blocks "
+                             "compile with fullgraph=True and inductor's defaults")
+        blocks = find_blocks(self.module)
+        if len(blocks) == 0:
+            raise ValueError(f"engine.compile(): model={type(self.module).__name__} has no nn.ModuleList of blocks "
+                             "to compile; compile inside the model instead")
+        apply_compile(blocks)
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """DeepSpeed's: whether the model's blocks are compiled (``compile()`` or the config's compile)."""
+        return bool(self.__dict__.get("_compiled")) or self.engine.config.compile
+
     def train_batch(self, data_iter: Any = None) -> Any:
         raise ValueError("engine.train_batch(): the pipeline engine's call; build the model as "
                          "deepspeed.pipe.PipelineModule(layers=[...], num_stages=N) to get it, or use "

@@ -56,9 +56,9 @@ class TrainingArguments(transformers.TrainingArguments):
         """Trainer features that do not combine with the deepshard engine: one line naming the argument."""
         if not self.deepspeed:
             return
-        if self.torch_compile:
-            raise ValueError("TrainingArguments(torch_compile=True) with deepspeed=: not supported by "
-                             "deepshard's Trainer")
+        if self.torch_compile and self.torch_compile_mode not in (None, "default"):
+            raise ValueError(f"TrainingArguments(torch_compile_mode={self.torch_compile_mode!r}) with deepspeed=: "
+                             "not supported (blocks compile with inductor's default mode); leave it unset")
         if self.fsdp:
             raise ValueError(f"TrainingArguments(fsdp={self.fsdp!r}) with deepspeed=: give one of them")
         if self.fp16 and self.bf16:

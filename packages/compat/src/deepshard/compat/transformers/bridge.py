@@ -51,6 +51,9 @@ def build_engine(args: Any, model: nn.Module, *, world_size: int, num_training_s
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     ds = trainer_ds_config(args, model, world_size=world_size, num_training_steps=num_training_steps)
+    if args.torch_compile:  # per-block torch.compile in the recipe (before ZeRO), as the compile section's enabled
+        ds = {**ds, "compile": {**ds.get("compile", {}), "enabled": True,
+                                "backend": args.torch_compile_backend or "inductor"}}
     ds_engine, _, _, _ = ds_initialize(model=model, config=ds, model_parameters=groups)
     if "scheduler" not in ds:  # transformers' lr_scheduler_type, through its own schedule functions
         ds_engine.engine.optimizer.lr_at = hf_schedule(args, ds_engine.engine.config.optim.lr, num_training_steps)

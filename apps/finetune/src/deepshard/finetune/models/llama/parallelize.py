@@ -1,4 +1,4 @@
-"""How the Llama model is parallelized: its TP plan, handed to core's one recipe (TP -> AC -> precision -> ZeRO).
+"""How the Llama model is parallelized: its TP plan, handed to core's one recipe (TP -> AC -> compile -> precision -> ZeRO).
 
 ``parallelize_llama`` works on the whole model or on one pipeline stage (a stage lacks the
 embedding or the head: the plan only names what exists), and is what ``pipeline_llama`` hands
@@ -114,8 +114,9 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                       ac: str = "none", offload_params: ParamOffload | None = None,
                       ac_offload: bool = False, experts: Sequence[nn.Module] = (),
-                      tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None) -> ShardedPart:
-    """The Llama recipe: core's TP -> AC -> precision -> ZeRO with this family's TP plan, in place
+                      tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None,
+                      compile: bool = False) -> ShardedPart:
+    """The Llama recipe: core's TP -> AC -> compile -> precision -> ZeRO with this family's TP plan, in place
     (``tp_plan``: another decoder's plan for the same recipe, Gemma's; default :func:`llama_tp_plan`).
 
     ``model`` (the whole model or a pipeline stage) is fp32, with real weights or on meta.  Stages
@@ -133,7 +134,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
                                reduce_dtype=DTYPES[zero.reduce_dtype]) if rows else 0  # before the root's ZeRO-3
     part = parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.layers,
                              tp_plan=(tp_plan or llama_tp_plan)(model), offload_params=offload_params,
-                             ac_offload=ac_offload, experts=experts)
+                             ac_offload=ac_offload, experts=experts, compile=compile)
     if mesh["tp"].size() > 1 and getattr(model, "lm_head", None) is not None:
         model.head_loss_fn = partial(_logits_loss, model.lm_head)
     if tiled and part.num_params is not None:  # their params were counted as shards: count them whole
@@ -202,7 +203,8 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, sche
 
     def parallelize(stage: nn.Module) -> ShardedPart:
         return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac,
-                                 offload_params=offload_params, ac_offload=config.ac_offload)
+                                 offload_params=offload_params, ac_offload=config.ac_offload,
+                                 compile=config.compile)
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,

@@ -61,6 +61,11 @@ class TransformersConfig:
     def hf_dict(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
 
+    @property
+    def head_dim(self) -> int:
+        """The config's own ``head_dim`` where it gives one, else dim / heads (MFU's attention FLOPs read it)."""
+        return int(self.hf_dict.get("head_dim") or self.dim // max(self.n_heads, 1))
+
 
 def hf_config_object(cfg: TransformersConfig) -> Any:
     """transformers' config object of ``cfg`` (its own config class, by model_type)."""

@@ -109,14 +109,14 @@ def check_layout(cfg: TransformersConfig, *, pp: int = 1, sp: int = 1) -> None:
 
 def parallelize_transformers(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
                              ac: str = "none", offload_params: ParamOffload | None = None,
-                             ac_offload: bool = False) -> ShardedPart:
-    """Core's recipe on a :class:`TransformersLM`: TP by its config's plan, AC and ZeRO-3 units on its
-    ``_no_split_modules`` blocks, then the root; in place."""
+                             ac_offload: bool = False, compile: bool = False) -> ShardedPart:
+    """Core's recipe on a :class:`TransformersLM`: TP by its config's plan, AC, compile and ZeRO-3 units on
+    its ``_no_split_modules`` blocks, then the root; in place."""
     assert isinstance(model, TransformersLM), type(model)
     tp = axis_size(mesh, "tp")
     check_layout(model.cfg, pp=axis_size(mesh, "pp"), sp=axis_size(mesh, "sp"))
     check_tp(model.cfg, tp)
     return parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.blocks,
                              tp_plan=tp_plan(model) if tp > 1 else None, offload_params=offload_params,
-                             ac_offload=ac_offload)
+                             ac_offload=ac_offload, compile=compile)
 
