@@ -1,5 +1,5 @@
 """A plain accelerate training loop as users write it (issue 41): ``Accelerator()``, ``prepare``,
-``accelerator.backward``, ``optimizer.step()`` under ``accelerator.accumulate``.  No deepshard import and
+``accelerator.backward``, ``clip_grad_norm_``, ``optimizer.step()`` under ``accelerator.accumulate``.  No deepshard import and
 nothing DeepSpeed-specific: the layout comes from how it is started.
 
 - ``DEEPSHARD_DEEPSPEED=1 accelerate launch --config_file ds.yaml hf_stack_accelerate_script.py ...``:
@@ -48,6 +48,8 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
+            if accelerator.sync_gradients:  # under DeepSpeed the engine clips (accelerate fills gradient_clipping 1.0)
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
@@ -56,7 +58,7 @@ def main() -> None:
     if accelerator.is_main_process:
         state = accelerator.state
         Path(opts.result).write_text(json.dumps({
-            "losses": losses, "distributed_type": str(state.distributed_type), "num_processes": state.num_processes,
+            "losses": losses, "distributed_type": state.distributed_type.value, "num_processes": state.num_processes,
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
             "engine": f"{type(model).__module__}.{type(model).__name__}",
             "zero_stage": state.deepspeed_plugin.zero_stage if state.deepspeed_plugin else None}))

@@ -95,10 +95,11 @@ def write_accelerate_config(folder: Path, stage: int) -> str:
 
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "DEEPSPEED",
-        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main", "mixed_precision": "no",
+        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
         "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
         "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False}
-    if stage == 3:
+    if stage == 3:  # (with a deepspeed_config_file accelerate refuses mixed_precision in the yaml: the file says)
+        cfg["mixed_precision"] = "no"
         cfg["deepspeed_config"] = {"deepspeed_multinode_launcher": "standard", "gradient_accumulation_steps": 2,
                                    "offload_optimizer_device": "cpu", "offload_param_device": "none",
                                    "zero3_init_flag": True, "zero3_save_16bit_model": True, "zero_stage": 3}
@@ -112,3 +113,42 @@ def write_accelerate_config(folder: Path, stage: int) -> str:
     path = folder / f"accelerate_zero{stage}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
+
+
+def forward_only_engines() -> dict[str, Any]:
+    """On each rank of a pool: ``deepspeed.initialize`` without an optimizer (TRL's reference model) at stage
+    0 and at stage 3 (built under ``zero.Init`` from a saved state, as ``from_pretrained`` does), against the
+    plain model's logits on this rank's rows; and what training calls answer."""
+    import torch
+
+    import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.hf_trainer_harness import collate, rows, tiny_llama
+
+    batch = collate(rows(4)[2 * torch.distributed.get_rank():][:2])
+    plain = tiny_llama().eval()
+    with torch.no_grad():
+        expected = plain(**batch).logits
+    out: dict[str, Any] = {}
+    for stage in (0, 3):
+        config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 2}
+        if stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = tiny_llama()
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    model.load_state_dict(plain.state_dict())
+        else:
+            model = tiny_llama()
+        engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        with torch.no_grad():
+            logits = engine(**batch).logits
+        try:
+            engine.backward(logits.sum())
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        out[f"stage{stage}"] = {"gap": (logits - expected).abs().max().item(), "type": type(engine).__name__,
+                                "rest": [optimizer, loader, scheduler], "refused": refused,
+                                "sharded": any(type(p).__name__ == "DTensor" for p in engine.module.parameters())}
+    return out

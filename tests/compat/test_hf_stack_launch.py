@@ -173,3 +173,18 @@ def test_accelerate_launch_stops_before_start(tmp_path):
         f"error: {path}: use_cpu=True: accelerate then starts each process as its own world without DeepSpeed; "
         f"set use_cpu: false (on a host without GPUs deepshard's engine runs on the CPU)")
     assert not (tmp_path / "started").exists()
+
+
+def test_initialize_without_optimizer_is_forward_only():
+    """TRL's reference model: stage 0 a replica, stage 3 sharded (built under zero.Init, loaded in
+    GatheredParameters); the plain model's logits either way, no optimizer, training refused in one line."""
+    from tests.compat.hf_stack_harness import forward_only_engines
+    from tests.gloo_pool import pool
+
+    for rank, out in enumerate(pool(2).run(forward_only_engines)):
+        for stage, sharded in (("stage0", False), ("stage3", True)):
+            got = out[stage]
+            assert got["type"] == "InferenceEngine" and got["rest"] == [None, None, None], (rank, stage)
+            assert got["sharded"] is sharded, (rank, stage)
+            assert got["gap"] < 1e-6, f"rank {rank} {stage}: logits differ from the plain model's by {got['gap']}"
+            assert got["refused"].startswith("engine.backward(): this engine was initialized without an optimizer")
