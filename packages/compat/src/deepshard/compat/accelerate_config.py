@@ -113,6 +113,9 @@ def patch_launch(module: ModuleType) -> None:
         return
 
     def launch_command(args: Any) -> Any:
+        from deepshard.compat.deepspeed_provider import silence
+
+        silence()  # the launcher trains nothing: rank 0's worker names the engine
         path = getattr(args, "config_file", None)
         if path is None:
             from accelerate.commands.config import default_config_file
