@@ -9,7 +9,16 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
 
 - ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
   completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
-  tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW).
+  tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW);
+- ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
+  rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
+  with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload;
+- ``accelerate_multi_cpu``: tests/compat/hf_stack_accelerate_script.py (a plain accelerate loop) on accelerate's
+  own non-DeepSpeed multi-process path, the reference for ``accelerate launch`` with accelerate's DeepSpeed
+  yamls (on CPU, accelerate launches ``distributed_type: DEEPSPEED`` with ``use_cpu: true`` as one world per
+  process, so DeepSpeed itself gives no world-2 run there to record).
+
+``--runs NAME...`` re-records some runs and keeps the others in the fixture.
 
 The one change to how the script runs: accelerate 1.16 picks no distributed backend for a DeepSpeed
 process state on a host without an accelerator, so each worker first applies the nudge that
@@ -31,7 +40,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3)}
+RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
+        "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
+        "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3)}
+ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 
 
 def worker(script: str, argv: list[str]) -> None:
@@ -66,10 +78,31 @@ def record(name: str, launcher: str, tmp: Path) -> dict:
     return result
 
 
+def record_accelerate_multi_cpu(tmp: Path) -> dict:
+    """The plain accelerate loop on accelerate's own non-DeepSpeed multi-process path: what ``accelerate launch``
+    with ``distributed_type: MULTI_CPU`` runs (``ACCELERATE_USE_CPU=true``, DDP over gloo), started by torchrun
+    (accelerate launches MULTI_CPU through mpirun, absent here), gradient accumulation 2 as the DeepSpeed yamls say."""
+    sys.path.insert(0, str(ROOT))
+    from tests.compat.hf_stack_harness import make_id_model_dir
+
+    bindir = Path(sys.executable).parent
+    cmd = [str(bindir / "torchrun"), "--standalone", "--nproc_per_node", "2", str(ROOT / ACCELERATE),
+           "--model", make_id_model_dir(tmp / "model"), "--result", str(tmp / "result.json")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("DEEPSHARD_DEEPSPEED", None)
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"accelerate MULTI_CPU: torchrun exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    result = json.loads((tmp / "result.json").read_text())
+    assert result["distributed_type"] == "MULTI_CPU" and result["num_processes"] == 2, result
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures" / "hf_stack_ds.json"))
-    ap.add_argument("--runs", nargs="+", default=list(RUNS))
+    ap.add_argument("--runs", nargs="+", default=[*RUNS, "accelerate_multi_cpu"])
     ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     opts, rest = ap.parse_known_args()
@@ -87,8 +120,17 @@ def main() -> None:
                      "versions": {"deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
                                   "accelerate": accelerate.__version__, "trl": trl.__version__,
                                   "torch": torch.__version__}, "runs": {}}
+    if Path(opts.out).exists():  # recording some runs keeps the others
+        fixture["runs"] = json.loads(Path(opts.out).read_text())["runs"]
     for name in opts.runs:
         with tempfile.TemporaryDirectory() as tmp:
+            if name == "accelerate_multi_cpu":
+                result = record_accelerate_multi_cpu(Path(tmp))
+                fixture["runs"][name] = {"script": ACCELERATE, "distributed_type": result["distributed_type"],
+                                         "gradient_accumulation_steps": result["gradient_accumulation_steps"],
+                                         "losses": result["losses"]}
+                print(f"{name}: losses {result['losses']}", file=sys.stderr)
+                continue
             result = record(name, opts.launcher, Path(tmp))
         fixture["runs"][name] = {"script": RUNS[name][0], "zero_stage": RUNS[name][1], "logs": result["logs"]}
         print(f"{name}: losses {[h['loss'] for h in result['logs']]}", file=sys.stderr)

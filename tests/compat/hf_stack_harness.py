@@ -45,6 +45,20 @@ def chat_rows(n: int = 32) -> list[dict[str, Any]]:
     return rows
 
 
+def preference_rows(n: int = 32) -> list[dict[str, Any]]:
+    """DPO's conversational preference form: each chat row's prompt with the right count chosen and a
+    wrong one (of another length) rejected."""
+    out = []
+    for i, row in enumerate(chat_rows(n)):
+        right = row["completion"][0]["content"]
+        count, thing = right.split(" ", 1)
+        wrong = WORDS[(WORDS.index(count) + 1 + i % 3) % len(WORDS)]
+        rejected = f"{wrong} {thing}" if i % 2 else f"i think {wrong} {thing}"
+        out.append({"prompt": row["prompt"], "chosen": row["completion"],
+                    "rejected": [{"role": "assistant", "content": rejected}]})
+    return out
+
+
 def make_model_dir(path: Path) -> str:
     """A tiny LlamaForCausalLM (seed 0) saved with the app's embedded byte-level tokenizer and chat template."""
     import torch
@@ -61,3 +75,80 @@ def make_model_dir(path: Path) -> str:
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def make_id_model_dir(path: Path) -> str:
+    """hf_trainer_harness's tiny Llama (seed 0, token-id rows, no tokenizer) saved for ``from_pretrained``:
+    the accelerate loop loads it by path (under ``zero.Init`` at ZeRO-3 with ``zero3_init_flag``)."""
+    from tests.compat.hf_trainer_harness import tiny_llama
+
+    tiny_llama().save_pretrained(path)
+    return str(path)
+
+
+def write_accelerate_config(folder: Path, stage: int) -> str:
+    """accelerate's own DeepSpeed yaml, as ``accelerate config`` writes it (TRL's deepspeed_zero*.yaml shape) for
+    2 processes and 2 accumulation steps: ZeRO-2 through a ``deepspeed_config_file`` (a ds_config with "auto"
+    values accelerate fills), ZeRO-3 through the yaml's own keys with the optimizer offloaded to the CPU and
+    ``zero3_init_flag`` (the model by path is built under ``zero.Init``)."""
+    import yaml
+
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "DEEPSPEED",
+        "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
+        "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
+        "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False}
+    if stage == 3:  # (with a deepspeed_config_file accelerate refuses mixed_precision in the yaml: the file says)
+        cfg["mixed_precision"] = "no"
+        cfg["deepspeed_config"] = {"deepspeed_multinode_launcher": "standard", "gradient_accumulation_steps": 2,
+                                   "offload_optimizer_device": "cpu", "offload_param_device": "none",
+                                   "zero3_init_flag": True, "zero3_save_16bit_model": True, "zero_stage": 3}
+    else:
+        ds = {"zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}, "gradient_accumulation_steps": 2,
+              "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+              "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}
+        (folder / "ds_config.json").write_text(json.dumps(ds))
+        cfg["deepspeed_config"] = {"deepspeed_config_file": str(folder / "ds_config.json"),
+                                   "deepspeed_multinode_launcher": "standard", "zero3_init_flag": False}
+    path = folder / f"accelerate_zero{stage}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def forward_only_engines() -> dict[str, Any]:
+    """On each rank of a pool: ``deepspeed.initialize`` without an optimizer (TRL's reference model) at stage
+    0 and at stage 3 (built under ``zero.Init`` from a saved state, as ``from_pretrained`` does), against the
+    plain model's logits on this rank's rows; and what training calls answer."""
+    import torch
+
+    import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.hf_trainer_harness import collate, rows, tiny_llama
+
+    batch = collate(rows(4)[2 * torch.distributed.get_rank():][:2])
+    plain = tiny_llama().eval()
+    with torch.no_grad():
+        expected = plain(**batch).logits
+    out: dict[str, Any] = {}
+    for stage in (0, 3):
+        config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 2}
+        if stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = tiny_llama()
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    model.load_state_dict(plain.state_dict())
+        else:
+            model = tiny_llama()
+        engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        with torch.no_grad():
+            logits = engine(**batch).logits
+        try:
+            engine.backward(logits.sum())
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        out[f"stage{stage}"] = {"gap": (logits - expected).abs().max().item(), "type": type(engine).__name__,
+                                "rest": [optimizer, loader, scheduler], "refused": refused,
+                                "sharded": any(type(p).__name__ == "DTensor" for p in engine.module.parameters())}
+    return out

@@ -129,6 +129,13 @@ def _announce() -> None:
         print(f"deepspeed: deepshard {VERSION} engine ({TARGET})", file=sys.stderr, flush=True)
 
 
+def silence() -> None:
+    """No line from this process: it starts workers and trains nothing (``accelerate launch`` imports
+    ``deepspeed`` to launch; its rank-0 worker prints the line)."""
+    global _announced
+    _announced = True
+
+
 def _prepare_modules() -> None:
     """What DeepSpeed's package layout offers as attributes (``deepspeed.runtime.lr_schedules``,
     ``deepspeed.checkpoint.utils``) and where the HF stack reads it, set on our modules."""

@@ -18,7 +18,15 @@ import sys
 from types import ModuleType
 from typing import Any
 
-WATCHED = "accelerate.state"
+
+def _patch_launch(module: ModuleType) -> None:
+    from deepshard.compat.accelerate_config import patch_launch
+
+    patch_launch(module)
+
+
+# accelerate's modules patched once executed: the CPU backend nudge, and the yaml check of `accelerate launch`
+WATCHED = {"accelerate.state": lambda module: _patch(module), "accelerate.commands.launch": _patch_launch}
 
 
 def _patch(state: ModuleType) -> None:
@@ -44,35 +52,37 @@ def _patch(state: ModuleType) -> None:
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner: importlib.abc.Loader, patch: Any) -> None:
         self.inner = inner
+        self.patch = patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
-        _patch(module)
+        self.patch(module)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``accelerate.state`` with the other finders, and patches it once executed."""
+    """Finds the WATCHED modules with the other finders, and patches each once executed."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != WATCHED:
+        if fullname not in WATCHED:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
+                spec.loader = _PatchingLoader(spec.loader, WATCHED[fullname])
                 return spec
         return None
 
 
 def install() -> None:
-    if WATCHED in sys.modules:
-        _patch(sys.modules[WATCHED])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    for name, patch in WATCHED.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())

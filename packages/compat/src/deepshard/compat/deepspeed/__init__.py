@@ -149,9 +149,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     pipelined = isinstance(model, pipe.PipelineModule)
     dp = comm.get_world_size() // (model.num_stages if pipelined else 1)
     cfg = compat_config(config, dp=max(dp, 1), cuda=torch.cuda.is_available(), optimizer_defaults=defaults)
-    if optimizer is None and "optim.lr" not in cfg.translation.entries:
-        raise ValueError("deepspeed.initialize(): no optimizer: add an optimizer section to the ds_config "
-                         "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
+    if optimizer is None and "optim.lr" not in cfg.translation.entries:  # DeepSpeed: an engine for forward only
+        if pipelined or lr_scheduler is not None or training_data is not None:
+            raise ValueError("deepspeed.initialize(): no optimizer: add an optimizer section to the ds_config "
+                             "(type AdamW) or pass optimizer=torch.optim.AdamW(...)")
+        return _initialize_inference(model, cfg, ds_dict)
     if model_parameters is None and optimizer is not None:
         model_parameters = [p for g in optimizer.param_groups for p in g["params"]]
     if model_parameters is not None:  # a generator (model.parameters()) is read twice below
@@ -184,6 +186,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
     return ds_engine, engine.optimizer, loader, scheduler
+
+
+def _initialize_inference(model: nn.Module, cfg: CompatConfig, ds_dict: dict) -> tuple:
+    """No optimizer (TRL's reference models): ``(engine, None, None, None)`` as DeepSpeed returns."""
+    from .inference import initialize_inference
+
+    offload_params = _store(cfg, cfg.engine.zero.stage)[1]
+    engine = initialize_inference(model, cfg, ds_dict, blocks=find_blocks(model), offload_params=offload_params)
+    return engine, None, None, None
 
 
 def _initialize_pipeline(model: pipe.PipelineModule, cfg: CompatConfig, ds_dict: dict, optimizer: Any,

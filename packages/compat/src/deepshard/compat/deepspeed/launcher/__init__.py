@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: what ``accelerate launch`` reads from DeepSpeed's launcher (``launcher.runner``)."""
