@@ -19,6 +19,8 @@ from functools import partial
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # one world-2 launch compiling every case (~60 s): the full suite only
+
 STEPS = 5
 LENGTHS = (16, 16, 24, 20, 12)  # one per step: variable-length data
 ROWS = 4

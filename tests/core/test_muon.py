@@ -163,6 +163,7 @@ def runs(gloo_pool, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [1, 2, 3, "resume"])
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_zero_world2_equals_world1(runs, case):
     out, (ref_losses, ref) = runs
     losses, params = out[case]

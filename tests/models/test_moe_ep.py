@@ -190,6 +190,7 @@ def _merged(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_expert_parallel_trains_as_one_process_with_every_expert(runs, name):
     from deepshard.finetune.models import registry
 
@@ -212,6 +213,7 @@ def test_expert_parallel_trains_as_one_process_with_every_expert(runs, name):
     assert worst[0] < 1e-5, worst
 
 
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_the_tokens_went_by_all_to_all_to_one_grouped_gemm(runs):
     ranks, _ = runs
     assert all(rank[name]["grouped"] and rank[name]["all_to_all"] for rank in ranks for name in CASES)

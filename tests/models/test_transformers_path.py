@@ -227,6 +227,7 @@ def world2(dirs, gloo_pool, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_world2_trains_as_plain_torch(world2, name):
     kind, _, _, _, _, _, _, lora = CASES[name]
     ref_losses, ref_params = reference(kind, lora)
@@ -242,6 +243,7 @@ def test_world2_trains_as_plain_torch(world2, name):
 
 
 @pytest.mark.parametrize("name", ("zero3_gpt2", "zero3_neox"))
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_export_loads_in_transformers_with_our_logits(world2, tmp_path, name):
     from transformers import AutoModelForCausalLM
 

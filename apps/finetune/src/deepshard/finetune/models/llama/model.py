@@ -100,6 +100,9 @@ class LlamaConfig:
     def _check_rotary(self) -> None:
         """Partial rotary and longrope's factors, resolved and checked (frozen: once, here)."""
         if self.rotary_dim == 0:
+            if self.head_dim % 2:
+                raise ValueError(f"model.dim={self.dim} / model.n_heads={self.n_heads}: head_dim {self.head_dim} is odd; "
+                                 "RoPE rotates pairs of dimensions, so head_dim must be even")
             object.__setattr__(self, "rotary_dim", self.head_dim)
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"model.rotary_dim={self.rotary_dim}: must be even and in [2, head_dim={self.head_dim}] "
