@@ -31,71 +31,10 @@ from deepshard.core.step import (
     num_params,
     token_mean,
 )
-from deepshard.core.zero import ZeroStage
+from deepshard.core.zero import CompositeStage, ZeroStage
 from deepshard.pipeline.build import Pipeline
 
 __all__ = ["CompositeStage", "PipelineStepResult", "PipelineEngine", "ShardedPart", "build_engine"]
-
-
-class CompositeStage(ZeroStage):
-    """Several ZeRO stages (one per virtual pipeline stage on this rank) seen as one by the optimizer."""
-
-    def __init__(self, parts: list[ZeroStage]) -> None:
-        assert parts and len({p.zero_stage for p in parts}) == 1, "all parts share one ZeRO stage"
-        self.parts = parts
-        self.zero_stage = parts[0].zero_stage
-        self.params = [p for part in parts for p in part.params]
-        self.names = [n for part in parts for n in part.names]
-
-    def local_params(self) -> list[torch.Tensor]:
-        return [t for p in self.parts for t in p.local_params()]
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [t for p in self.parts for t in p.local_grads()]
-
-    def replication(self) -> list[int]:
-        return [r for p in self.parts for r in p.replication()]
-
-    def grad_handoffs(self) -> list:
-        """Every part's handoffs, their indices shifted to this composite's numbering."""
-        out, offset = [], 0
-        for part in self.parts:
-            out += [(handoff, offset + inner) for handoff, inner in part.grad_handoffs()]
-            offset += len(part.params)
-        return out
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        for p in self.parts:
-            p.set_grad_sync(enabled)
-
-    def finish_backward(self) -> None:
-        for p in self.parts:
-            p.finish_backward()
-
-    def after_step(self) -> None:
-        for p in self.parts:
-            p.after_step()
-
-    def gather_params(self) -> None:
-        for p in self.parts:
-            p.gather_params()
-
-    def zero_grad(self) -> None:
-        for p in self.parts:
-            p.zero_grad()
-
-    def grad_bytes(self) -> int:
-        return sum(p.grad_bytes() for p in self.parts)
-
-    def param_bytes(self) -> int:
-        return sum(p.param_bytes() for p in self.parts)
-
-    def buffer_bytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for part in self.parts:
-            for name, n in part.buffer_bytes().items():
-                out[name] = out.get(name, 0) + n
-        return out
 
 
 @dataclass

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.core.config import ZeroConfig
 from deepshard.core.dtensor_utils import local_tensor
 from deepshard.core.precision import DTYPES
+from deepshard.core.zero.composite import CompositeStage
 from deepshard.core.zero.fsdp import (
     CpuParamOffload,
     FullyShardedStage,
@@ -22,7 +23,7 @@ from deepshard.core.zero.gather import ShardGatherer, forward_units
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.hsdp import hpz_reshard
 from deepshard.core.zero.reducer import AllReduceReducer, FullGradScatterReducer, ReduceScatterReducer
-from deepshard.core.zero.split import SplitStage, check_experts
+from deepshard.core.zero.split import check_experts
 from deepshard.core.zero.stages import (
     ReplicatedStage,
     ShardedGradStage,
@@ -31,7 +32,7 @@ from deepshard.core.zero.stages import (
     trainable,
 )
 
-__all__ = ["CpuParamOffload", "GradHandoff", "ParamOffload", "SplitStage", "ZeroStage", "apply_fsdp", "apply_zero"]
+__all__ = ["CpuParamOffload", "GradHandoff", "ParamOffload", "CompositeStage", "ZeroStage", "apply_fsdp", "apply_zero"]
 
 
 def apply_zero(
@@ -57,7 +58,7 @@ def apply_zero(
     ``experts`` (MoE with expert parallelism): modules holding this rank's experts, whose params are
     ZeRO-sharded over ``expert_mesh`` (the dp ranks left after ep, torchtitan's layout) instead of
     ``dp_mesh``: stage 3 shards them with their own FSDP2 units; stages 0-2 reduce them in their own
-    group (a :class:`SplitStage` of the two parts).
+    group (a :class:`CompositeStage` of the two parts).
     """
     reduce_dtype = DTYPES[config.reduce_dtype]
     if experts:
@@ -101,7 +102,9 @@ def apply_zero(
     parts = [_bucketed(model, [n for n, _ in group], [p for _, p in group], mesh, config, blocks=blocks,
                        reduce_dtype=reduce_dtype, overlap=i == 0 and config.overlap_allgather)
              for i, (group, mesh) in enumerate(((dense, dp_mesh), (moe, expert_mesh)))]
-    return SplitStage(parts)
+    stage = CompositeStage(parts)
+    stage.expert_parallel = True
+    return stage
 
 
 def _bucketed(model: nn.Module, names: list[str], params: list[nn.Parameter], dp_mesh: DeviceMesh,
