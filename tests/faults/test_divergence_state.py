@@ -97,12 +97,24 @@ def test_lr_1e9_ending_at_max_steps_exits_1_not_done(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_at_2(tmp_path_factory) -> Path:
-    """A run of 2 good steps, saved at step 2 (its checkpoints folder; tests copy it)."""
-    run_dir = tmp_path_factory.mktemp("saved") / "run"
-    code, out, err = _run(run_dir, "train.max_steps=2")
+def nan_streak(tmp_path_factory) -> tuple[int, str, str, Path]:
+    """A run whose steps 3-4 are NaN (skipped) and 5-6 recover, saving every 2 steps: its exit code,
+    stdout, stderr and checkpoints folder.  Its step-2 checkpoint is also the good start the tests
+    below resume from (a copy)."""
+    run_dir = tmp_path_factory.mktemp("streak") / "run"
+    code, out, err = _run(run_dir, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                          fault="nan@3:2")
+    return code, out, err, run_dir / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def saved_at_2(nan_streak, tmp_path_factory) -> Path:
+    """2 good steps, saved at step 2 (a checkpoints folder holding only that; tests copy it)."""
+    code, out, err, root = nan_streak
     assert code == 0, out[-3000:] + err[-3000:]
-    return run_dir / "checkpoints"
+    saved = tmp_path_factory.mktemp("saved") / "checkpoints"
+    shutil.copytree(root / "step-00000002", saved / "step-00000002")
+    return saved
 
 
 def _copy(saved: Path, tmp_path: Path) -> Path:
@@ -127,14 +139,11 @@ def test_a_resumed_run_that_is_nan_from_its_first_step_stops(tmp_path, saved_at_
     assert [c.step for c in step_dirs(run_dir / "checkpoints")] == [2]
 
 
-def test_bad_steps_count_toward_the_tokens_seen(tmp_path):
+def test_bad_steps_count_toward_the_tokens_seen(nan_streak):
     """Steps 3-4 are NaN (skipped), 5-6 recover: step 6's checkpoint has seen 6 steps of tokens."""
-    run_dir = tmp_path / "run"
-    code, out, err = _run(run_dir, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
-                          fault="nan@3:2")
+    code, out, err, root = nan_streak
     assert code == 0, out[-3000:] + err[-3000:]
     assert len(re.findall(r"warning: step [34]: non-finite", out)) == 2
-    root = run_dir / "checkpoints"
     assert [c.step for c in step_dirs(root)] == [6, 2]  # step 4's save is withheld (bad state)
     assert _tokens_seen(root / "step-00000006") == 3 * _tokens_seen(root / "step-00000002")
 

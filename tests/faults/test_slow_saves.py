@@ -1,8 +1,8 @@
 """Slow, hung and cut-short saves in the real app at world 2 (issue 45), three launches in all.
 
-``DEEPSHARD_FAULT_SAVE_STALL=2:6:slow`` makes the save of step 2 a slow writer that still writes (its
-shard trickles out over 6 s, each piece reported as progress); ``4:60`` makes the save of step 4 a hung
-one (it writes nothing for 60 s).  With ``launcher.hang_s=4`` the slow save must be sealed and training
+``DEEPSHARD_FAULT_SAVE_STALL=2:5:slow`` makes the save of step 2 a slow writer that still writes (its
+shard trickles out over 5 s, each piece reported as progress); ``4:60`` makes the save of step 4 a hung
+one (it writes nothing for 60 s).  With ``launcher.hang_s=3`` the slow save must be sealed and training
 go on, sync and async, while the silent one is still a hang.  With ``launcher.shutdown_grace_s=2`` a
 SIGTERM during the silent save must end with a line that says the save was cut short and which step a
 rerun resumes from (exit 1), not that a checkpoint was written.  The sync launch also runs at ZeRO-3
@@ -30,7 +30,7 @@ from deepshard.core.checkpoint.retention import temp_dirs
 from tests.faults.run_harness import MAIN, TINY
 
 pytestmark = pytest.mark.slow
-HANG_S, SLOW_S, GRACE_S = 4, 6, 2
+HANG_S, SLOW_S, GRACE_S = 3, 5, 2  # the slow save outlasts hang_s by 2 s, as before
 STALLS = f"2:{SLOW_S}:slow,4:60"
 SILENT = "DEEPSHARD_FAULT_SAVE_STALL=4:60: pausing this save"
 ARGS = ("train.max_steps=100", "checkpoint.every_steps=2", f"launcher.hang_s={HANG_S}",

@@ -23,7 +23,10 @@ from tests.launch.compat_runs import final_losses, run_loop
 pytestmark = pytest.mark.slow
 
 MAIN = Path(__file__).resolve().parents[2] / "apps" / "finetune" / "main.py"
-RUN = ["+zero=stage3", "train.max_steps=8", "checkpoint.every_steps=4", "train.log_every=1"]
+# the app's tiny model (a smaller one than its default: what is checked is the restart, not the model)
+RUN = ["+zero=stage3", "train.max_steps=8", "checkpoint.every_steps=4", "train.log_every=1", "model.dim=64",
+       "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128", "data.seq_len=64",
+       "data.num_docs=600"]
 
 
 def launch(argv, cwd, env, on_start=None, timeout=240):

@@ -4,6 +4,7 @@ for the ``deepshard`` command's elastic agent and for ``launch_local`` (the app'
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from deepshard.core.checkpoint.owners import write_owner
+from deepshard.launch.heartbeat import remove_stale_beat_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +88,10 @@ def _kill_launcher_and_wait(launcher: subprocess.Popen, workers: dict[int, str])
     raise AssertionError(f"workers {alive} still alive 15 s after their launcher's SIGKILL")
 
 
-def _run(argv: list[str], cwd: Path, pid_dir: Path) -> None:
+def _run(argv: list[str], cwd: Path, pid_dir: Path, env: dict[str, str] | None = None) -> int:
+    """Start the launcher, SIGKILL it once its workers run; its pid."""
     launcher = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **(env or {})})
     workers: dict[int, str] = {}
     try:
         workers = _workers(pid_dir, 2, launcher)
@@ -104,12 +109,24 @@ def _run(argv: list[str], cwd: Path, pid_dir: Path) -> None:
         launcher.wait()
         if launcher.stderr:
             launcher.stderr.close()
+    return launcher.pid
 
 
 def test_the_deepshard_commands_workers_die_with_it(tmp_path):
+    """Also what the killed agent leaves in the temp dir (here TMPDIR=tmp_path/tmp): its heartbeat
+    directory, which the next agent's start removes, and only it (not a live agent's)."""
     (tmp_path / "loop.py").write_text(LOOP)
     (tmp_path / "pids").mkdir()
-    _run([*DEEPSHARD, "--num_gpus=2", "loop.py", str(tmp_path / "pids")], tmp_path, tmp_path / "pids")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    pid = _run([*DEEPSHARD, "--num_gpus=2", "loop.py", str(tmp_path / "pids")], tmp_path, tmp_path / "pids",
+               env={"TMPDIR": str(tmp)})
+    (left,) = tmp.glob("deepshard-*-heartbeat-*")
+    assert json.loads((left / ".owner.json").read_text())["pid"] == pid  # the SIGKILLed agent's
+    live = tmp / "deepshard-live-heartbeat-0"  # one of this process's: it runs
+    live.mkdir()
+    write_owner(live)
+    assert remove_stale_beat_dirs(str(tmp)) == [left] and not left.exists() and live.is_dir()
 
 
 def test_launch_locals_workers_die_with_it(tmp_path):

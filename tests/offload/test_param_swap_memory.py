@@ -8,6 +8,8 @@ peak); the backward has given those back, and the process's anonymous memory dro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.bench_infinity import cgroup_available, llama_spec, run_worker  # noqa: E402
@@ -18,18 +20,27 @@ from deepshard.offload import OffloadConfig  # noqa: E402
 # torch + gloo alone take ~200 MiB of it; the forward also holds the deferred update's buffer_count
 # buffers of 16 bytes per element of the largest unit (infinity_store.DeferredStep)
 LIMIT = 384 * 2**20
+SPEC = {"steps": 3, "model": llama_spec(52, dim=256), "ac": "full", "buffer_count": 2, "param_buffer_count": 3,
+        "param_prefetch": 2}
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
-def test_model_states_twice_the_limit_train_in_it(tmp_path):
-    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(52, dim=256), "ac": "full",
-            "buffer_count": 2, "param_buffer_count": 3, "param_prefetch": 2}
-    confined = run_worker({**spec, "offload": True}, limit_bytes=LIMIT)
+@pytest.fixture(scope="module")
+def whole_units(tmp_path_factory) -> tuple[dict, Path]:
+    """The confined offload run with whole-unit buffers (its own process): both tests read it, the second
+    as the reference of its piecewise run.  Also its NVMe folder, which the run must leave empty."""
+    nvme = tmp_path_factory.mktemp("nvme")
+    return run_worker({**SPEC, "nvme_path": str(nvme), "offload": True}, limit_bytes=LIMIT), nvme
+
+
+def test_model_states_twice_the_limit_train_in_it(tmp_path, whole_units):
+    spec = {**SPEC, "nvme_path": str(tmp_path)}
+    confined, nvme = whole_units
     assert confined["ok"], confined.get("stderr_tail")
     assert confined["model_state_bytes"] >= 2 * LIMIT
     assert confined["peak_bytes"] <= LIMIT
-    assert not any(tmp_path.iterdir()), "swap files left behind"
+    assert not any(nvme.iterdir()), "swap files left behind"
     # measured: the host buffers mapped after the forward (updates owed since step(): the step's
     # buffers held beside the param pool) and after the backward (given back at the first unit's
     # gradient: more units than buffers), and anonymous memory at the same points
@@ -49,16 +60,13 @@ def test_model_states_twice_the_limit_train_in_it(tmp_path):
     assert confined["losses"] == pytest.approx(free["losses"], rel=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
-def test_deferred_step_buffers_follow_the_piece_not_the_unit(tmp_path):
+def test_deferred_step_buffers_follow_the_piece_not_the_unit(tmp_path, whole_units):
     """``offload.sub_group_size`` below a block's shard: the deferred AdamW step streams each unit in
     pieces of that many elements, so its buffers (measured: the host buffers mapped after the forward,
     beside the param pool) are buffer_count x 16 B x the piece, a tenth of a block's here, as the estimate
     says; it trains in the same limit with the losses of the run with whole-unit buffers."""
     piece = 2**16
-    spec = {"nvme_path": str(tmp_path), "steps": 3, "model": llama_spec(52, dim=256), "ac": "full",
-            "buffer_count": 2, "param_buffer_count": 3, "param_prefetch": 2}
+    spec = {**SPEC, "nvme_path": str(tmp_path)}
     cfg = LlamaConfig(**spec["model"])
     assert largest_unit(cfg) > 10 * piece
     confined = run_worker({**spec, "offload": True, "sub_group_size": piece}, limit_bytes=LIMIT)
@@ -69,5 +77,6 @@ def test_deferred_step_buffers_follow_the_piece_not_the_unit(tmp_path):
     mapped = confined["buffers_mapped"]
     assert mapped["after_forward"] == est.peak, (mapped, est)
     assert mapped["after_backward"] == est.pool, (mapped, est)
-    whole = run_worker({**spec, "offload": True}, limit_bytes=LIMIT)
+    whole, _ = whole_units  # {**spec, "offload": True} in the same limit
+    assert whole["ok"], whole.get("stderr_tail")
     assert confined["losses"] == whole["losses"]  # the same arithmetic, bit for bit

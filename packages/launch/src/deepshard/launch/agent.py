@@ -17,11 +17,10 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launch.heartbeat import ENV_DIR, Watchdog, remove_dead_beats
+from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, remove_dead_beats
 from deepshard.launch.local import _describe, worker_threads
 from deepshard.launch.parent_death import guarded
 
@@ -155,7 +154,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     # shared store keeps the last attempt's keys, and restarted gloo ranks dial the dead ranks' addresses
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     own_beat_dir = ENV_DIR not in os.environ  # a directory the user names is used and left in place
-    beat_dir = tempfile.mkdtemp(prefix=f"deepshard-{node.run_id}-heartbeat-") if own_beat_dir else os.environ[ENV_DIR]
+    beat_dir = agent_beat_dir(node.run_id) if own_beat_dir else os.environ[ENV_DIR]
     if not own_beat_dir:
         remove_dead_beats(beat_dir)  # an earlier run's files are never judged
     env[ENV_DIR] = beat_dir

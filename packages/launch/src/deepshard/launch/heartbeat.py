@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepshard.core.checkpoint.owners import process_alive, process_start
+from deepshard.core.checkpoint.owners import OWNER, owner_alive, process_alive, process_start, write_owner
 from deepshard.core.checkpoint.plain_files import open_regular
 
 ENV_DIR = "DEEPSHARD_HEARTBEAT_DIR"
@@ -140,6 +142,38 @@ def remove_dead_beats(directory: str | Path, *, other_host_stale_s: float = 60.0
         else:
             f.unlink(missing_ok=True)
     return live
+
+
+def agent_beat_dir(run_id: str, *, root: str | None = None) -> str:
+    """A fresh heartbeat directory for the agent in the temp dir (``root``), marked with its owner: the
+    agent removes it when it ends, but a SIGKILLed agent cannot, so each one first removes those of
+    agents that are gone (:func:`remove_stale_beat_dirs`)."""
+    remove_stale_beat_dirs(root)
+    directory = tempfile.mkdtemp(prefix=f"deepshard-{run_id}-heartbeat-", dir=root)
+    write_owner(Path(directory))
+    return directory
+
+
+def remove_stale_beat_dirs(root: str | None = None, *, unmarked_after_s: float = 3600.0) -> list[Path]:
+    """Remove the agents' heartbeat directories in ``root`` (the temp dir) whose owner is gone; one with no
+    owner marker (being made, or an older version's) only once it is ``unmarked_after_s`` old and no
+    process that wrote a heartbeat in it runs.  Returns what it removed."""
+    removed = []
+    now = time.time()
+    for d in sorted(Path(root or tempfile.gettempdir()).glob("deepshard-*-heartbeat-*")):
+        try:
+            if not d.is_dir() or d.is_symlink():
+                continue
+            marked = (d / OWNER).is_file()
+            if owner_alive(d)[0] if marked else (now - d.stat().st_mtime < unmarked_after_s or any(
+                    _running(beat, now, 0.0) for beat in read_beats(d))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
 
 
 def _read_settled(f: Path, tries: int = 3) -> dict | None:
