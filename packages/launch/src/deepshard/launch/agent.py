@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, remove_dead_beats
-from deepshard.launch.local import _describe, worker_threads
+from deepshard.launch.local import _describe, elastic_log_dir, worker_threads
 from deepshard.launch.parent_death import guarded
 
 LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each worker's local rank here (elastic.utils.macros)
@@ -139,7 +139,7 @@ def _quiet_agent(host: str) -> None:
 def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | None:
     """Run this node's workers to the end; None when every worker succeeded, else the root cause."""
     import torch
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -158,11 +158,13 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     if not own_beat_dir:
         remove_dead_beats(beat_dir)  # an earlier run's files are never judged
     env[ENV_DIR] = beat_dir
+    elastic_logs = elastic_log_dir()
     config = LaunchConfig(
         min_nodes=node.min_nodes, max_nodes=node.max_nodes, nproc_per_node=node.nproc, run_id=node.run_id,
         rdzv_backend="c10d", rdzv_endpoint=f"{node.master_addr}:{node.master_port}",
         rdzv_configs={} if node.is_host is None else {"is_host": node.is_host},
         max_restarts=node.max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
     )
     watchdog = Watchdog(beat_dir, node.hang_s) if node.hang_s > 0 else None
     entry, args = guarded(entry, args, os.getpid())  # the workers die with this agent, even by SIGKILL
@@ -183,6 +185,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
         return Failure(f"rendezvous at {node.master_addr}:{node.master_port} failed on {node.host}: "
                        f"{type(err).__name__}: {' '.join(str(err).split())}", 1)
     finally:
+        shutil.rmtree(elastic_logs, ignore_errors=True)
         if own_beat_dir:
             shutil.rmtree(beat_dir, ignore_errors=True)
 

@@ -14,8 +14,10 @@ import functools
 import logging
 import multiprocessing.forkserver
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -212,6 +214,12 @@ def _claim_heartbeats(beat_dir: Path) -> None:
                          "here; wait for it, or use another directory")
 
 
+def elastic_log_dir() -> str:
+    """A directory for torch's elastic agent's per-rank error files, which the caller removes when the
+    launch ends (torch's default, ``tempfile.mkdtemp("torchelastic_")`` per launch, is never removed)."""
+    return tempfile.mkdtemp(prefix="deepshard-elastic-")
+
+
 def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) -> None:
     """Start the forkserver that :func:`launch_local`'s workers fork from, importing torch (with
     dynamo, which every optimizer step imports), deepshard, ``fn``'s module and ``preload`` (what
@@ -255,6 +263,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     per launch); the server imports no CUDA state, so each worker still initializes its own.
     """
     import torch
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -266,10 +275,12 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     if threads_per_worker is None:  # auto: see worker_threads
         threads_per_worker = worker_threads(nproc, cuda=torch.cuda.is_available() and not hide_gpus)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)  # inherited by the workers
+    elastic_logs = elastic_log_dir()  # torch's default is a fresh /tmp/torchelastic_* per launch, never removed
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="forkserver", shutdown_timeout=grace_s,
+        logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
     )
     start_worker_server(fn)
     watchdog: Watchdog | None = None
@@ -291,6 +302,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
         raise job_failed(err, watchdog.hang if watchdog else None, beats) from err
     finally:
+        shutil.rmtree(elastic_logs, ignore_errors=True)  # the workers' error files were read above
         os.environ.pop(ENV_DIR, None)
         if hide_gpus:
             if saved_visible is None:
