@@ -68,6 +68,11 @@ def test_a_hang_blames_the_rank_that_stopped_beating_not_the_one_waiting_for_it(
     assert find_hang([waiting, stopped], 30, now).rank == 1
     assert str(find_hang([waiting, stopped], 30, now)) == "rank 1 has made no progress since step 12 (backward) for 41 s"
     assert find_hang([waiting, stopped], 60, now) is None  # not yet
+    # the race the launch tests met: the waiter stalled (since 31 s) before the stopped rank's last beat
+    # (25 s ago, < hang_s) is hang_s old, and the waiter is further behind: the silent beat still decides
+    early_waiter = _beat(0, 71, "backward", since=now - 31, beat=now - 0.3)
+    just_stopped = _beat(1, 71, "optimizer", since=now - 26, beat=now - 25)
+    assert find_hang([early_waiter, just_stopped], 30, now).rank == 1
     # both alive (a rank looping in Python): the one behind is blamed
     looping = _beat(1, 12, "forward", since=now - 35, beat=now - 0.2)
     assert find_hang([waiting, looping], 30, now).rank == 1

@@ -6,49 +6,111 @@ detection still names its stopped rank; a lock left by a job that died is taken 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.faults.run_harness import HANG_S, StoppedJob, jobs
+from tests.faults.run_harness import MAIN, ROOT, TINY, wait_for_step
 
 LOCK = ".deepshard.lock"  # deepshard.launch.run_lock.LOCK_NAME, spelled out: the test must run on code without it
 
 pytestmark = pytest.mark.slow
 
 
-def _refused(stopped: StoppedJob, key: str, directory: Path) -> None:
-    code, out, err, _ = stopped.refused[key]
+@contextlib.contextmanager
+def _jobs():
+    """Start app runs; whatever happens, every one of them (and its workers, stopped ones too) is killed."""
+    procs: list[subprocess.Popen] = []
+
+    def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class _Drained:
+    """Reads a running job's output in the background: a full pipe would stall its rank 0 (a hang)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.out, self.err = proc, [], []
+        self.threads = [threading.Thread(target=lambda f=f, into=into: into.extend(f), daemon=True)
+                        for f, into in ((proc.stdout, self.out), (proc.stderr, self.err))]
+        for t in self.threads:
+            t.start()
+
+    def wait(self, timeout: float) -> str:
+        """stderr once the job ended."""
+        self.proc.wait(timeout=timeout)
+        for t in self.threads:
+            t.join(timeout=10)
+        return "".join(self.err)
+
+
+def _beats(run_dir: Path) -> dict[str, int]:
+    return {p.name: int(json.loads(p.read_text())["pid"]) for p in sorted((run_dir / "heartbeat").glob("rank*.json"))}
+
+
+def _refused(proc: subprocess.Popen, key: str, directory: Path, owner: int) -> float:
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{key}={directory}: the second job was not refused; it runs alongside the first") from None
     lines = err.strip().splitlines()
-    assert code == 2, err[-3000:]
-    assert re.fullmatch(rf"error: {key}={re.escape(str(directory))} is in use by another deepshard job \(pid "
-                        rf"{stopped.pid} on host {re.escape(socket.gethostname())}, started [-\d]+ [:\d]+\); wait "
-                        r"for it, or use another directory", lines[-1]), err[-3000:]
+    assert proc.returncode == 2, err[-3000:]
+    assert re.fullmatch(rf"error: {key}={re.escape(str(directory))} is in use by another deepshard job \(pid {owner} "
+                        rf"on host {re.escape(socket.gethostname())}, started [-\d]+ [:\d]+\); wait for it, or use "
+                        r"another directory", lines[-1]), err[-3000:]
     assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in err
     assert "step" not in out  # it trained nothing
+    return time.monotonic() - t0
 
 
-def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the_first_sees_its_hang(stopped_job):
-    """tests/faults/conftest.py's run: a job at step 3, the second jobs started on its directories, then
-    its rank 1 stopped."""
-    first = stopped_job.first
-    assert sorted(stopped_job.beats) == ["rank0.json", "rank1.json"]
-    _refused(stopped_job, "hydra.run.dir", first)
-    _refused(stopped_job, "checkpoint.dir", first / "checkpoints")
-    assert not (stopped_job.third / "heartbeat").exists()  # no worker of theirs started
-    # the first job's heartbeats are its own, still
-    assert stopped_job.beats_after == stopped_job.beats and stopped_job.alive_after
+def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the_first_sees_its_hang(tmp_path):
+    hang_s = 6
+    first, third = tmp_path / "first", tmp_path / "third"
+    with _jobs() as start:
+        job = start(first, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
+        wait_for_step(job, 2)
+        drained = _Drained(job)
+        beats = _beats(first)
+        assert sorted(beats) == ["rank0.json", "rank1.json"]
+        same_run_dir = start(first, "train.max_steps=3")
+        same_checkpoints = start(third, "train.max_steps=3", f"checkpoint.dir={first / 'checkpoints'}")
+        _refused(same_run_dir, "hydra.run.dir", first, job.pid)
+        _refused(same_checkpoints, "checkpoint.dir", first / "checkpoints", job.pid)
+        assert not (third / "heartbeat").exists()  # no worker of theirs started
+        assert _beats(first) == beats and job.poll() is None  # the first job's heartbeats are its own, still
 
-    # and they still serve it: a stopped rank is named by its watchdog, within the hang time
-    err = stopped_job.err
-    assert stopped_job.code == 1, err[-3000:]
-    assert stopped_job.elapsed < 2 * HANG_S + 5, stopped_job.elapsed
+        # and they still serve it: a stopped rank is named by its watchdog, within the hang time
+        os.kill(beats["rank1.json"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        err = drained.wait(timeout=120)
+        elapsed = time.monotonic() - t0
+    assert job.returncode == 1, err[-3000:]
+    assert elapsed < 2 * hang_s + 5, elapsed
     assert re.fullmatch(r"error: rank 1 has made no progress since step \d+ \(\w+\) for \d+ s",
                         err.strip().splitlines()[-1]), err[-3000:]
 
@@ -61,7 +123,7 @@ def test_a_lock_left_by_a_job_that_died_is_taken_over_with_a_log_line(tmp_path):
     started = time.time() - 600
     (run_dir / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "started": started,
                                             "renewed": started + 590, "job": "run1"}))
-    with jobs() as start:
+    with _jobs() as start:
         job = start(run_dir, "train.max_steps=2")
         out, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
@@ -80,7 +142,7 @@ def test_a_lock_that_is_a_symlink_is_refused_before_anything_starts(tmp_path):
     run_dir.mkdir()
     target.write_text("keep me\n")
     (run_dir / LOCK).symlink_to(target)
-    with jobs() as start:
+    with _jobs() as start:
         job = start(run_dir, "train.max_steps=2")
         out, err = job.communicate(timeout=300)
     lines = err.strip().splitlines()

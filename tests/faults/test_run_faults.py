@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
-from tests.faults.run_harness import HANG_S, MAIN, TINY, wait_for_step
+from tests.faults.run_harness import MAIN, TINY, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -70,16 +70,23 @@ def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
     assert "Traceback" not in err
 
 
-def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(stopped_job):
-    """tests/faults/conftest.py's run: rank 1 SIGSTOPped at step 3 under ``launcher.hang_s`` 6 (the launch
-    test_job_lock.py also reads; the second jobs it was shown were refused before the stop)."""
-    err, elapsed = stopped_job.err, stopped_job.elapsed
-    assert stopped_job.code == 1, err[-3000:]
-    assert elapsed < 2 * HANG_S, elapsed
+def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(tmp_path):
+    hang_s = 6
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
+    wait_for_step(proc, 3)
+    pid = _worker_pid(run_dir, 1)
+    with _reaped(proc, pid):
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, err[-3000:]
+    assert elapsed < 2 * hang_s, elapsed
     line = _last_line(err)
     assert re.fullmatch(r"error: rank 1 has made no progress since step \d+ "
                         r"\((forward|backward|optimizer|eval|checkpoint)\) for \d+ s", line), err[-3000:]
-    assert int(line.rsplit("for ", 1)[1].split()[0]) >= HANG_S
+    assert int(line.rsplit("for ", 1)[1].split()[0]) >= hang_s
     assert "Traceback" not in err
 
 

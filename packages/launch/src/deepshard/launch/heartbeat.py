@@ -190,6 +190,9 @@ def _read_settled(f: Path, tries: int = 3) -> dict | None:
     return None
 
 
+QUIET_S = 2.0  # four beats missed at the default interval: the rank's beat thread is not running
+
+
 def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:
     """The rank to blame once some rank made no progress for ``hang_s``: one that stopped beating,
     else the one furthest behind (lowest step and phase), ties broken by the oldest progress.  Bytes a
@@ -204,7 +207,10 @@ def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:
     stalled = [b for b in live if b["phase"] != "startup" and now - last_progress(b) > hang_s]
     if not frozen and not stalled:
         return None
-    pool = frozen or live
+    # a rank that waits in a collective for a stopped peer can stall a moment before the peer's last beat is
+    # hang_s old: a beat thread silent for QUIET_S already says which rank stopped (else the waiter is blamed)
+    quiet = [b for b in live if now - b["beat"] > min(hang_s, QUIET_S)]
+    pool = frozen or quiet or live
     b = min(pool, key=lambda b: (b["step"], PHASES.index(b["phase"]), b["since"]))
     return Hang(rank=b["rank"], step=b["step"], phase=b["phase"], stalled_s=now - last_progress(b),
                 frozen=bool(frozen))
