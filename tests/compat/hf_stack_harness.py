@@ -5,10 +5,27 @@ tutorial's all-"auto" shape of hf_trainer_harness.py, at ZeRO-2 and at ZeRO-3 wi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from tests.compat.hf_trainer_harness import ds_config
+
+
+def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """A launcher command (``deepshard``, ``torchrun``, ``accelerate launch``) in its own process group,
+    one thread per worker, stopped with its workers on any failure (a timeout too)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 # the app's embedded byte-level BPE and chat template, by path (the DeepSpeed recorder's venv lacks our packages)
 ASSETS = Path(__file__).resolve().parents[2] / "apps" / "finetune" / "src" / "deepshard" / "finetune" / "assets"

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.compat.hf_stack_harness import make_model_dir, write_ds_config
+from tests.compat.hf_stack_harness import make_model_dir, run_launcher, write_ds_config
 
 HERE = Path(__file__).parent
 DS_TRAINER = HERE / "fixtures" / "hf_trainer_ds.json"  # real DeepSpeed + transformers.Trainer (issue 26's recording)
@@ -36,15 +35,7 @@ def _deepshard(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.C
     """``deepshard --num_gpus 2 ...`` in its own process group, stopped with its workers on any failure."""
     env = {k: v for k, v in os.environ.items() if k != "DEEPSHARD_DEEPSPEED"}  # the launcher sets it
     cmd = [str(Path(sys.executable).parent / "deepshard"), "--num_gpus", "2", *argv]
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return run_launcher(cmd, cwd, env, timeout)
 
 
 def _run(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:

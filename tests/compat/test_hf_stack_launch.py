@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from deepshard.compat.accelerate_config import check
 from tests.compat.hf_stack_harness import (
     make_id_model_dir,
     make_model_dir,
+    run_launcher,
     write_accelerate_config,
     write_ds_config,
 )
@@ -35,19 +35,6 @@ from tests.compat.hf_stack_harness import (
 HERE = Path(__file__).parent
 DS_STACK = HERE / "fixtures" / "hf_stack_ds.json"
 BIN = Path(sys.executable).parent
-
-
-def _launch(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """A launcher in its own process group, stopped with its workers on any failure."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _env(provider: bool) -> dict[str, str]:
@@ -68,7 +55,7 @@ def test_accelerate_launch_deepspeed_yaml_matches_accelerate_multi_cpu(tmp_path,
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", cfg, "--main_process_port", "0",
            str(HERE / "hf_stack_accelerate_script.py"), "--model", make_id_model_dir(tmp_path / "model"),
            "--result", str(tmp_path / "result.json")]
-    done = _launch(cmd, tmp_path, _env(provider=True))
+    done = run_launcher(cmd, tmp_path, _env(provider=True))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["distributed_type"] == "DEEPSPEED" and out["num_processes"] == 2 and out["zero_stage"] == stage
@@ -89,7 +76,7 @@ def test_dpo_trainer_with_reference_model_matches_deepspeed(tmp_path, stage, nam
     argv = [str(HERE / "hf_stack_dpo_script.py"), "--model", make_model_dir(tmp_path / "model"),
             "--ds_config", write_ds_config(tmp_path / "ds.json", stage, optimizer=False),
             "--out", str(tmp_path / "out"), "--result", str(tmp_path / "result.json")]
-    done = _launch([str(BIN / "deepshard"), "--num_gpus", "2", *argv], tmp_path, _env(provider=False))
+    done = run_launcher([str(BIN / "deepshard"), "--num_gpus", "2", *argv], tmp_path, _env(provider=False))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["engine"] == "deepshard.compat.deepspeed.engine" and out["world_size"] == 2

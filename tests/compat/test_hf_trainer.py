@@ -15,7 +15,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import types
@@ -172,16 +171,9 @@ SCRIPT_ARGS = ["--per_device_train_batch_size=2", "--gradient_accumulation_steps
 
 
 def _run_script(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A launcher command in its own process group, stopped (with its workers) on any failure."""
-    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    from tests.compat.hf_stack_harness import run_launcher
+
+    return run_launcher(argv, cwd, dict(os.environ), timeout)
 
 
 @pytest.mark.slow
