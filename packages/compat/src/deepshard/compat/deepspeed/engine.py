@@ -54,18 +54,6 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
 
     # --- identity and batch arithmetic
     @property
-    def device(self) -> torch.device:
-        return local_device()
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def global_rank(self) -> int:
-        return torch.distributed.get_rank()
-
-    @property
     def world_size(self) -> int:
         return self.engine.mesh["dp"].size()
 

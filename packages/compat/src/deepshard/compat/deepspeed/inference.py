@@ -9,7 +9,6 @@ all-gathered per block in each forward).  DeepSpeed returns its engine with no o
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -22,9 +21,10 @@ from deepshard.core.zero import ParamOffload, apply_fsdp
 from . import zero
 from .checkpoint import full_state_dict
 from .config import CompatConfig
+from .queries import RankQueries
 
 
-class InferenceEngine(nn.Module):
+class InferenceEngine(nn.Module, RankQueries):
     """The engine DeepSpeed returns without an optimizer: ``engine(batch)`` (under ``torch.no_grad()`` at
     ZeRO-3 the gathered units are released after each forward, as DeepSpeed does), ``.module``, ``eval()``;
     training calls stop with one line."""
@@ -36,18 +36,6 @@ class InferenceEngine(nn.Module):
         self.stage = stage
         self.optimizer = None
         self.lr_scheduler = None
-
-    @property
-    def device(self) -> torch.device:
-        return local_device()
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def global_rank(self) -> int:
-        return torch.distributed.get_rank()
 
     @property
     def world_size(self) -> int:

@@ -8,14 +8,35 @@ translated config and the ZeRO optimizer through this base.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
+
+from deepshard.core.mesh import local_device
 from deepshard.core.optim import StepStats
 
 from .config import CompatConfig
 
 
-class DeepSpeedQueries:
+class RankQueries:
+    """Where this process computes and which rank it is: every engine of ours answers these alike
+    (the training ones, and the forward-only one ``initialize`` returns without an optimizer)."""
+
+    @property
+    def device(self) -> torch.device:
+        return local_device()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+
+class DeepSpeedQueries(RankQueries):
     """Config and state queries; a subclass sets ``compat``, ``config`` (the ds_config dict),
     ``optimizer`` (the ZeroOptimizer) and ``last_stats`` (the last update's, None before one)."""
 
