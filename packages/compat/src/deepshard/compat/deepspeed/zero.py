@@ -266,7 +266,7 @@ class ZeroParamStatus(enum.Enum):
 
 
 _DS_IDS = itertools.count()
-_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_persist")
+_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_persist", "ds_active_sub_modules")
 
 
 def _copy_ds_attributes(src: torch.Tensor, dst: torch.Tensor, status: ZeroParamStatus) -> None:
@@ -296,6 +296,7 @@ def tag_zero3_params(model: nn.Module) -> None:
                 p.ds_numel = p.numel()
                 p.ds_tensor = p.to_local()
                 p.ds_persist = False
+                p.ds_active_sub_modules = set()  # always empty: FSDP2 gathers per unit, not per submodule
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             owners[(id(module), name)] = p
         if mine:
@@ -327,6 +328,11 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     if not isinstance(parameter, torch.Tensor):
         raise ValueError(f"register_external_parameter(module, {type(parameter).__name__}): expected a parameter")
     _EXTERNAL.setdefault(module, []).append(parameter)
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as used in ``module``'s forward (``register_external_parameter``)."""
+    return list(_EXTERNAL.get(module, []))
 
 
 def check_external_parameters(model: nn.Module, blocks: Iterable[nn.Module]) -> None:
