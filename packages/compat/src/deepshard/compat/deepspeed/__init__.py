@@ -181,6 +181,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         apply_group_decays(engine, decays)
     if stage == 3:
         zero.tag_zero3_params(model)
+        zero.fsdp_lazy_init(model)
         param_offload.attach(engine.optimizer, model)  # TRL's generation removes and restores ZeRO-3's hooks
     scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer, config_scheduler="scheduler" in ds_dict)
     ds_engine = DeepSpeedEngine(engine, cfg, ds_config=ds_dict, lr_scheduler=scheduler)

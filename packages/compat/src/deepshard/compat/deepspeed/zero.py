@@ -197,6 +197,9 @@ class _Full(torch.Tensor):
 def _full_copy(p: DTensor) -> torch.Tensor:
     full = torch.Tensor._make_subclass(_Full, p.full_tensor().detach().clone(), p.requires_grad)
     full._is_param = True  # isinstance(p, nn.Parameter) holds inside the block
+    # FSDP2 reads its shard off the parameter object when it gathers (a forward inside the block: TRL's
+    # generation): once swapped, the object must still answer with the DTensor's shard and spec
+    full._local_tensor, full._spec = p._local_tensor, p._spec
     _copy_ds_attributes(p, full, ZeroParamStatus.AVAILABLE)
     return full
 
@@ -305,6 +308,17 @@ def tag_zero3_params(model: nn.Module) -> None:
     # starts, for code that reads one before its module's own forward (TRL's fused lm_head loss)
     tagged = [m for m in model.modules() if any((id(m), n) in owners for n in m._parameters)]
     model.register_forward_pre_hook(lambda _model, args: [_tag_gathered(owners, m, args) for m in tagged] and None)
+
+
+def fsdp_lazy_init(model: nn.Module) -> None:
+    """FSDP2's lazy initialization now rather than at the first forward: ``GatheredParameters`` swaps full
+    values into the sharded parameter objects, and that first-forward initialization reads them as DTensors
+    (TRL's GRPO generates inside ``GatheredParameters`` before any training forward).  FSDP2 offers no
+    public call for it; its root state's ``_lazy_init`` is what the first forward runs, and is idempotent."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
 
 
 def _tag_gathered(owners: dict[tuple[int, str], torch.Tensor], module: nn.Module, args: Any) -> None:
