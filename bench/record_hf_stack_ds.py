@@ -13,6 +13,9 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
 - ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
   rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
   with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload;
+- ``grpo_zero3_offload``: tests/compat/hf_stack_grpo_script.py (TRL 1.16 ``GRPOTrainer``, ``use_vllm=False``:
+  generation with the policy under ZeRO-3 in TRL's ``unwrap_model_for_generation``, sampling seeded per step)
+  with the ZeRO-3 + CPU optimizer offload ds_config; its time per step inside that generation is kept too;
 - ``accelerate_multi_cpu``: tests/compat/hf_stack_accelerate_script.py (a plain accelerate loop) on accelerate's
   own non-DeepSpeed multi-process path, the reference for ``accelerate launch`` with accelerate's DeepSpeed
   yamls (on CPU, accelerate launches ``distributed_type: DEEPSPEED`` with ``use_cpu: true`` as one world per
@@ -42,7 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
-        "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3)}
+        "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
+        "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 
 
@@ -133,6 +137,8 @@ def main() -> None:
                 continue
             result = record(name, opts.launcher, Path(tmp))
         fixture["runs"][name] = {"script": RUNS[name][0], "zero_stage": RUNS[name][1], "logs": result["logs"]}
+        if "generation_seconds" in result:  # GRPO: seconds per step inside TRL's unwrap_model_for_generation
+            fixture["runs"][name]["generation_seconds"] = result["generation_seconds"]
         print(f"{name}: losses {[h['loss'] for h in result['logs']]}", file=sys.stderr)
     Path(opts.out).write_text(json.dumps(fixture, indent=1) + "\n")
 

@@ -65,15 +65,29 @@ def test_nvme_aio_and_odd_keys():
 def test_unsupported_keys_in_one_warning_strict_errors_and_command_line_wins(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
-                                "fp16": {"enabled": True}, "prescale_gradients": True, "amp": {"enabled": True},
+                                "fp16": {"enabled": True}, "comms_logger": {"enabled": True}, "amp": {"enabled": True},
                                 "steps_per_print": 5}))
     argv, _ = merge_argv(["main.py", f"+deepspeed={path}", "+zero=stage3", "train.log_every=7"])
     assert argv == ["main.py", "precision=fp16", "zero.reduce_bucket_size=1000", "+zero=stage3", "train.log_every=7"]
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"warning: deepspeed={path}: not supported, ignored: prescale_gradients, amp"]
-    with pytest.raises(ValueError, match=r"not supported, ignored: prescale_gradients, amp \(deepspeed\.strict"):
+    assert err == [f"warning: deepspeed={path}: not supported, ignored: comms_logger, amp"]
+    with pytest.raises(ValueError, match=r"not supported, ignored: comms_logger, amp \(deepspeed\.strict"):
         merge_argv(["main.py", f"+deepspeed={path}", "deepspeed.strict=true"])
     assert merge_argv(["main.py", "x=1"])[0] == ["main.py", "x=1"]
+
+
+@pytest.mark.parametrize(("ds", "named"), [({"prescale_gradients": True}, "prescale_gradients"),
+                                           ({"optimizer": {"type": "Lamb"}}, "optimizer.type=Lamb"),
+                                           ({"curriculum_learning": {"enabled": True}}, "curriculum_learning")])
+def test_result_changing_key_stops_naming_the_file_and_key(tmp_path, capsys, ds, named):
+    """Ignoring these would change the numbers: one line before Hydra (main.py prints it, exit 2), no warning."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "amp": {"enabled": True}, **ds}))
+    with pytest.raises(ValueError) as err:
+        merge_argv(["main.py", f"+deepspeed={path}"])
+    assert str(err.value) == (f"deepspeed={path}: {named}: not supported by deepshard, and ignoring it would change "
+                              f"the results; remove it")
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_prints_overrides(capsys):

@@ -31,37 +31,14 @@ def _refuse(path: str, key: str, value: Any, why: str) -> None:
     raise ValueError(f"{path}: {key}={value}: {why}")
 
 
-def _drop_auto(value: Any) -> Any:
-    """The ds_config as the engine will see it, less what accelerate fills ("auto" values)."""
-    if isinstance(value, dict):
-        return {k: _drop_auto(v) for k, v in value.items() if v != "auto"}
-    return value
-
-
 def _check_ds_file(path: str, ds_file: str) -> None:
-    from deepshard.compat.deepspeed.result_keys import RESULT_CHANGING
-    from deepshard.compat.ds_config import translate
+    from deepshard.compat.deepspeed.result_keys import refuse_in
 
     try:
         ds = json.loads(Path(ds_file).read_text())
     except (OSError, ValueError) as err:
         _refuse(path, "deepspeed_config.deepspeed_config_file", ds_file, f"cannot be read as JSON ({err})")
-    changing = [k for k in translate(_drop_auto(ds)).unsupported if k.startswith(RESULT_CHANGING)]
-    if "sequence_parallel_size" in ds and ds["sequence_parallel_size"] not in (1, "auto"):
-        changing.insert(0, "sequence_parallel_size")
-    if changing:  # the translation names some as key=value already
-        key, _, value = changing[0].partition("=")
-        _refuse(ds_file, key, value or _lookup(ds, key), "not supported by deepshard's engine, and ignoring it would change the results; remove it "
-                "(or train on DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
-
-
-def _lookup(ds: dict, dotted: str) -> Any:
-    node: Any = ds
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return "..."
-        node = node[part]
-    return node
+    refuse_in(ds_file, ds)
 
 
 def check(path: str | Path) -> None:

@@ -25,8 +25,28 @@ def _patch_launch(module: ModuleType) -> None:
     patch_launch(module)
 
 
-# accelerate's modules patched once executed: the CPU backend nudge, and the yaml check of `accelerate launch`
-WATCHED = {"accelerate.state": lambda module: _patch(module), "accelerate.commands.launch": _patch_launch}
+def _patch_trainer_ds_config(module: ModuleType) -> None:
+    """``TrainingArguments(deepspeed=...)``: the ds_config's result-changing keys refused when transformers reads
+    it (``HfTrainerDeepSpeedConfig``, in ``TrainingArguments.__post_init__``), naming the file."""
+    cls = module.HfTrainerDeepSpeedConfig
+    original = cls.__init__
+    if getattr(original, "_deepshard", False):
+        return
+
+    def __init__(self: Any, config_file_or_dict: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        from deepshard.compat.deepspeed.result_keys import check_trainer_ds_config
+
+        check_trainer_ds_config(config_file_or_dict)
+        original(self, config_file_or_dict, *args, **kwargs)
+
+    __init__._deepshard = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
+# the HF stack's modules patched once executed: accelerate's CPU backend nudge, the yaml check of `accelerate
+# launch`, and the ds_config check of TrainingArguments(deepspeed=...)
+WATCHED = {"accelerate.state": lambda module: _patch(module), "accelerate.commands.launch": _patch_launch,
+           "transformers.integrations.deepspeed": _patch_trainer_ds_config}
 
 
 def _patch(state: ModuleType) -> None:

@@ -3,7 +3,8 @@
 The translation is ``deepshard.compat.ds_config``'s (the same one ``deepshard.compat.deepspeed``
 uses); here its entries become overrides placed before the command line's own, so anything given on
 the command line wins; keys the app does not support are named in one warning (an error with
-``deepspeed.strict=true``).  ``python -m deepshard.finetune.config.ds_config FILE`` prints the overrides.
+``deepspeed.strict=true``), and one whose absence would change the results (another optimizer, gradient
+pre-scaling...) stops the run, naming the file and the key.  ``python -m deepshard.finetune.config.ds_config FILE`` prints the overrides.
 
 The batch triple (``train_batch_size`` = micro batch x accumulation x data-parallel size) can only be
 checked once the world size is known, after Hydra: :func:`resolve_batch_as_given` says a contradiction
@@ -48,6 +49,12 @@ def merge_argv(argv: list[str]) -> tuple[list[str], Translation | None]:
     tr.drop({_key(a) for a in rest if "=" in a and not a.startswith("-")})
     _GIVEN = tr
     if tr.unsupported:
+        from deepshard.compat.deepspeed.result_keys import RESULT_CHANGING
+
+        changing = [k for k in tr.unsupported if k.startswith(RESULT_CHANGING)]
+        if changing:  # ignoring these would change the numbers: stop before Hydra, before any worker
+            raise ValueError(f"deepspeed={path}: {changing[0]}: not supported by deepshard, and ignoring it would "
+                             f"change the results; remove it")
         message = f"deepspeed={path}: not supported, ignored: {', '.join(tr.unsupported)}"
         if strict:
             raise ValueError(message + " (deepspeed.strict=true)")

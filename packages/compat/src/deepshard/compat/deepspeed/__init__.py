@@ -22,7 +22,7 @@ from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
 from deepshard.core.zero import CpuParamOffload, ParamOffload
 
-from . import accelerator, comm, moe, ops, pipe, runtime, utils, zero
+from . import accelerator, comm, moe, ops, param_offload, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
 from .comm import init_distributed
 from .config import CompatConfig, compat_config, config_decays, read_ds_config
@@ -181,6 +181,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         apply_group_decays(engine, decays)
     if stage == 3:
         zero.tag_zero3_params(model)
+        zero.fsdp_lazy_init(model)
+        param_offload.attach(engine.optimizer, model)  # TRL's generation removes and restores ZeRO-3's hooks
     scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer, config_scheduler="scheduler" in ds_dict)
     ds_engine = DeepSpeedEngine(engine, cfg, ds_config=ds_dict, lr_scheduler=scheduler)
     zero._ENGINES.add(ds_engine)

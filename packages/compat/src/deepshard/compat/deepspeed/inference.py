@@ -109,4 +109,5 @@ def initialize_inference(model: nn.Module, cfg: CompatConfig, ds_dict: dict, *, 
         with torch.no_grad():
             zero.materialize(model)
     zero.tag_zero3_params(model)
+    zero.fsdp_lazy_init(model)
     return InferenceEngine(model, ds_dict, stage)

@@ -10,6 +10,13 @@ step with one line naming the ds_config and the key; keys that only tune speed o
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
+WHY = ("not supported by deepshard's engine, and ignoring it would change the results; remove it "
+       "(or train on DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
+
 # DeepSpeed keys (as ds_config.translate names them when unsupported) whose effect is on the numbers
 RESULT_CHANGING = ("optimizer.", "scheduler.", "prescale_gradients", "gradient_predivide_factor",
                    "data_types.grad_accum_dtype", "sparse_gradients", "compression_training", "curriculum_learning",
@@ -32,5 +39,55 @@ def refuse_result_changing(unsupported: list[str], source: str) -> None:
     changing = [k for k in unsupported if k.startswith(RESULT_CHANGING)]
     if changing:
         name = source if source != "ds_config" else "the ds_config (TrainingArguments(deepspeed=...))"
-        raise ValueError(f"{name}: {changing[0]}: not supported by deepshard's engine, and ignoring it would change "
-                         f"the results; remove it (or train on DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
+        raise ValueError(f"{name}: {changing[0]}: {WHY}")
+
+
+def _drop_auto(value: Any) -> Any:
+    """The ds_config as the engine will see it, less what transformers/accelerate fill ("auto" values)."""
+    if isinstance(value, dict):
+        return {k: _drop_auto(v) for k, v in value.items() if v != "auto"}
+    return value
+
+
+def _lookup(ds: dict, dotted: str) -> Any:
+    node: Any = ds
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "..."
+        node = node[part]
+    return node
+
+
+def refuse_in(where: str, ds: dict) -> None:
+    """One line naming ``where`` (the file) and the first key of a user's ds_config that deepshard's engine
+    would ignore and that changes results (sequence parallelism first: the field's complaint)."""
+    from deepshard.compat.ds_config import translate
+
+    kept = _drop_auto(ds)
+    try:
+        unsupported = translate(kept).unsupported
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    changing = [k for k in unsupported if k.startswith(RESULT_CHANGING)]
+    if kept.get("sequence_parallel_size", 1) != 1:
+        changing.insert(0, "sequence_parallel_size")
+    if changing:  # the translation names some as key=value already
+        key, _, value = changing[0].partition("=")
+        raise ValueError(f"{where}: {key}={value or _lookup(ds, key)}: {WHY}")
+
+
+def check_trainer_ds_config(config_file_or_dict: Any) -> None:
+    """``TrainingArguments(deepspeed=...)`` under the provider, when transformers reads it (before the model
+    loads): a file is named by its path, a dict as the argument; what is not a readable JSON file (a base64
+    string, a missing path) is left to transformers' own error."""
+    if isinstance(config_file_or_dict, dict):
+        refuse_in("TrainingArguments(deepspeed={...})", config_file_or_dict)
+        return
+    if not isinstance(config_file_or_dict, (str, Path)) or not Path(config_file_or_dict).is_file():
+        return
+    try:
+        ds = json.loads(Path(config_file_or_dict).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(ds, dict):
+        refuse_in(str(config_file_or_dict), ds)

@@ -197,6 +197,9 @@ class _Full(torch.Tensor):
 def _full_copy(p: DTensor) -> torch.Tensor:
     full = torch.Tensor._make_subclass(_Full, p.full_tensor().detach().clone(), p.requires_grad)
     full._is_param = True  # isinstance(p, nn.Parameter) holds inside the block
+    # FSDP2 reads its shard off the parameter object when it gathers (a forward inside the block: TRL's
+    # generation): once swapped, the object must still answer with the DTensor's shard and spec
+    full._local_tensor, full._spec = p._local_tensor, p._spec
     _copy_ds_attributes(p, full, ZeroParamStatus.AVAILABLE)
     return full
 
@@ -266,7 +269,7 @@ class ZeroParamStatus(enum.Enum):
 
 
 _DS_IDS = itertools.count()
-_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_persist")
+_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_persist", "ds_active_sub_modules")
 
 
 def _copy_ds_attributes(src: torch.Tensor, dst: torch.Tensor, status: ZeroParamStatus) -> None:
@@ -296,6 +299,7 @@ def tag_zero3_params(model: nn.Module) -> None:
                 p.ds_numel = p.numel()
                 p.ds_tensor = p.to_local()
                 p.ds_persist = False
+                p.ds_active_sub_modules = set()  # always empty: FSDP2 gathers per unit, not per submodule
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             owners[(id(module), name)] = p
         if mine:
@@ -304,6 +308,17 @@ def tag_zero3_params(model: nn.Module) -> None:
     # starts, for code that reads one before its module's own forward (TRL's fused lm_head loss)
     tagged = [m for m in model.modules() if any((id(m), n) in owners for n in m._parameters)]
     model.register_forward_pre_hook(lambda _model, args: [_tag_gathered(owners, m, args) for m in tagged] and None)
+
+
+def fsdp_lazy_init(model: nn.Module) -> None:
+    """FSDP2's lazy initialization now rather than at the first forward: ``GatheredParameters`` swaps full
+    values into the sharded parameter objects, and that first-forward initialization reads them as DTensors
+    (TRL's GRPO generates inside ``GatheredParameters`` before any training forward).  FSDP2 offers no
+    public call for it; its root state's ``_lazy_init`` is what the first forward runs, and is idempotent."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
 
 
 def _tag_gathered(owners: dict[tuple[int, str], torch.Tensor], module: nn.Module, args: Any) -> None:
@@ -327,6 +342,11 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     if not isinstance(parameter, torch.Tensor):
         raise ValueError(f"register_external_parameter(module, {type(parameter).__name__}): expected a parameter")
     _EXTERNAL.setdefault(module, []).append(parameter)
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as used in ``module``'s forward (``register_external_parameter``)."""
+    return list(_EXTERNAL.get(module, []))
 
 
 def check_external_parameters(model: nn.Module, blocks: Iterable[nn.Module]) -> None:

@@ -1,0 +1,123 @@
+"""Issue 41, GRPO and bad keys: TRL's ``GRPOTrainer`` on deepshard's engine, and TrainingArguments' ds_config.
+
+- ``deepshard --num_gpus 2 grpo.py`` (TRL 1.16 ``GRPOTrainer``, ``use_vllm=False``, ZeRO-3 + CPU optimizer
+  offload, a reference model for the KL term, sampling seeded per step): 5 steps' losses, rewards and grad
+  norms against real DeepSpeed 0.19.8's recorded run of the same script (fixtures/hf_stack_ds.json,
+  bench/record_hf_stack_ds.py), and the time per step inside TRL's generation beside DeepSpeed's;
+- TRL's ZeRO-3 generation unwrap on our engine, call by call, against the plain model's greedy tokens;
+- ``TrainingArguments(deepspeed="ds.json")`` under the provider: a result-changing key stops when
+  transformers reads the file (before the model loads), one line naming the file and the key.
+
+TRL's ``deepspeed`` uses on GRPO's default path (trl 1.16): ``args.deepspeed_plugin.zero_stage`` (accelerate's
+plugin); ``trl.models.prepare_deepspeed`` for the reference model (``deepspeed.initialize`` without an
+optimizer; also test_hf_stack_launch's forward-only test); ``unwrap_model_for_generation`` through
+``DistributedBackend.is_zero3``: ``deepspeed.zero.GatheredParameters`` plus ``remove_hooks``/``add_hooks``
+(the pool test below); ``DistributedBackend.summon_full_params`` (FSDP v1 only: nothing under DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.compat.hf_stack_harness import make_model_dir, run_launcher, write_ds_config
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+WHY = ("not supported by deepshard's engine, and ignoring it would change the results; remove it (or train on "
+       "DeepSpeed: DEEPSHARD_DEEPSPEED=0)")
+
+
+@pytest.mark.slow
+def test_grpo_trainer_zero3_matches_deepspeed(tmp_path):
+    argv = [str(HERE / "hf_stack_grpo_script.py"), "--model", make_model_dir(tmp_path / "model"),
+            "--ds_config", write_ds_config(tmp_path / "ds.json", 3, optimizer=False),
+            "--out", str(tmp_path / "out"), "--result", str(tmp_path / "result.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPSHARD_DEEPSPEED", "RANK", "WORLD_SIZE")}
+    done = run_launcher([str(BIN / "deepshard"), "--num_gpus", "2", *argv], tmp_path, env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    out = json.loads((tmp_path / "result.json").read_text())
+    assert out["engine"] == "deepshard.compat.deepspeed.engine" and out["world_size"] == 2
+    fixture = json.loads((HERE / "fixtures" / "hf_stack_ds.json").read_text())
+    assert fixture["versions"]["deepspeed"] == "0.19.8" and fixture["versions"]["trl"] == "1.16.0"
+    theirs = fixture["runs"]["grpo_zero3_offload"]
+    assert [h["step"] for h in out["logs"]] == [h["step"] for h in theirs["logs"]] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    for key in ("reward", "reward_std", "completions/mean_length", "num_tokens"):  # the same sampled tokens
+        assert [h[key] for h in out["logs"]] == pytest.approx([h[key] for h in theirs["logs"]], abs=1e-5), key
+    gaps = {}
+    for key in ("loss", "reward", "kl", "entropy"):
+        gaps[key] = max(abs(a[key] - b[key]) for a, b in zip(out["logs"], theirs["logs"], strict=True))
+        assert gaps[key] < 1e-5 * max(1.0, max(abs(b[key]) for b in theirs["logs"])), f"{key} differs by {gaps[key]}"
+    assert [h["grad_norm"] for h in out["logs"]] == pytest.approx([h["grad_norm"] for h in theirs["logs"]], rel=2e-4)
+    gaps["grad_norm (rel)"] = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(out["logs"], theirs["logs"]))
+    ours, ds = out["generation_seconds"], theirs["generation_seconds"]
+    assert len(ours) == len(ds) == 5
+    print(f"\nGRPO vs DeepSpeed 0.19.8, max gaps: {', '.join(f'{k} {v:.2g}' for k, v in gaps.items())}; generation "
+          f"s/step under ZeRO-3 (steps 2-5): deepshard {sum(ours[1:]) / 4:.3f}, DeepSpeed (recorded) {sum(ds[1:]) / 4:.3f}")
+
+
+def test_trl_generation_unwrap_on_zero3_engine():
+    """TRL's remove_hooks/add_hooks inside GatheredParameters: the blocks stay gathered through generation
+    (no gather per token), the plain model's greedy tokens come out, and training after it is exact."""
+    from tests.compat.hf_stack_grpo_harness import generation_hooks
+    from tests.gloo_pool import pool
+
+    for rank, out in enumerate(pool(2).run(generation_hooks)):
+        assert out["units"] == 3 and out["backward_hooks"] == 0 and out["module_is_model"], (rank, out)
+        assert out["external"] == [] and out["trace_invalid"], (rank, out)
+        assert out["hooks_after_remove"] == 0 and out["hooks_after_add"] == 3, (rank, out)
+        assert out["gathered_through_generation"] == [True, True], (rank, out)
+        assert out["gathered_after"] == [False, False], (rank, out)
+        assert out["active_sub_modules"] == [0], (rank, out)
+        assert out["same_tokens"], f"rank {rank}: generation differs from the plain model's greedy tokens"
+        assert out["loss_gap"] < 1e-6, f"rank {rank}: loss after generation differs by {out['loss_gap']}"
+
+
+@pytest.fixture
+def trainer_ds_check(monkeypatch):
+    """The provider's check on transformers' ds_config class, in this process (put back after the test)."""
+    import transformers.integrations.deepspeed as hf_ds
+
+    from deepshard.compat.hf_cpu import WATCHED
+
+    monkeypatch.setattr(hf_ds.HfTrainerDeepSpeedConfig, "__init__", hf_ds.HfTrainerDeepSpeedConfig.__init__)
+    WATCHED["transformers.integrations.deepspeed"](hf_ds)
+
+
+@pytest.mark.parametrize(("ds", "named"), [
+    ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, "optimizer.type=Lamb"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size=2"),
+    ({"prescale_gradients": True}, "prescale_gradients=True"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type=OneCycle"),
+])
+def test_training_arguments_ds_config_file_refused(tmp_path, trainer_ds_check, ds, named):
+    from transformers import TrainingArguments
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", **ds}))
+    with pytest.raises(ValueError) as err:
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), report_to=[])
+    assert str(err.value) == f"{path}: {named}: {WHY}"
+
+
+def test_training_arguments_stock_and_speed_only_configs_pass_the_check(tmp_path, trainer_ds_check):
+    """TRL's/axolotl's stock shape ("auto" everywhere, offload, overlap) and speed-only unsupported keys pass the
+    check; a dict is named as the argument."""
+    from deepshard.compat.deepspeed.result_keys import check_trainer_ds_config
+
+    stock = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
+                                   "stage3_gather_16bit_weights_on_model_save": True},
+             "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+             "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 10,
+             "wall_clock_breakdown": False, "comms_logger": {"enabled": True}}
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(stock))
+    check_trainer_ds_config(str(path))
+    check_trainer_ds_config(str(tmp_path / "missing.json"))  # transformers' own error, not ours
+    with pytest.raises(ValueError) as err:
+        check_trainer_ds_config({**stock, "optimizer": {"type": "Lamb"}})
+    assert str(err.value) == f"TrainingArguments(deepspeed={{...}}): optimizer.type=Lamb: {WHY}"
