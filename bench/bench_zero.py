@@ -5,11 +5,14 @@ measured vs expected per-rank model-state bytes.  Every stage builds its model o
 never a dependency of our packages) it trains the same model and batches at the same stage in the same
 run, and the JSON adds our/DeepSpeed ratios.
 
-    python bench/bench_zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed]
+    python bench/bench_zero.py [--worlds 2 4] [--steps 6] [--dim 512 --layers 8] [--no-deepspeed] [--compile]
     python bench/bench_zero.py --hf [--rounds 2] [--steps 10] [--engines ddp fsdp2 ours1 ...] [--zero KEY=VALUE ...]
 
 ``--hf``: HF ``LlamaForCausalLM`` through the public API beside DDP, raw FSDP2 and DeepSpeed, world 2,
 fp32, every engine in one launch, interleaved rounds (see bench/bench_zero_hf.py); prints JSON and the table.
+``--compile``: our engine with every block compiled (``EngineConfig.compile``), beside eager DeepSpeed
+(the compile issue's peer figure: ZeRO-3 compiled at most 0.65x DeepSpeed's step time); warm-up steps,
+where inductor compiles, are excluded from the median.
 ``ours2cpu``/``ds2cpu``: stage 2 with the optimizer state and step in host memory (ZeRO-Offload).
 
 On CUDA each rank needs its own GPU (nccl): choose worlds up to the GPU count (``--worlds 1`` on one).
@@ -67,7 +70,7 @@ def _quiet_stdout() -> None:
     os.dup2(2, 1)
 
 
-def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
+def ours(stage: int, dim: int, layers: int, steps: int, compile: bool = False) -> dict:
     from deepshard.core import EngineConfig, OptimConfig, ZeroConfig, init_distributed, initialize
     from deepshard.core.mesh import local_device
     from deepshard.finetune.models.llama import Llama
@@ -84,7 +87,7 @@ def ours(stage: int, dim: int, layers: int, steps: int) -> dict:
         model.init_weights(0)
     engine = initialize(model, EngineConfig(zero=ZeroConfig(stage=stage, reduce_bucket_size=5_000_000,
                                                             allgather_bucket_size=5_000_000),
-                                            optim=OptimConfig(lr=1e-4, grad_clip=1.0)),
+                                            optim=OptimConfig(lr=1e-4, grad_clip=1.0), compile=compile),
                         materialize=(lambda m: m.init_weights(0)) if sharded_init else None)
     times, memory = [], None
     for i, tokens in enumerate(_batches(rank, steps + 2, cfg.vocab_size)):
@@ -139,6 +142,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="our engine with every block compiled")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--hf", action="store_true", help="HF LlamaForCausalLM vs DDP / FSDP2 / DeepSpeed")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
@@ -151,11 +156,12 @@ def main() -> None:
         return hf_main(args)
     # find, not import: importing DeepSpeed prints its accelerator banner to stdout
     have_ds = importlib.util.find_spec("deepspeed") is not None and not args.no_deepspeed
-    out = {"model": {"dim": args.dim, "layers": args.layers, "seq": SEQ, "micro_batch": MBS}, "worlds": {}}
+    out = {"model": {"dim": args.dim, "layers": args.layers, "seq": SEQ, "micro_batch": MBS},
+           "ours_compiled": args.compile, "worlds": {}}
     for world in args.worlds:
         rows = {}
-        for stage in range(4):
-            res = launch_local(ours, world, stage, args.dim, args.layers, args.steps)
+        for stage in args.stages:
+            res = launch_local(ours, world, stage, args.dim, args.layers, args.steps, args.compile)
             mem = res[0]["memory"]
             rows[stage] = {
                 "step_s": max(r["step_s"] for r in res),
@@ -176,9 +182,9 @@ def main() -> None:
                 rows[stage]["ours_over_deepspeed_step_time"] = round(rows[stage]["step_s"] / ds_step, 3)
                 rows[stage]["ours_over_deepspeed_peak_rss"] = round(max(rows[stage]["peak_rss_mb_per_rank"]) / ds_rss, 3)
             print(f"world {world} stage {stage}: {rows[stage]}", file=sys.stderr, flush=True)
-        base = rows[0]["step_s"]
-        for stage in rows:
-            rows[stage]["step_time_vs_stage0"] = round(rows[stage]["step_s"] / base, 3)
+        if 0 in rows:
+            for stage in rows:
+                rows[stage]["step_time_vs_stage0"] = round(rows[stage]["step_s"] / rows[0]["step_s"], 3)
         out["worlds"][world] = rows
     out["deepspeed"] = "compared" if have_ds else "not installed: pip install -r bench/requirements.txt"
     print(json.dumps(out, indent=2))

@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# a fresh interpreter per command (~3 s each): the full suite; the inner loop keeps test_config's CLI line
+pytestmark = pytest.mark.slow
+
 HELP_NAMES = {  # command -> words its --help must hold: what the command does
     "deepshard-export": ["HF model folder", "--adapter", "--merge"],
     "deepshard-estimate": ["per-rank memory", "--fit-memory"],

@@ -69,6 +69,7 @@ def _peak_bytes(chunk: int) -> int:
     return int(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow  # two fresh interpreters at vocab 32k (~15 s); kernels keep the in-process memory test
 def test_chunked_linear_cross_entropy_saves_the_logits_on_cpu():
     """A small-width Llama (vocab 32k, 2048 tokens): peak RSS of one training step, fused vs logits."""
     logits_bytes = 4 * 512 * 32000 * 4

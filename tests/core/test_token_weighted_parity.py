@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from deepshard.core import TrainingEngine
 from deepshard.finetune.models.llama import Llama, LlamaConfig
 
+# world 1/2/4 launches (~12 s): the full suite; the inner loop keeps test_zero_parity at world 2
+pytestmark = pytest.mark.slow
+
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
 SEQ, ROWS, STEPS = 16, 4, 5
 LR, BETAS, EPS, WD, CLIP = 2e-3, (0.9, 0.95), 1e-6, 0.1, 0.05

@@ -89,6 +89,7 @@ def test_out_in_the_grad_buffer_front(threads):
     assert torch.equal(ours[3][-1], want[0].to(torch.bfloat16))
 
 
+@pytest.mark.slow  # a fresh interpreter and inductor cache (~6 s)
 def test_without_a_compiler_torch_serves_the_same_numbers(tmp_path):
     """No working C++ compiler (a fresh inductor cache, so nothing compiled earlier is reused)."""
     script = textwrap.dedent("""

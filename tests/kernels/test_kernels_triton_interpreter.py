@@ -17,6 +17,8 @@ import pytest
 
 from tests.kernels.kernels_testutil import HERE, INTERPRETING
 
+pytestmark = pytest.mark.slow  # a fresh interpreter running every kernel interpreted (~9 s)
+
 
 @pytest.mark.skipif(INTERPRETING, reason="the Triton tests run in this process already")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -84,6 +84,7 @@ def test_world2_matches_reference(world2, case):
     _check_parity(world2, case)
 
 
+@pytest.mark.slow  # the world-4 launch (~6 s): the inner loop keeps world 2
 @pytest.mark.parametrize("case", WORLD4, ids=lambda c: f"pp{c.pp}-dp{c.dp}-tp{c.tp}-zero{c.zero}")
 def test_world4_matches_reference(world4, case):
     _check_parity(world4, case)
@@ -98,6 +99,7 @@ def test_pp2_holds_half_the_parameters(world2):
     assert world2[0][interleaved]["ranges"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+@pytest.mark.slow  # the world-4 launch
 def test_zero3_under_pp_shards_the_stage_over_dp(world4):
     total = sum(p.numel() for p in reference(4, num_steps=0)[1].values())
     for run in world4:

@@ -63,6 +63,7 @@ def _settings(*overrides: str):
     return validate(compose(["model.max_seq_len=65536", *overrides]))
 
 
+@pytest.mark.slow  # searches seq_len with the estimator (~8 s)
 def test_fit_memory_names_the_longest_seq_len_that_fits():
     from deepshard.finetune.models.working_set import run_shape, working_set_of
     from deepshard.finetune.tools.estimate import fit_seq_len

@@ -12,6 +12,9 @@ import pytest
 
 from tests.zeropp.zeropp_harness import build_engine, data, full_params, reference, rel, train
 
+# a world-4 launch (~9 s): the inner loop keeps the ZeRO++ config and LoCo unit tests
+pytestmark = pytest.mark.slow
+
 STEPS, SAVE_AT = 5, 3
 
 
