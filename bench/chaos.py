@@ -47,12 +47,13 @@ def make_plan(seed: int, steps: int, per_kind: dict[str, int]) -> list[dict]:
     taken: set[int] = set()
 
     def pick(lo: int, hi: int, save: bool) -> int:
-        while True:
+        for _ in range(10_000):
             s = rng.randrange(lo, hi)
             s = s - s % EVERY if save else s
             if s >= lo and all(abs(s - t) >= 4 for t in taken):
                 taken.add(s)
                 return s
+        raise SystemExit(f"error: --steps={steps}: too few steps for the faults asked (4 apart, saves every {EVERY})")
 
     faults = []
     for kind in KINDS[:-1]:
@@ -243,16 +244,21 @@ def compare(soak: Job, clean: Job, steps: int) -> dict:
 
 
 def lost_time(job: Job, events: list[tuple[str, float, int, float]], per_step: float) -> list[dict]:
-    """Per fault: from its event until a step past the one it interrupted is logged again, less one step."""
+    """Per fault: from its event until, after the resume that follows it, a step past the furthest one done
+    before that resume is logged, less one step."""
     by_time = sorted(events, key=lambda e: e[1])
     faults = {f["id"]: f for f in json.loads((job.chaos / "plan.json").read_text())["faults"]}
     out = []
     for ev in job.events:
         if ev["event"] != "fault":
             continue
-        at = ev["step"] - 1 if ev["phase"] == "step" else ev["step"]  # the last step done when it hit
-        back = next((w for _, w, s, _ in by_time if w > ev["time"] and s > at), None)
-        resumed = next((e["step"] for e in job.events if e["event"] == "resumed" and e["time"] > ev["time"]), None)
+        # the furthest step done before the recovery (an async save's failure surfaces steps later)
+        again = next((e for e in job.events if e["event"] == "resumed" and e["time"] > ev["time"]), None)
+        until = again["time"] if again is not None else ev["time"]
+        at = max([ev["step"] - 1 if ev["phase"] == "step" else ev["step"]] +
+                 [s for _, w, s, _ in by_time if w <= until])
+        back = next((w for _, w, s, _ in by_time if w > until and s > at), None)
+        resumed = None if again is None else again["step"]
         row = {"id": ev["id"], "kind": ev["kind"], "phase": ev["phase"], "step": ev["step"], "rank": ev["rank"],
                "resumed_from": resumed, "lost_s": None if back is None else round(back - ev["time"] - per_step, 2)}
         if ev["kind"] == "load_kill":
@@ -341,7 +347,8 @@ frees the disk while the job is down).
 | goodput (useful step time / wall time), soak / clean | {r['goodput']} / {r['clean']['goodput']} |
 | time lost to faults (sum) | {r['lost_s_total']} s |
 
-Time lost per fault: from the fault until a step past the one it interrupted is logged again, less one step
+Time lost per fault: from the fault until, after the resume that follows it, a step past the furthest one done
+before (an asynchronous save's failure surfaces steps later) is logged, less one step
 ({r['clean']['step_s']} s); a fault during the recovery from another (`load_kill`) is counted in both. Goodput: the
 seconds of the steps that count (each step's last run) over the soak's wall time, launches and restarts included.
 
