@@ -357,6 +357,14 @@ seconds of the steps that count (each step's last run) over the soak's wall time
 {rows}
 
 Every launch or restart resumed from: {r['resumed_from']}
+
+What the soak found on its way (both fixed with it): the launcher's hang watchdog watched once per
+launcher, so under `--max_restarts` the second SIGSTOP of a run hung it for good (it now keeps watching and never
+judges the files of workers that are gone: `tests/launch/test_watchdog_restarts.py`); and TensorBoard's writer
+flushed only every 2 minutes, so a killed rank 0 lost logged steps that no resume replays (the app now flushes at
+each checkpoint; the soak's loss comparison over all 300 steps is its check).  Where the time goes: a restart costs about 4-6 s here (the workers' start, `import torch`, the
+model and the load) against a {r['clean']['step_s']} s step, a SIGSTOP adds `--hang_s`, and a SIGTERM during an async
+save holds the save 5 s (the hook's pause, so that the signal lands while it is in flight).
 """)
 
 
