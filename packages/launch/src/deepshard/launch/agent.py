@@ -173,7 +173,8 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
             elastic_launch(config, entry)(*args)
         return None
     except ChildFailedError as err:
-        if watchdog is not None and watchdog.hang is not None:
+        if watchdog is not None and watchdog.hang is not None and (  # a hang of this attempt, not a restarted one's
+                watchdog.hang.pid in {getattr(f, "pid", None) for f in err.failures.values()}):
             hang = watchdog.hang
             return Failure(str(hang).replace(f"rank {hang.rank}", f"rank {hang.rank} on {node.host}", 1)
                            + "; the workers were stopped", 1)

@@ -16,6 +16,7 @@ removes an earlier run's files before it starts, and never those of a process th
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -104,6 +105,7 @@ class Hang:
     phase: str
     stalled_s: float
     frozen: bool  # stopped beating (SIGSTOP, a GIL held forever), not just waiting
+    pid: int = 0  # the blamed rank's process
 
     def __str__(self) -> str:
         return (f"rank {self.rank} has made no progress since step {self.step} ({self.phase}) for "
@@ -213,7 +215,7 @@ def find_hang(beats: list[dict], hang_s: float, now: float) -> Hang | None:
     pool = frozen or quiet or live
     b = min(pool, key=lambda b: (b["step"], PHASES.index(b["phase"]), b["since"]))
     return Hang(rank=b["rank"], step=b["step"], phase=b["phase"], stalled_s=now - last_progress(b),
-                frozen=bool(frozen))
+                frozen=bool(frozen), pid=int(b["pid"]))
 
 
 class Watchdog:
@@ -239,9 +241,12 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        # it keeps watching after a kill: under --max_restarts the restarted workers can hang too, and the
+        # files of the killed ones (until their successors rewrite them) are never judged again
         while not self._stop.wait(self.poll_s):
-            beats = read_beats(self.directory)
-            hang = find_hang(beats, self.hang_s, time.time())
+            now = time.time()
+            beats = [b for b in read_beats(self.directory) if _running(b, now, math.inf)]
+            hang = find_hang(beats, self.hang_s, now)
             if hang is None:
                 continue
             self.hang = hang
@@ -250,4 +255,3 @@ class Watchdog:
                     self.kill(int(b["pid"]), signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-            return

@@ -34,6 +34,7 @@ from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.models import registry
 from deepshard.finetune.models.lora import apply_lora, init_adapters
+from deepshard.finetune.recipe import chaos
 from deepshard.finetune.recipe.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.recipe.divergence import DivergenceGuard
 from deepshard.finetune.recipe.faults import step_hooks_from_env
@@ -173,7 +174,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     if torch.cuda.is_available() and os.environ.get("OMP_NUM_THREADS") == "1":  # torchrun's default starves
         torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cuda=True))  # host Adam
     beat = Heartbeat.from_env(rank)  # step and phase, for the launcher's hang watchdog
-    save_progress.set_listener(beat.progress)  # and a save's written bytes: a slow save is no hang
+    save_progress.set_listener(chaos.listener(beat.progress))  # and a save's written bytes: a slow save is no hang
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     run_dir = agree_run_dir(run_dir)  # under torchrun every process's Hydra stamps its own: rank 0's wins
     mesh = build_mesh(s.parallel)
@@ -208,7 +209,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
                         eval_set=eval_set, ckpt=ckpt, logger=logger, prof=prof, beat=beat, guard=guard,
                         tokenizer=tokenizer, sample=sample, start_step=start_step, world=world,
                         run_dir=run_dir, zero_stage=s.engine.zero.stage,
-                        step_hooks=step_hooks_from_env(os.environ), compiled=s.engine.compile)
+                        step_hooks=[*step_hooks_from_env(os.environ), *chaos.step_hooks(os.environ)], compiled=s.engine.compile)
     logger.print(header(s, world, engine.num_params, len(dataset)))
     logger.print(registry.path_line(s.model))  # native family or transformers' own code
     return loop

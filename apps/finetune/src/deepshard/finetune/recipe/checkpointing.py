@@ -45,6 +45,7 @@ from deepshard.core.mesh import local_device, zero_mesh
 from deepshard.core.training_engine import TrainingEngine
 from deepshard.finetune.config.settings import AUTO, CheckpointConfig
 from deepshard.finetune.data.resumable import ResumableStream
+from deepshard.finetune.recipe import chaos
 from deepshard.finetune.recipe.foreign import hf_rename, placed_after
 
 log = logging.getLogger("deepshard.finetune")
@@ -221,9 +222,11 @@ class RunCheckpoints:
 
     def resume(self, *, micro_batches_per_step: int = 1) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
+        chaos.before_resume()  # the chaos soak's hooks (bench/chaos.py): no-ops unless its plan is set
         path, verified = self._resolve()
         step = 0
         if path is not None:
+            chaos.loading(path)
             check_lora_resume(path, self.meta)  # LoRA into LoRA on the same base, full into full
             dp = zero_mesh(self.engine.mesh)  # the optimizer state's shards: over dp, or dp x sp
             rename = hf_rename(path, self.engine.optimizer.stage.names, self.meta)
@@ -241,6 +244,7 @@ class RunCheckpoints:
             log.info("checkpoint: resumed from %s at step %d (%d tokens seen)", path, step, self.tokens_seen)
         if not self.unsupported:
             self._set_aside_newer(step)
+        chaos.resumed(step)
         return step
 
     def _set_aside_newer(self, step: int) -> None:
@@ -303,6 +307,7 @@ class RunCheckpoints:
             return None
         if step == self.saved_step:
             return Path(self.last_saved or "")
+        chaos.saving(step)
         if self.writer is not None:
             return self._save_async(step, final=final)
         start = time.perf_counter()

@@ -168,6 +168,7 @@ class TrainingLoop:
         diverged state).  True: preempted, stop now."""
         if last or (self.every_steps and step % self.every_steps == 0):
             self.beat.mark("checkpoint", step)
+            self.logger.flush()  # the steps a resume from this checkpoint will not replay stay logged
         stop = self.ckpt.after_step(step, last=last, bad_steps=self.guard.streak)
         for saved, scalars in self.ckpt.timings:  # checkpoint/blocked_s, checkpoint/write_s, at the saved step
             self.logger.scalars(saved, scalars)

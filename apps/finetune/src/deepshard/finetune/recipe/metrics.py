@@ -78,6 +78,12 @@ class RunLogger:
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(line)
 
+    def flush(self) -> None:
+        """On disk now: a process killed later keeps what it logged up to here (the writer's own flush
+        comes only every 2 minutes, and a restart resumes from the newest checkpoint, not from there)."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
