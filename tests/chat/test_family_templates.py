@@ -85,10 +85,19 @@ def test_a_checkpoint_without_a_template_gets_its_familys_and_learns_only_assist
     assert tok.convert_tokens_to_ids(FAMILIES[family][3]) in labels
 
 
-def test_the_checkpoints_own_template_wins_over_the_familys(tmp_path):
+@pytest.mark.parametrize("stored", ["chat_template.jinja", "tokenizer_config.json"])
+def test_the_checkpoints_own_template_wins_over_the_familys(tmp_path, stored):
+    """Stored as transformers 5 saves it, or inside tokenizer_config.json as older checkpoints carry it."""
+    import json
+
     own = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] + '<|im_end|>' }}"
            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}")
-    tok = load_tokenizer(str(_checkpoint(tmp_path, "qwen2", template=own)))
+    path = _checkpoint(tmp_path, "qwen2", template=own)
+    if stored == "tokenizer_config.json":
+        (path / "chat_template.jinja").unlink()
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": own}))
+    tok = load_tokenizer(str(path))
     assert resolve_template(tok) == own
     ids, labels = encode_chat(tok, CONVERSATIONS[0][1:3], own)
     text = tok.decode([i for i, label in zip(ids, labels) if label != -100])
