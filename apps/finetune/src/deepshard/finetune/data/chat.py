@@ -2,9 +2,11 @@
 
 A row is ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}``
 (the OpenAI / ShareGPT shape).  It is rendered by ``tokenizer.apply_chat_template`` with the
-tokenizer's own ``chat_template`` (HF tokenizers carry one; the embedded tokenizer ships
-``assets/chat_template.jinja``; ``data.chat_template=PATH`` overrides either), and only the
-assistant turns are learned: every other token's label is -100.
+tokenizer's own ``chat_template`` (a HF checkpoint's ``tokenizer_config.json`` or
+``chat_template.jinja``; when it has none, its model family's default: ``assets/chat_template_<name>.jinja``,
+set by ``load_tokenizer``; the embedded tokenizer ships ``assets/chat_template.jinja``;
+``data.chat_template=PATH`` overrides any), and only the assistant turns are learned: every other
+token's label is -100.
 
 Which characters belong to an assistant turn is read from the template itself: the turn spans
 from the end of ``messages[:i]`` rendered with the generation prompt to the end of
@@ -38,6 +40,22 @@ Message = dict[str, str]
 def embedded_chat_template() -> str:
     """The small Jinja template shipped for the embedded tokenizer (``<|bos|>role\\ncontent<|eos|>``)."""
     return (resources.files("deepshard.finetune") / "assets" / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def family_chat_template(model_path: str | Path) -> tuple[str, str] | None:
+    """(name, Jinja text) of the default chat template of the family that reads the HF folder
+    ``model_path`` (Llama 3, ChatML for Qwen, Gemma, Phi-3, Mistral), for a checkpoint whose tokenizer
+    carries none (base models often ship without); None for a family without one (the transformers path)."""
+    from deepshard.finetune.models import registry
+
+    try:
+        name = registry.for_hf(model_path).hf.chat_template
+    except ValueError:  # no family reads it: the model's own checks say why, elsewhere
+        return None
+    if not name:
+        return None
+    return name, (resources.files("deepshard.finetune") / "assets" / f"chat_template_{name}.jinja").read_text(
+        encoding="utf-8")
 
 
 def _messages(obj: object, where: str) -> list[Message]:
@@ -99,7 +117,7 @@ def template_source(chat_template: str | None, model_path: str | None) -> str:
     if chat_template:
         return f"data.chat_template={chat_template!r}"
     if model_path:
-        return f"model.path={model_path!r}: its tokenizer's chat_template"
+        return f"model.path={model_path!r}: its tokenizer's chat_template (or its family's default)"
     return "the embedded tokenizer's chat_template (assets/chat_template.jinja)"
 
 

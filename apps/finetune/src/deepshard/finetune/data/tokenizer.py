@@ -59,6 +59,11 @@ def load_tokenizer(path: str | None = None):
                          f"{' '.join(str(e).split())[:300]})") from None
     if tok.eos_token_id is None:
         raise ValueError(f"model.path={path!r}: the tokenizer defines no eos token, needed to separate documents")
+    if not tok.chat_template:  # a checkpoint without one (base models): its family's, saved with the run's checkpoints
+        from deepshard.finetune.data.chat import family_chat_template
+
+        if (default := family_chat_template(path)) is not None:
+            tok.chat_template = default[1]
     return tok
 
 

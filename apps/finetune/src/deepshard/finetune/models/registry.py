@@ -43,6 +43,8 @@ class HFAdapter:
     # export: our names in order -> (HF name, our names concatenated along dim 0 into it), for a family
     # whose checkpoints fuse what it holds split (Phi-3's qkv_proj, gate_up_proj); None: one to one
     fuse: Callable[[list[str]], list[tuple[str, list[str]]]] | None = None
+    # the family's chat template (assets/chat_template_<name>.jinja) for a checkpoint whose tokenizer has none
+    chat_template: str | None = None
 
     def tensors(self, names: list[str]) -> list[tuple[str, list[str]]]:
         """The HF tensors an export writes for our parameters ``names``: (HF name, its pieces)."""

@@ -100,9 +100,9 @@ def _spec(name: str, config: type, hf: HFAdapter) -> ModelSpec:
 
 GEMMA2 = _spec("gemma2", Gemma2Config, HFAdapter(
     model_types=("gemma2",), config_from_hf=_gemma2_from_hf, config_dict=_gemma2_dict,
-    causal_lm=partial(causal_lm_of, "Gemma2ForCausalLM", "Gemma2Config")))
+    causal_lm=partial(causal_lm_of, "Gemma2ForCausalLM", "Gemma2Config"), chat_template="gemma"))
 GEMMA3 = _spec("gemma3", Gemma3Config, HFAdapter(
     model_types=("gemma3_text", "gemma3"), config_from_hf=_gemma3_from_hf, config_dict=_gemma3_dict,
     causal_lm=partial(causal_lm_of, "Gemma3ForCausalLM", "Gemma3TextConfig"),
     from_hf_name=gemma3_from_hf_name, load_weights=partial(load_hf_weights, rename=gemma3_from_hf_name),
-    check_dir=partial(check_hf_dir, rename=gemma3_from_hf_name)))
+    check_dir=partial(check_hf_dir, rename=gemma3_from_hf_name), chat_template="gemma"))

@@ -131,4 +131,4 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 ADAPTER = HFAdapter(model_types=MODEL_TYPES, config_from_hf=llama_config_from_hf, config_dict=hf_config_dict,
-                    causal_lm=causal_lm)
+                    causal_lm=causal_lm, chat_template="llama3")

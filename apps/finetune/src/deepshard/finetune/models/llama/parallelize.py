@@ -166,7 +166,7 @@ def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = No
         if "full" not in cache:
             cache["full"] = build(stage.cfg)
         whole = cache["full"]
-        own = dict(whole.named_parameters())
+        own = dict(whole.named_parameters(remove_duplicate=False))  # a tied head too (the last stage's copy)
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 p.copy_(own[name])

@@ -54,4 +54,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = decoder_spec("mistral", MistralConfig, HFAdapter(model_types=("mistral",), config_from_hf=config_from_hf,
-                                                        config_dict=config_dict, causal_lm=causal_lm))
+                                                        config_dict=config_dict, causal_lm=causal_lm,
+                                                        chat_template="mistral"))

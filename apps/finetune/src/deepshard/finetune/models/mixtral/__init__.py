@@ -69,4 +69,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = moe_spec("mixtral", MixtralConfig, HFAdapter(model_types=("mixtral",), config_from_hf=config_from_hf,
-                                                    config_dict=config_dict, causal_lm=causal_lm))
+                                                    config_dict=config_dict, causal_lm=causal_lm,
+                                                    chat_template="mistral"))

@@ -101,6 +101,7 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 ADAPTER = HFAdapter(model_types=("phi3",), config_from_hf=config_from_hf, config_dict=config_dict,
-                    causal_lm=causal_lm, load_weights=load_weights, check_dir=check_dir, fuse=fuse)
+                    causal_lm=causal_lm, load_weights=load_weights, check_dir=check_dir, fuse=fuse,
+                    chat_template="phi3")
 SPEC = decoder_spec("phi3", Phi3Config, ADAPTER)
 __all__ = ["SPEC", "Phi3Config"]

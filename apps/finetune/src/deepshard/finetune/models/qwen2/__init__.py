@@ -58,4 +58,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = decoder_spec("qwen2", Qwen2Config, HFAdapter(model_types=("qwen2",), config_from_hf=config_from_hf,
-                                                    config_dict=config_dict, causal_lm=causal_lm))
+                                                    config_dict=config_dict, causal_lm=causal_lm,
+                                                    chat_template="chatml"))

@@ -61,4 +61,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = decoder_spec("qwen3", Qwen3Config, HFAdapter(model_types=("qwen3",), config_from_hf=config_from_hf,
-                                                    config_dict=config_dict, causal_lm=causal_lm))
+                                                    config_dict=config_dict, causal_lm=causal_lm,
+                                                    chat_template="chatml"))

@@ -79,4 +79,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = moe_spec("qwen3_moe", Qwen3MoeConfig, HFAdapter(model_types=("qwen3_moe",), config_from_hf=config_from_hf,
-                                                       config_dict=config_dict, causal_lm=causal_lm))
+                                                       config_dict=config_dict, causal_lm=causal_lm,
+                                                       chat_template="chatml"))
