@@ -16,12 +16,17 @@ import sys
 import threading
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+if __name__ == "__main__":  # first, so that the workers' imports run beside this process's (torch, the config)
+    from deepshard.finetune.early_start import start_early
 
-from deepshard.finetune.config import register
-from deepshard.finetune.config.ds_config import merge_argv
+    start_early(sys.argv)
+
+import hydra  # noqa: E402 - after the workers' server started
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from deepshard.finetune.config import register  # noqa: E402
+from deepshard.finetune.config.ds_config import merge_argv  # noqa: E402
 
 register()
 USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # the user's setting, restored when the task starts

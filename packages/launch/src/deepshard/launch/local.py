@@ -12,11 +12,9 @@ import atexit
 import contextlib
 import functools
 import logging
-import multiprocessing.forkserver
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -28,8 +26,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.mesh import free_port
+from deepshard.launch import worker_server
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
-from deepshard.launch.parent_death import SERVER_PARENT_ENV, die_with_parent
+from deepshard.launch.parent_death import die_with_parent
 
 _PEER_GRACE_S = 1.0
 
@@ -162,19 +161,6 @@ def workers_on_cpu(nproc: int, cuda_devices: int) -> bool:
     return 0 < cuda_devices < nproc
 
 
-def _quiet_resource_tracker() -> None:
-    """Killed workers leak semaphores, and multiprocessing's tracker warns about them as the launcher
-    exits, after the line that names the cause.  Start the tracker now, with that warning off."""
-    from multiprocessing import resource_tracker
-
-    option = "ignore:resource_tracker:UserWarning"
-    sys.warnoptions.append(option)  # the tracker process is started with the interpreter's -W flags
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        sys.warnoptions.remove(option)
-
-
 def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` with the launcher's environment as of this launch, under torchelastic's per-rank
     variables; the worker dies with ``parent`` (the forkserver, which ends with the launcher).  forkserver's workers fork from a server that kept the environment of the process's
@@ -221,26 +207,11 @@ def elastic_log_dir() -> str:
 
 
 def start_worker_server(fn: Callable[..., Any], *, preload: Sequence[str] = ()) -> None:
-    """Start the forkserver that :func:`launch_local`'s workers fork from, importing torch (with
-    dynamo, which every optimizer step imports), deepshard, ``fn``'s module and ``preload`` (what
-    the workers import later) in the background: a launcher that calls this before its own
-    pre-launch checks overlaps the two.  Only the first call in a process starts one; later calls
-    change nothing."""
-    _quiet_resource_tracker()  # the server starts the tracker: before it, with the leak warning off
-    multiprocessing.set_forkserver_preload(["deepshard.launch.forkserver_guard", "torch", "torch._dynamo",
-                                            "torch.distributed.tensor", __name__, fn.__module__, *preload,
-                                            "deepshard.launch.forkserver_trim"])  # last: see its docstring
-    os.environ[SERVER_PARENT_ENV] = str(os.getpid())  # the server dies with this process (forkserver_guard)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.pop(SERVER_PARENT_ENV, None)
-
-
-def _server_pid() -> int | None:
-    """The forkserver's pid: the workers' parent (it exits when the launcher does)."""
-    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
+    """Start the forkserver :func:`launch_local`'s workers fork from (``worker_server``), importing
+    ``fn``'s module and ``preload`` (what the workers import later) beside torch and deepshard, in
+    the background: a launcher that calls this before its own pre-launch checks overlaps the two.
+    Only the first call in a process starts one; later calls change nothing."""
+    worker_server.start_worker_server([fn.__module__, *preload])
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_worker: int | None = None,
@@ -296,7 +267,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workers see no GPU
     try:
         with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
-            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), _server_pid(), fn), fn)
+            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), worker_server.server_pid(), fn), fn)
             results = elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
         beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
