@@ -22,14 +22,14 @@ from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
 from deepshard.core.zero import CpuParamOffload, ParamOffload
 
-from . import accelerator, comm, moe, ops, pipe, runtime, utils, zero
+from . import accelerator, comm, compression, moe, ops, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
 from .comm import init_distributed
 from .config import CompatConfig, compat_config, config_decays, read_ds_config
 from .engine import DeepSpeedEngine
 from .schedule import apply_group_decays, client_scheduler, group_decays, optimizer_defaults
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "compression", "get_accelerator", "init_distributed",
            "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+deepshard"
 
