@@ -6,6 +6,8 @@
   that rank's tokens; a rank's expert gradient is its group's reference gradients summed, times 1/ep
   (models/moe_ep.py's scale, which ZeRO's average over dp undoes).  Dropping happens before dispatch:
   a dropped pair that travelled and ran would change the output.
+- **DeepSpeed's MoE layer with ep_size=2** (compat): each rank's ``(output, l_aux, exp_counts)`` and its
+  input's gradient equal the ep_size=1 layer holding every expert on that rank's tokens.
 - **Layout-free checkpoints**: a tiny Qwen3-MoE trained at ep=2 (ZeRO-1) saves after step 2; loaded at
   ep=4 (ZeRO-3) and at ep=1 (ZeRO-2), step 3's loss and every parameter equal the uninterrupted ep=2
   run within 1e-5 (the checkpoint holds canonical [num_experts, ...] tensors: it names no layout); the
@@ -121,11 +123,48 @@ def _resume_case(hf_dir: str, root: str) -> dict:
     return out
 
 
+def ds_moe(ep_size: int, ep_rank: int = 0):
+    """DeepSpeed's MoE layer (compat), top-2 with capacity, each expert's weights seeded by its global index."""
+    import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.test_ds_moe import EXPERTS as DS_EXPERTS
+    from tests.compat.test_ds_moe import HIDDEN as DS_HIDDEN
+    from tests.compat.test_ds_moe import expert
+
+    layer = deepspeed.moe.layer.MoE(DS_HIDDEN, expert(), num_experts=DS_EXPERTS, ep_size=ep_size, k=2,
+                                    capacity_factor=0.75, min_capacity=2, top2_2nd_expert_sampling=False)
+    local = DS_EXPERTS // ep_size
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.copy_(8 * torch.randn(DS_EXPERTS, DS_HIDDEN,
+                                                                 generator=torch.Generator().manual_seed(7)))
+        for i, e in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(100 + ep_rank * local + i)
+            for p in e.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return layer
+
+
+def ds_tokens(rank: int) -> torch.Tensor:
+    from tests.compat.test_ds_moe import HIDDEN as DS_HIDDEN
+
+    return torch.randn(12, DS_HIDDEN, generator=torch.Generator().manual_seed(30 + rank)).requires_grad_()
+
+
+def _ds_moe_case() -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    layer = ds_moe(EP, rank % EP)
+    x = ds_tokens(rank)
+    out, l_aux, counts = layer(x)
+    out.square().sum().backward()
+    return {"out": out.detach(), "l_aux": l_aux.item(), "counts": counts.tolist(), "x_grad": x.grad}
+
+
 def _worker(hf_dir: str, root: str) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {"capacity": _capacity_case(), "resume": _resume_case(hf_dir, root)}
+    return {"capacity": _capacity_case(), "ds_moe": _ds_moe_case(), "resume": _resume_case(hf_dir, root)}
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +236,16 @@ def test_the_hf_export_of_an_ep2_checkpoint_loads_in_transformers(ranks, tmp_pat
     saved = _canonical([r["resume"]["saved"] for r in ranks])
     assert {to_hf(n) for n in saved} == set(theirs)
     assert max((saved[n] - theirs[to_hf(n)]).abs().max().item() for n in saved) < 1e-6
+
+
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps tests/compat/test_ds_moe.py)
+def test_deepspeeds_moe_layer_with_ep_size_2_equals_all_experts_local(ranks):
+    for rank, r in enumerate(ranks):
+        full = ds_moe(1)  # every expert seeded by its global index, as each ep rank seeds its own
+        x = ds_tokens(rank)
+        out, l_aux, counts = full(x)
+        out.square().sum().backward()
+        got = r["ds_moe"]
+        assert got["counts"] == counts.tolist() and abs(got["l_aux"] - l_aux.item()) < 1e-6
+        assert (got["out"] - out.detach()).abs().max().item() < 1e-5
+        assert (got["x_grad"] - x.grad).abs().max().item() < 1e-5
