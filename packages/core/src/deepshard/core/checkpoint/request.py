@@ -60,7 +60,7 @@ def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
     """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
     stages 1-2 would need a strided dp-over-tp placement that is not built here."""
     stage = optimizer.stage
-    if stage.expert_parallel and stage.expert_layout is None:
+    if stage.expert_parallel and getattr(stage, "expert_layout", None) is None:
         return "MoE experts split over parallel.ep > 1 without their layout (zero.split.ExpertLayout)"
     if 0 < stage.zero_stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
         return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
@@ -121,7 +121,7 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     """
     stage = optimizer.stage
     store_state = optimizer.store.state_dict()
-    layout = stage.expert_layout
+    layout = getattr(stage, "expert_layout", None)
     experts = {clean_name(n) for n in layout.names} if layout is not None else set()
     out: dict[str, Any] = {}
     for i, (name, p) in enumerate(zip(stage.names, stage.params)):
