@@ -133,3 +133,13 @@ def test_compression_helper_recursive_getattr():
     assert recursive_getattr(model, "0.0.weight") is model[0][0].weight
     recursive_setattr(model, "0.0", nn.Identity())
     assert isinstance(model[0][0], nn.Identity)
+
+
+def test_initialize_refuses_experts_split_over_ranks():
+    from deepshard.compat.deepspeed.moe.layer import check_engine_ep
+
+    layer = deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=2)
+    layer.ep_size = 2  # as a layer built at ep_size=2 in a process group reports (no group here)
+    with pytest.raises(ValueError, match=r"0 is deepspeed\.moe\.layer\.MoE with ep_size=2: the engine would average"):
+        check_engine_ep(nn.Sequential(layer))
+    check_engine_ep(nn.Sequential(deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=2)))  # ep_size=1 passes

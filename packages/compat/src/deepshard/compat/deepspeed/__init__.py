@@ -127,6 +127,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if mpu is not None or mesh_param is not None:
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=): model parallelism through an mpu is not "
                          "supported; use deepshard.pipeline (pp x dp x tp) instead")
+    moe.layer.check_engine_ep(model)  # experts split over ep_size > 1 ranks: not through this engine
     if config is not None and config_params is not None:
         raise ValueError("deepspeed.initialize(): give config= or config_params=, not both")
     config = config if config is not None else config_params

@@ -11,7 +11,8 @@ PR-MoE's residual, ``softmax(coefficient(x))`` mixing the MoE output and a dense
 With ``ep_size > 1`` the ep groups are ``ep_size`` consecutive ranks (DeepSpeed's default); the layer
 needs an initialized process group whose size ep_size divides.  The routing rules are in
 ``sharded_moe``.  What is not built is refused by name: ``use_tutel`` and
-``enable_expert_tensor_parallelism`` (no tensor-parallel experts here).
+``enable_expert_tensor_parallelism`` (no tensor-parallel experts here), and ``deepspeed.initialize`` of a
+model with ``ep_size > 1`` (its engine reduces over all dp ranks; the layer itself runs, forward and backward).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from .sharded_moe import MOELayer, TopKGate
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "check_engine_ep"]
 
 def _ep_group(ep_size: int) -> dist.ProcessGroup | None:
     """This rank's group of ``ep_size`` consecutive ranks; every rank makes every group, in the same order
@@ -91,3 +92,15 @@ class _Experts(nn.Module):
 
     def __iter__(self):
         return iter(self.deepspeed_experts)
+
+
+def check_engine_ep(model: nn.Module) -> None:
+    """``deepspeed.initialize`` refuses a model whose MoE layers split experts over ``ep_size > 1`` ranks: the
+    engine's ZeRO averages every gradient over all data-parallel ranks, which would mix different experts
+    (DeepSpeed reduces them over the expert-data-parallel group only; the app's ``parallel.ep`` does)."""
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.ep_size > 1:
+            raise ValueError(f"deepspeed.initialize(): {name or 'model'} is deepspeed.moe.layer.MoE with "
+                             f"ep_size={m.ep_size}: the engine would average different experts' gradients over "
+                             f"data-parallel ranks; use ep_size=1 (every rank holds every expert) or the app's "
+                             f"parallel.ep")
