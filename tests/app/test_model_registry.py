@@ -37,7 +37,7 @@ def test_llama_is_registered():
 
 
 def test_unknown_family_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"'gpt7'.*\['gemma2', 'gemma3', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe'"):
+    with pytest.raises(ValueError, match=r"'gpt7'.*\['gemma2', 'gemma3', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'"):
         registry.get("gpt7")
 
 
@@ -105,7 +105,7 @@ def test_hf_folders_and_manifests_find_their_family(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert registry.for_hf(tmp_path).name == "transformers"  # no native family: transformers' own class
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt7"}))
-    with pytest.raises(ValueError, match=r"model_type='gpt7'.*'gemma2', 'gemma3', 'gemma3_text', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe'.*"
+    with pytest.raises(ValueError, match=r"model_type='gpt7'.*'gemma2', 'gemma3', 'gemma3_text', 'llama', 'mistral', 'mixtral', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'.*"
                                          r"transformers"):
         registry.for_hf(tmp_path)
     assert registry.for_hf(tmp_path / "missing").name == "llama"  # its config_from_hf says what is wrong

@@ -103,11 +103,13 @@ def test_ds_adam_classes_step_like_deepspeed(cls, adamw):
         getattr(deepspeed.ops.adam, cls)(Tiny().parameters(), amsgrad=True)
 
 
-def test_zero_param_status_and_moe_refusal():
+def test_zero_param_status_and_moe_refusals():
     assert [s.value for s in ZeroParamStatus] == [1, 2, 3]  # AVAILABLE, NOT_AVAILABLE, INFLIGHT
     assert deepspeed.runtime.zero.partition_parameters.ZeroParamStatus is ZeroParamStatus
-    with pytest.raises(ValueError, match="deepspeed.moe.layer.MoE: not supported: deepshard has no expert-parallel"):
-        deepspeed.moe.layer.MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2)
+    with pytest.raises(ValueError, match=r"use_tutel=True: not built here"):  # the layer itself: tests/compat/test_ds_moe.py
+        deepspeed.moe.layer.MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, use_tutel=True)
+    with pytest.raises(ValueError, match=r"ep_size=2: expert parallelism needs an initialized process group"):
+        deepspeed.moe.layer.MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2)
 
 
 @pytest.mark.parametrize("make, match", [

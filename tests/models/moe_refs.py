@@ -9,6 +9,9 @@ import torch
 from tests.models.hf_refs import COMMON
 
 FAMILIES = ("qwen3_moe", "mixtral")
+# the in-process parity tests also cover Qwen2-MoE: 6 layers, decoder_sparse_step=2 (layers 1, 3, 5 sparse),
+# mlp_only_layers=[3] (so 1 and 5), a shared expert with its sigmoid gate, norm_topk_prob off
+PARITY_FAMILIES = (*FAMILIES, "qwen2_moe")
 COEF = 0.02
 
 
@@ -24,6 +27,10 @@ def moe_hf_config(family: str):
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**kw, head_dim=16, num_experts=5, moe_intermediate_size=20, norm_topk_prob=True,
                                  mlp_only_layers=[1])
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**{**kw, "num_hidden_layers": 6}, num_experts=5, moe_intermediate_size=20,
+                                 shared_expert_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2,
+                                 mlp_only_layers=[3])
     return tf.MixtralConfig(**kw, num_local_experts=5)
 
 
@@ -36,7 +43,7 @@ def moe_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif "norm" in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))

@@ -1,6 +1,7 @@
 """The MoE families against transformers' own models, and the MoE block against references written here.
 
-- Tiny random Qwen3-MoE (a dense ``mlp_only_layers`` layer, ``norm_topk_prob``) and Mixtral checkpoints
+- Tiny random Qwen3-MoE (a dense ``mlp_only_layers`` layer, ``norm_topk_prob``), Mixtral and Qwen2-MoE
+  (shared expert, ``decoder_sparse_step``, ``mlp_only_layers``) checkpoints
   written by transformers' ``save_pretrained`` (its per-expert layout) and as its in-memory fused layout
   import through the registry: logits, loss and the aux loss (with and without an attention mask) equal
   within 1e-5; our parameters written under ``to_hf_name`` load in transformers with equal logits.
@@ -21,7 +22,7 @@ from deepshard.finetune.models import registry
 from deepshard.finetune.models.hf import write_safetensors
 from deepshard.finetune.models.moe import Experts, SparseMoe
 from tests.models.hf_refs import VOCAB, chat_rows, reference_loss
-from tests.models.moe_refs import COEF, FAMILIES, moe_hf_model
+from tests.models.moe_refs import COEF, FAMILIES, PARITY_FAMILIES, moe_hf_model
 
 
 def _ours(path):
@@ -32,7 +33,7 @@ def _ours(path):
     return spec, model.eval()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=PARITY_FAMILIES)
 def saved(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = moe_hf_model(request.param)

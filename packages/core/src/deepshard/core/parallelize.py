@@ -27,7 +27,7 @@ from deepshard.core.step import IGNORE_INDEX, num_params
 from deepshard.core.tensor_parallel import apply_tp
 from deepshard.core.zero import ParamOffload, ZeroStage, apply_zero
 from deepshard.core.zero.hsdp import hsdp_mesh
-from deepshard.core.zero.split import check_experts
+from deepshard.core.zero.split import check_experts, expert_layout
 
 __all__ = ["IGNORE_INDEX", "ShardedPart", "find_blocks", "parallelize_model"]
 
@@ -102,4 +102,8 @@ def parallelize_model(
     stage = apply_zero(model, dp_mesh, zero, blocks=list(blocks), param_dtype=torch_dtype,
                        offload_params=offload_params, shard_mesh=hsdp_mesh(mesh), experts=experts,
                        expert_mesh=None if meshes is None else meshes[1])
+    if experts:  # checkpoints write the experts as canonical [num_experts, ...] tensors (layout-free)
+        owned = {id(p) for m in experts for p in m.parameters()}
+        names = {n for n, p in model.named_parameters() if id(p) in owned}
+        stage.expert_layout = expert_layout(meshes[0], meshes[1], mesh["edp", "ep"], names)
     return ShardedPart(stage, fp32_masters, psi)

@@ -93,11 +93,16 @@ OFFLOAD_PICKS = ("sub_group_size", "buffer_count", "param_buffer_count", "param_
 OffloadSchema = hydra_twin(OffloadConfig, "OffloadSchema", unset=OFFLOAD_PICKS)
 
 
+MOE_RUN_KEYS = {"capacity_factor": float, "eval_capacity_factor": float, "min_capacity": int, "drop_tokens": bool,
+                "router_z_loss_coef": float}
+
 # the architecture's keys and defaults are the default family's config's (the tiny preset); ``kernels``
 # is the top-level key
 ModelSchema = dataclasses.make_dataclass(
     "ModelSchema", [("name", str, field(default="tiny")),  # tiny | small | hf
-                    ("path", typing.Optional[str], field(default=None))],  # noqa: UP045 - OmegaConf needs Optional
+                    ("path", typing.Optional[str], field(default=None)),  # noqa: UP045 - OmegaConf needs Optional
+                    # MoE run-time keys (models/moe.py); None: the family's default (dropless, no z-loss)
+                    *((k, typing.Optional[t], field(default=None)) for k, t in MOE_RUN_KEYS.items())],  # noqa: UP045
     bases=(hydra_twin(registry.get(registry.DEFAULT_FAMILY).config, "ArchTwin", exclude=("kernels",)),))
 
 
@@ -398,8 +403,14 @@ def _validate_model(c: dict, kernels: str, seq_len: int) -> Any:
             raise ValueError("model.path=None: model=hf needs model.path=DIR, a local HF checkpoint directory")
         hf = registry.for_hf(c["path"]).hf
         model = dataclasses.replace(hf.config_from_hf(c["path"]), mlp_tiles=c.get("mlp_tiles", 1))
+    moe = {k: c[k] for k in MOE_RUN_KEYS if c.get(k) is not None}
+    if moe and not getattr(model if c["name"] == "hf" else None, "num_experts", 0):
+        raise ValueError(f"model.{next(iter(moe))}={next(iter(moe.values()))}: an MoE key; model "
+                         f"{c['name']!r} has no experts (use model=hf with an MoE checkpoint)")
+    if c["name"] == "hf":
+        model = dataclasses.replace(model, **moe)
     else:
-        arch = {k: v for k, v in c.items() if k not in ("name", "path")}
+        arch = {k: v for k, v in c.items() if k not in ("name", "path", *MOE_RUN_KEYS)}
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             _positive(f"model.{key}", arch[key])
         model = registry.get(registry.DEFAULT_FAMILY).config(**arch)

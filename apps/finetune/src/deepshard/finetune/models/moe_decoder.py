@@ -1,5 +1,6 @@
-"""The Llama decoder with sparse MoE blocks (``models/moe.py``) in place of its MLPs: Qwen3-MoE and
-Mixtral (``models/qwen3_moe``, ``models/mixtral``) are this model with their config's switches.
+"""The Llama decoder with sparse MoE blocks (``models/moe.py``) in place of its MLPs: Qwen3-MoE,
+Qwen2-MoE and Mixtral (``models/qwen3_moe``, ``models/qwen2_moe``, ``models/mixtral``) are this model
+with their config's switches.
 
 A layer is sparse unless it is in ``mlp_only_layers`` or ``(layer + 1) % decoder_sparse_step`` is not
 0 (transformers' rule); a dense layer keeps the Llama MLP with ``ffn_hidden``.  At ``parallel.ep=1``
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from deepshard.finetune.models.llama.model import Llama, LlamaConfig
-from deepshard.finetune.models.moe import IMPLS, ROUTINGS, RouterStats, SparseMoe
+from deepshard.finetune.models.moe import IMPLS, ROUTINGS, CapacityConfig, RouterStats, SparseMoe
 from deepshard.finetune.models.moe_ep import apply_ep
 from deepshard.finetune.models.moe_hf import check_moe_dir, load_moe_weights
 from deepshard.finetune.models.registry import HFAdapter, ModelSpec, register
@@ -38,6 +39,13 @@ class MoeConfig(LlamaConfig):
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     moe_impl: str = "grouped"  # grouped (one torch._grouped_mm per projection) | loop (per-expert reference)
+    # DeepSpeed's token dropping (models/moe.py's CapacityConfig): off (dropless) unless drop_tokens
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    drop_tokens: bool = False
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss, added to the step's loss (0: off)
+    shared_expert_hidden: int = 0  # Qwen2-MoE's shared expert width (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,8 +59,15 @@ class MoeConfig(LlamaConfig):
                              f"model.num_experts={self.num_experts}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step}: must be >= 1")
+        if self.router_z_loss_coef < 0:
+            raise ValueError(f"model.router_z_loss_coef={self.router_z_loss_coef}: must be >= 0")
+        self.capacity_config()  # its own checks, by key
         if self.mlp_tiles > 1:
             raise ValueError(f"model.mlp_tiles={self.mlp_tiles}: tiling the MoE blocks is not built; use 1")
+
+    def capacity_config(self) -> CapacityConfig:
+        return CapacityConfig(capacity_factor=self.capacity_factor, eval_capacity_factor=self.eval_capacity_factor,
+                              min_capacity=self.min_capacity, drop_tokens=self.drop_tokens)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
@@ -65,11 +80,13 @@ class MoeDecoder(Llama):
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__(cfg)
         sparse = [i for i in range(cfg.n_layers) if cfg.sparse(i)]
-        self.router_stats = RouterStats(coef=cfg.router_aux_loss_coef, last_layer=sparse[-1] if sparse else -1)
+        self.router_stats = RouterStats(coef=cfg.router_aux_loss_coef, z_coef=cfg.router_z_loss_coef,
+                                        last_layer=sparse[-1] if sparse else -1)
         for i in sparse:
             self.layers[i].mlp = SparseMoe(cfg.dim, cfg.moe_hidden, cfg.num_experts, cfg.num_experts_per_tok,
                                            routing=cfg.routing, norm_topk_prob=cfg.norm_topk_prob,
-                                           impl=cfg.moe_impl, layer_id=i, stats=self.router_stats)
+                                           impl=cfg.moe_impl, layer_id=i, stats=self.router_stats,
+                                           capacity=cfg.capacity_config(), shared_hidden=cfg.shared_expert_hidden)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,  # type: ignore[override]
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean",

@@ -23,7 +23,7 @@ from torch import nn
 from deepshard.finetune.models.hf import check_hf_dir, from_hf_name, load_hf_weights, to_hf_name
 
 BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3", "gemma",
-           "transformers_path")  # packages under deepshard.finetune.models that register a family on import
+           "transformers_path", "qwen2_moe")  # packages under deepshard.finetune.models that register a family on import
 DEFAULT_FAMILY = "llama"  # the presets' (model=tiny|small) family: its config's fields are the model.* keys
 
 

@@ -127,6 +127,8 @@ class TrainingLoop:
                               "train/step_applied": float(stats.applied), "train/skipped_steps": self.guard.skipped})
         if stats.param_norm is not None:
             logger.scalars(step, {"train/param_norm": stats.param_norm})
+        if (moe := getattr(self.engine.model, "router_stats", None)) is not None:  # MoE: rank 0's last micro-batch
+            logger.scalars(step, moe.scalars())
         logger.progress({"loss": f"{out.loss:.3f}", "tok/s": f"{tok_s:,.0f}"})
         if step % self.train.log_every == 0 or step == self.train.max_steps:
             logger.print(f"step {step:>5}  loss {out.loss:.4f}  lr {stats.lr:.2e}  grad_norm {stats.grad_norm:.3f}"

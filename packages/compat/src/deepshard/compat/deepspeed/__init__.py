@@ -22,14 +22,14 @@ from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
 from deepshard.core.zero import CpuParamOffload, ParamOffload
 
-from . import accelerator, comm, moe, ops, param_offload, pipe, runtime, utils, zero
+from . import accelerator, comm, compression, moe, ops, param_offload, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
 from .comm import init_distributed
 from .config import CompatConfig, compat_config, config_decays, read_ds_config
 from .engine import DeepSpeedEngine
 from .schedule import apply_group_decays, client_scheduler, group_decays, optimizer_defaults
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "compression", "get_accelerator", "init_distributed",
            "initialize", "moe", "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+deepshard"
 
@@ -127,6 +127,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if mpu is not None or mesh_param is not None:
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=): model parallelism through an mpu is not "
                          "supported; use deepshard.pipeline (pp x dp x tp) instead")
+    moe.layer.check_engine_ep(model)  # experts split over ep_size > 1 ranks: not through this engine
     if config is not None and config_params is not None:
         raise ValueError("deepspeed.initialize(): give config= or config_params=, not both")
     config = config if config is not None else config_params

@@ -60,9 +60,8 @@ def unsupported_reason(optimizer: ZeroOptimizer) -> str | None:
     """Why this layout cannot be checkpointed yet (None when it can): tensor-parallel params at
     stages 1-2 would need a strided dp-over-tp placement that is not built here."""
     stage = optimizer.stage
-    if stage.expert_parallel:
-        return ("MoE experts split over parallel.ep > 1 (each rank's experts would be saved under the same names; "
-                "gathering them to the canonical [num_experts, ...] tensors is not built: save at parallel.ep=1)")
+    if stage.expert_parallel and getattr(stage, "expert_layout", None) is None:
+        return "MoE experts split over parallel.ep > 1 without their layout (zero.split.ExpertLayout)"
     if 0 < stage.zero_stage < 3 and any(isinstance(p, DTensor) for p in stage.params):
         return "tensor-parallel parameters at zero stages 1-2 (use zero.stage=0 or 3 with parallel.tp > 1)"
     return None
@@ -86,14 +85,29 @@ def mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
     return _HOST_MESHES[key]
 
 
-def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: DeviceMesh) -> DTensor:
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _as_dtensor(local: torch.Tensor, param: torch.Tensor, stage: int, dp_mesh: DeviceMesh,
+                layout: Any = None) -> DTensor:
     """``local`` (this rank's state for ``param``) as a DTensor with the layout the stage gives it,
-    on the device where ``local`` lives."""
-    if isinstance(param, DTensor):
+    on the device where ``local`` lives; ``layout``: the expert layout when ``param`` is an expert's."""
+    if isinstance(param, DTensor) and layout is None:
         if 0 < stage < 3:
             raise NotImplementedError("checkpointing tensor-parallel params at zero stages 1-2: see unsupported_reason")
         return DTensor.from_local(local, mesh_on(param.device_mesh, local.device.type), param.placements,
                                   run_check=False, shape=param.shape, stride=param.stride())
+    if layout is not None:  # this rank's rows of a canonical [num_experts, ...] expert tensor (zero.split)
+        ep = layout.mesh.mesh.shape[0]  # (no sub-mesh slicing: the grid has no process groups)
+        inner = param.placements[0] if isinstance(param, DTensor) else (Replicate() if stage == 0 else Shard(0))
+        shape = (param.shape[0] * ep, *param.shape[1:])
+        return DTensor.from_local(local, mesh_on(layout.mesh, local.device.type), [Shard(0), inner],
+                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
     placement = Replicate() if stage == 0 or param.dim() == 0 else Shard(0)
     return DTensor.from_local(local, mesh_on(dp_mesh, local.device.type), [placement], run_check=False,
                               shape=param.shape, stride=param.stride())
@@ -107,16 +121,23 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
     """
     stage = optimizer.stage
     store_state = optimizer.store.state_dict()
+    layout = getattr(stage, "expert_layout", None)
+    experts = {clean_name(n) for n in layout.names} if layout is not None else set()
     out: dict[str, Any] = {}
     for i, (name, p) in enumerate(zip(stage.names, stage.params)):
         key = clean_name(name)
         for kind, prefix in state_kinds(optimizer):
             if held(optimizer, kind, i):
-                out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh)
+                out[prefix + key] = _as_dtensor(store_state[kind][i], p, stage.zero_stage, dp_mesh,
+                                                layout if key in experts else None)
     if model is not None:
         trained = {clean_name(n) for n in stage.names}
         for name, t in model.state_dict().items():
-            if clean_name(name) not in trained:
+            if clean_name(name) in experts and clean_name(name) not in trained:  # frozen experts: canonical too
+                local = t.to_local() if isinstance(t, DTensor) else t
+                out["model." + clean_name(name)] = _as_dtensor(local, t, stage.zero_stage if isinstance(t, DTensor)
+                                                               else 0, dp_mesh, layout)
+            elif clean_name(name) not in trained:
                 out["model." + clean_name(name)] = t
     return out
 

@@ -9,7 +9,31 @@ at stage 0, which is what each part's own ``replication()`` says of its group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
 from deepshard.core.config import ZeroConfig
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each rank's expert rows sit in the canonical ``[num_experts, ...]`` tensors, for layout-free
+    checkpoints: ``mesh`` is the ``(ep, edp)`` grid (ep outer: ep group rank r holds experts
+    ``r*L .. r*L+L-1``, its edp ranks split those L rows as ZeRO does) and ``names`` the expert params'
+    clean FQNs.  A checkpoint then records each shard's global offset, so it loads at any ep."""
+
+    mesh: DeviceMesh
+    names: frozenset[str]
+
+
+def expert_layout(ep_mesh: DeviceMesh, edp_mesh: DeviceMesh, grid: DeviceMesh, names: set[str]) -> ExpertLayout:
+    """:class:`ExpertLayout` from the ``(edp, ep)`` sub-mesh ``grid`` (the root mesh's order), transposed
+    to ``(ep, edp)`` without a process group (DCP needs only each rank's coordinate)."""
+    assert grid.mesh_dim_names == ("edp", "ep") and grid.size() == ep_mesh.size() * edp_mesh.size()
+    mesh = DeviceMesh(grid.device_type, grid.mesh.t().contiguous(), mesh_dim_names=("ep", "edp"),
+                      _init_backend=False)
+    return ExpertLayout(mesh, frozenset(names))
 
 
 def check_experts(config: ZeroConfig, *, dtype: str = "fp32", hsdp: bool = False, offload_params: bool = False) -> None:

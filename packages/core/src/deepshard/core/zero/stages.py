@@ -10,6 +10,7 @@ gatherer (all-gather of the updated shards); ``apply_zero`` in ``deepshard.core.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ class ZeroStage(ABC):
     zero_stage: int
     params: list[nn.Parameter]
     names: list[str]
-    expert_parallel: bool = False  # MoE experts split over an ep axis (zero.split): not checkpointable yet
+    expert_parallel: bool = False  # MoE experts split over an ep axis (zero.split)
+    expert_layout: Any = None  # zero.split.ExpertLayout under ep: the experts' canonical checkpoint layout
 
     @abstractmethod
     def local_params(self) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""``deepspeed.moe``: refused (see ``moe.layer``)."""
+"""``deepspeed.moe``: the MoE layer (``layer.MoE``), its gate (``sharded_moe``) and ``utils``."""
 
-from . import layer
+from . import layer, sharded_moe, utils
 
-__all__ = ["layer"]
+__all__ = ["layer", "sharded_moe", "utils"]
