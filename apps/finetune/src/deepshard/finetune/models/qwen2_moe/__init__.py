@@ -87,4 +87,5 @@ def causal_lm(config: dict[str, Any]) -> nn.Module:
 
 
 SPEC = moe_spec("qwen2_moe", Qwen2MoeConfig, HFAdapter(model_types=("qwen2_moe",), config_from_hf=config_from_hf,
-                                                       config_dict=config_dict, causal_lm=causal_lm))
+                                                       config_dict=config_dict, causal_lm=causal_lm,
+                                                       chat_template="chatml"))
