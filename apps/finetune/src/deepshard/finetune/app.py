@@ -26,7 +26,7 @@ from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.preempted import preemption_outcome
 from deepshard.finetune.preflight import killed_for_memory, plan_memory
-from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs
+from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs, write_hydra_files
 from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.launch.heartbeat import read_beats
@@ -96,10 +96,13 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict:
-    """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
+def run(cfg: DictConfig, run_dir: str, hydra: DictConfig | None = None) -> dict:
+    """Validate everything, then train on this process (torchrun, 1 worker) or start local workers.
+    ``hydra``: Hydra's own config, written to ``<run dir>/.hydra/`` with ``cfg`` once the run dir is ours."""
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
-    with holding_job_dirs(settings, run_dir):  # no other job in them until this one ends, however it ends
+    with holding_job_dirs(settings, run_dir) as holder:  # no other job in them until this one ends, however it ends
+        if holder and hydra is not None and hydra.output_subdir is None:
+            write_hydra_files(run_dir, cfg, hydra)
         return _run(settings, run_dir)
 
 
