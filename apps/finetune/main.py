@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     _restore_full_error()  # from here on Hydra reports our task's errors as it always did
 
     try:
-        run(cfg, HydraConfig.get().runtime.output_dir)
+        run(cfg, HydraConfig.get().runtime.output_dir, HydraConfig.get())
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

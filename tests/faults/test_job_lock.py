@@ -1,6 +1,7 @@
 """Two jobs on one directory, with the real app at world 2: a second job on the run dir or on the
 checkpoint dir of a running one is refused before it starts anything (one ``error:`` line naming the
-directory and the first job's pid, exit 2), and the first one keeps its heartbeats, so its own hang
+directory and the first job's pid, exit 2, having written nothing there, not even Hydra's ``.hydra/``),
+and the first one keeps its heartbeats, so its own hang
 detection still names its stopped rank; a lock left by a job that died is taken over with a log line.
 """
 
@@ -72,6 +73,10 @@ def _beats(run_dir: Path) -> dict[str, int]:
     return {p.name: int(json.loads(p.read_text())["pid"]) for p in sorted((run_dir / "heartbeat").glob("rank*.json"))}
 
 
+def _hydra_files(run_dir: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted((run_dir / ".hydra").iterdir())}
+
+
 def _refused(proc: subprocess.Popen, key: str, directory: Path, owner: int) -> float:
     t0 = time.monotonic()
     try:
@@ -97,11 +102,15 @@ def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the
         drained = _Drained(job)
         beats = _beats(first)
         assert sorted(beats) == ["rank0.json", "rank1.json"]
+        composed = _hydra_files(first)
+        assert "- train.max_steps=100000" in composed["overrides.yaml"], composed
         same_run_dir = start(first, "train.max_steps=3")
         same_checkpoints = start(third, "train.max_steps=3", f"checkpoint.dir={first / 'checkpoints'}")
         _refused(same_run_dir, "hydra.run.dir", first, job.pid)
         _refused(same_checkpoints, "checkpoint.dir", first / "checkpoints", job.pid)
         assert not (third / "heartbeat").exists()  # no worker of theirs started
+        assert _hydra_files(first) == composed  # the refused job wrote nothing into the first's .hydra/
+        assert not (third / ".hydra").exists()
         assert _beats(first) == beats and job.poll() is None  # the first job's heartbeats are its own, still
 
         # and they still serve it: a stopped rank is named by its watchdog, within the hang time

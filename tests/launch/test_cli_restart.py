@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -70,10 +69,7 @@ def kill_rank_at(beat_dir: Path, rank: int, step: int, stop: threading.Event, ki
             return
 
 
-def test_restart_resumes_from_the_last_checkpoint_bit_exact(tmp_path):
-    # the oracle: the app's own 2 local workers, uninterrupted
-    code, _, err = launch([sys.executable, str(MAIN), *RUN, f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, {})
-    assert code == 0, err[-3000:]
+def test_restart_resumes_from_the_last_checkpoint_bit_exact(tmp_path, whole_app_losses):
     beat_dir = tmp_path / "beats"
     beat_dir.mkdir()
     stop, killed = threading.Event(), []
@@ -87,7 +83,7 @@ def test_restart_resumes_from_the_last_checkpoint_bit_exact(tmp_path):
     assert killed and killed[0] in (6, 7), killed
     assert "a worker on" in err and "restarting the workers (restart 1 of 1)" in err
     assert "resumed from" in err + out and "step-00000004 at step 4" in err + out
-    whole, cut = losses(tmp_path / "whole"), losses(tmp_path / "cut")
+    whole, cut = whole_app_losses, losses(tmp_path / "cut")  # the oracle: the app's own 2 local workers, uninterrupted
     assert sorted(whole) == sorted(cut) == list(range(1, 9))  # steps 1-6 from the first attempt, 5-8 resumed
     assert [cut[s] for s in range(1, 9)] == [whole[s] for s in range(1, 9)]  # fp32: bit for bit
 

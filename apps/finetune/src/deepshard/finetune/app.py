@@ -26,8 +26,8 @@ from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.preempted import preemption_outcome
-from deepshard.finetune.preflight import preflight_memory
-from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs
+from deepshard.finetune.preflight import killed_for_memory, plan_memory
+from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs, write_hydra_files
 from deepshard.finetune.recipe.assemble import train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.launch.heartbeat import read_beats
@@ -77,9 +77,12 @@ def _inline(settings: Settings, run_dir: str) -> dict:
         raise RunFailed(f"rank {rank}: {type(err).__name__}: {message} (full traceback: {log})", 2) from None
 
 
-def _failed(err: JobFailed, run_dir: str) -> RunFailed:
-    """The launcher's verdict as the user's line: diverged and dead/hung ranks exit 1, errors exit 2."""
+def _failed(err: JobFailed, run_dir: str, settings: Settings, estimate: int) -> RunFailed:
+    """The launcher's verdict as the user's line: diverged and dead/hung ranks exit 1, errors exit 2; a
+    rank killed for memory with the estimate it was started on."""
     log = _log_tracebacks(run_dir, err.tracebacks)
+    if err.kind == "oom":
+        return RunFailed(killed_for_memory(str(err), settings, estimate, err.memory_limit), 1)
     if err.error_type in [e.__name__ for e in DIVERGED]:
         return RunFailed(str(err).split(f"{err.error_type}: ", 1)[-1], 1)
     if err.kind == "exception":
@@ -94,19 +97,22 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict:
-    """Validate everything, then train on this process (torchrun, 1 worker) or start local workers."""
+def run(cfg: DictConfig, run_dir: str, hydra: DictConfig | None = None) -> dict:
+    """Validate everything, then train on this process (torchrun, 1 worker) or start local workers.
+    ``hydra``: Hydra's own config, written to ``<run dir>/.hydra/`` with ``cfg`` once the run dir is ours."""
     settings = validate(OmegaConf.to_container(cfg, resolve=True))  # the one typed config, for every worker
-    with holding_job_dirs(settings, run_dir):  # no other job in them until this one ends, however it ends
+    with holding_job_dirs(settings, run_dir) as holder:  # no other job in them until this one ends, however it ends
+        if holder and hydra is not None and hydra.output_subdir is None:
+            write_hydra_files(run_dir, cfg, hydra)
         return _run(settings, run_dir)
 
 
 def _run(settings: Settings, run_dir: str) -> dict:
     local_workers = not under_torchrun() and settings.world_size > 1
     # the working set of this host's ranks against the memory they will have: refused or warned here
-    settings = preflight_memory(settings, settings.world_size if local_workers else
-                                int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # and offload buffers chosen to fit
-                                forked=local_workers)
+    settings, estimate = plan_memory(settings, settings.world_size if local_workers else
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # and offload buffers chosen to fit
+                                     forked=local_workers)
     if local_workers:  # their imports, in the background (main.py started it already), during the checks
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
     else:  # this process is the one rank: a server main.py started would only compete with it
@@ -126,7 +132,7 @@ def _run(settings: Settings, run_dir: str) -> dict:
                             log_file=os.path.join(run_dir, "launcher.log"),
                             grace_s=settings.launcher.shutdown_grace_s)[0]
     except JobFailed as err:
-        raise _failed(err, run_dir) from None
+        raise _failed(err, run_dir, settings, estimate) from None
     except SignalException as err:  # SIGTERM/SIGINT reached the workers too: what they saved in the grace
         done = preemption_outcome(Path(settings.checkpoint.dir or os.path.join(run_dir, "checkpoints")),
                                   read_beats(beat_dir), signal_name=signal_name(err.sigval),

@@ -176,6 +176,12 @@ def preflight_memory(s: Settings, nproc: int, *, forked: bool = True) -> Setting
     then refuse (ValueError) or warn on stderr; returns the settings the workers get, with nothing
     left to pick.  ``forked``: the workers will fork from this launcher's forkserver (else this
     process is one of the ranks)."""
+    return plan_memory(s, nproc, forked=forked)[0]
+
+
+def plan_memory(s: Settings, nproc: int, *, forked: bool = True) -> tuple[Settings, int]:
+    """:func:`preflight_memory`, and the estimate it judged (bytes of the host's ranks and the job's
+    processes), which a worker killed for memory is reported against."""
     base = job_baseline(nproc, forked=forked)  # read once, before the checks import more
     counts = counts_of(s, run_shape(s))  # the model's counts: ac and buffers change none of them
     s, picked_ac = fit_ac(s, nproc, base, counts)
@@ -187,4 +193,11 @@ def preflight_memory(s: Settings, nproc: int, *, forked: bool = True) -> Setting
     line = check_memory(s, nproc, base, counts)
     if line:
         print(line, file=sys.stderr)
-    return dataclasses.replace(s, offload_picks=())
+    return dataclasses.replace(s, offload_picks=()), _need(s, nproc, base, counts)
+
+
+def killed_for_memory(line: str, s: Settings, estimate: int, limit: int | None) -> str:
+    """The launcher's "rank R was killed for memory at step S" with the estimate, the limit it met and
+    the knobs that shrink the working set."""
+    met = _gib(limit) if limit is not None else "the host's memory"
+    return f"{line} (estimate {_gib(estimate)}, limit {met}; try {'; '.join(knobs_to_fit(run_shape(s)))})"

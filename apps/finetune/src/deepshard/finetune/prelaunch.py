@@ -15,12 +15,14 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.resumable import check_fits
 from deepshard.finetune.data.sources import check_records
 from deepshard.launch.run_lock import acquire
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
     from torch.utils.data import Dataset
 
     from deepshard.finetune.config import Settings
@@ -33,13 +35,14 @@ def job_dirs(settings: Settings, run_dir: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[None]:
+def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[bool]:
     """This job's locks on its run and checkpoint dirs (``deepshard.launch.run_lock``), for its whole life;
     a second job on either is refused here (ValueError naming the directory and the owner), before it
     starts anything.  Under torchrun every rank runs the app: global rank 0 takes them for the job (its
-    run dir is the one every rank uses), the other ranks take none and so never refuse each other."""
+    run dir is the one every rank uses), the other ranks take none and so never refuse each other.
+    Yields whether this process holds them (the job's writer of the run dir's own files)."""
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
-        yield
+        yield False
         return
     job = os.environ.get("TORCHELASTIC_RUN_ID", f"run{os.getpid()}")
     with contextlib.ExitStack() as held:
@@ -48,7 +51,21 @@ def holding_job_dirs(settings: Settings, run_dir: str) -> Iterator[None]:
             if os.path.realpath(directory) not in taken:  # checkpoint.dir=<the run dir>: one lock
                 taken.add(os.path.realpath(directory))
                 held.enter_context(acquire(directory, key=key, job=job))
-        yield
+        yield True
+
+
+def write_hydra_files(run_dir: str, cfg: DictConfig, hydra: DictConfig) -> None:
+    """The composed config, Hydra's own and the overrides in ``<run dir>/.hydra/``, as Hydra writes them
+    (conf sets ``hydra.output_subdir`` to null): by the job that holds the run dir, so a refused second
+    job never overwrites a running one's; no file is written through a symlink."""
+    from omegaconf import OmegaConf
+
+    out = os.path.join(run_dir, ".hydra")
+    os.makedirs(out, exist_ok=True)
+    files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hydra}), "overrides.yaml": hydra.overrides.task}
+    for name, node in files.items():
+        with open_file(os.path.join(out, name), "w") as f:
+            f.write(OmegaConf.to_yaml(node))
 
 
 def check_inputs(settings: Settings) -> None:

@@ -28,6 +28,7 @@ from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.mesh import free_port
 from deepshard.launch import worker_server
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
+from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
 
 _PEER_GRACE_S = 1.0
@@ -49,10 +50,12 @@ class JobFailed(RuntimeError):
     """The job's root cause in one line (``str``), its rank and kind, and every rank's traceback."""
 
     def __init__(self, line: str, *, rank: int, kind: str, error_type: str = "",
-                 tracebacks: dict[int, str] | None = None, hang: Hang | None = None) -> None:
+                 tracebacks: dict[int, str] | None = None, hang: Hang | None = None,
+                 memory_limit: int | None = None) -> None:
         super().__init__(line)
         self.rank, self.kind, self.error_type, self.hang = rank, kind, error_type, hang
         self.tracebacks = tracebacks or {}
+        self.memory_limit = memory_limit  # kind "oom": the memory cgroup's limit that the rank met
 
 
 def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
@@ -98,10 +101,12 @@ def _with_peer_error_files(failures: dict[int, Any]) -> dict[int, Any]:
     return out
 
 
-def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | None = None) -> JobFailed:
+def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | None = None,
+               oom: OomWatch | None = None) -> JobFailed:
     """The root cause among a ChildFailedError's failures and its peers' error files (or the
     watchdog's hang, which caused them); a rank that died by a signal is named with its last
-    heartbeat's step and phase."""
+    heartbeat's step and phase, and a SIGKILL the memory cgroup's OOM killer sent (``oom``) as a
+    kill for memory (kind "oom", with the limit)."""
     failures = _with_peer_error_files(child_failed.failures)
     described = {rank: _describe(rank, f) for rank, f in failures.items()}
     traces = {rank: d[4] for rank, d in described.items() if d[4]}
@@ -110,7 +115,13 @@ def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | 
     rank = min(described, key=lambda r: (described[r][0], failures[r].timestamp, r))
     _, kind, error_type, line, _ = described[rank]
     last = next((b for b in beats or [] if b["rank"] == rank), None)
-    if kind == "signal" and last is not None and last["phase"] != "startup":
+    started = last is not None and last["phase"] != "startup"
+    if error_type == "SIGKILL" and oom is not None and oom.fired():
+        line = f"rank {rank} was killed for memory " + (f"at step {last['step']} ({last['phase']})" if started
+                                                        else "before its first step")
+        return JobFailed(line, rank=rank, kind="oom", error_type=error_type, tracebacks=traces,
+                         memory_limit=oom.limit())
+    if kind == "signal" and started:
         line += f" during step {last['step']} ({last['phase']})"
     return JobFailed(line, rank=rank, kind=kind, error_type=error_type, tracebacks=traces)
 
@@ -171,6 +182,7 @@ def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., An
 
     if parent is not None:
         die_with_parent(parent)  # a SIGKILLed launcher leaves no worker behind
+    raise_oom_score()  # out of memory, a worker dies first: the launcher lives to say so
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (forkserver_guard); a worker must not
     per_rank = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
     os.environ.clear()
@@ -254,6 +266,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
     )
     start_worker_server(fn)
+    oom = OomWatch()  # the memory cgroup's OOM kills from here on are this job's
     watchdog: Watchdog | None = None
     if heartbeat_dir is not None:
         os.environ[ENV_DIR] = str(beat_dir)
@@ -271,7 +284,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
             results = elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
         beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
-        raise job_failed(err, watchdog.hang if watchdog else None, beats) from err
+        raise job_failed(err, watchdog.hang if watchdog else None, beats, oom) from err
     finally:
         shutil.rmtree(elastic_logs, ignore_errors=True)  # the workers' error files were read above
         os.environ.pop(ENV_DIR, None)

@@ -27,22 +27,35 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def cgroup_room() -> tuple[int, str] | None:
-    """(bytes left under this process's memory cgroup limit, where it was read), None without a limit."""
+def memory_group() -> tuple[Path, str] | None:
+    """This process's memory cgroup directory and its version ("v1" or "v2"), None where there is none."""
     for line in (_read(Path("/proc/self/cgroup")) or "").splitlines():
         _, controllers, rel = line.split(":", 2)
         rel = rel.lstrip("/")
-        if controllers == "":  # v2
-            base = Path("/sys/fs/cgroup") / rel
-            limit, usage = _read(base / "memory.max"), _read(base / "memory.current")
-        elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / rel
-            limit, usage = _read(base / "memory.limit_in_bytes"), _read(base / "memory.usage_in_bytes")
-        else:
-            continue
-        if limit and limit != "max" and usage is not None and int(limit) < 2**60:
-            return int(limit) - int(usage), f"memory cgroup {base} (limit {int(limit) / 2**30:.2f} GiB)"
+        if controllers == "" and (Path("/sys/fs/cgroup") / rel / "memory.max").exists():  # v2
+            return Path("/sys/fs/cgroup") / rel, "v2"
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / rel, "v1"
     return None
+
+
+def _limit_usage(group: tuple[Path, str]) -> tuple[int | None, int | None]:
+    base, version = group
+    names = ("memory.max", "memory.current") if version == "v2" else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    limit, usage = (_read(base / n) for n in names)
+    limit_n = int(limit) if limit and limit != "max" and int(limit) < 2**60 else None
+    return limit_n, int(usage) if usage is not None and usage.isdigit() else None
+
+
+def cgroup_room() -> tuple[int, str] | None:
+    """(bytes left under this process's memory cgroup limit, where it was read), None without a limit."""
+    group = memory_group()
+    if group is None:
+        return None
+    limit, usage = _limit_usage(group)
+    if limit is None or usage is None:
+        return None
+    return limit - usage, f"memory cgroup {group[0]} (limit {limit / 2**30:.2f} GiB)"
 
 
 def mem_available() -> int | None:
@@ -129,3 +142,57 @@ def job_baseline(nproc: int, sizes: ProcessSizes, *, forked: bool = True, image:
     others = max(nproc - 1, 0)  # this rank also grows as the launcher does after the check (its inputs)
     return JobBaseline(per_rank=0, shared={"this rank after the check": sizes.launcher_after,
                                            "other local ranks' images": others * image})
+
+
+OOM_SCORE_ADJ = 500  # added to each worker's: the kernel's OOM killer takes a worker, never the launcher
+
+
+def raise_oom_score(adj: int = OOM_SCORE_ADJ) -> None:
+    """Make this process (a worker) the OOM killer's choice before its launcher, which must live to say
+    why its worker died; raising one's own score needs no privilege."""
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            now = int(f.read().strip() or 0)
+            f.seek(0)
+            f.write(str(min(1000, max(now, now + adj))))
+    except (OSError, ValueError):
+        pass
+
+
+def _oom_kills(group: tuple[Path, str]) -> int | None:
+    """How many processes the group's OOM killer has killed (v1 ``memory.oom_control``, v2 ``memory.events``)."""
+    base, version = group
+    text = _read(base / ("memory.events" if version == "v2" else "memory.oom_control")) or ""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _peak(group: tuple[Path, str]) -> int | None:
+    value = _read(group[0] / ("memory.peak" if group[1] == "v2" else "memory.max_usage_in_bytes"))
+    return int(value) if value and value.isdigit() else None
+
+
+class OomWatch:
+    """Whether a worker killed by SIGKILL was killed for memory: the memory cgroup's OOM-kill count grew
+    since the launch (or, where the kernel keeps no count, the group's peak usage reached its limit).
+    Read at the start of a launch and when a worker died."""
+
+    def __init__(self) -> None:
+        self.group = memory_group()
+        self.before = _oom_kills(self.group) if self.group else None
+
+    def limit(self) -> int | None:
+        """The group's memory limit in bytes, None without one."""
+        return _limit_usage(self.group)[0] if self.group else None
+
+    def fired(self) -> bool:
+        if self.group is None or self.limit() is None:
+            return False  # without a limit the host's OOM killer decides, and leaves no count of ours
+        if self.before is not None:
+            after = _oom_kills(self.group)
+            return after is not None and after > self.before
+        peak = _peak(self.group)
+        return peak is not None and peak >= 0.98 * self.limit()

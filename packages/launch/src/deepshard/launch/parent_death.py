@@ -32,6 +32,11 @@ except (OSError, AttributeError):
     pass
 if os.getppid() != int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGKILL)
+try:  # out of memory a worker dies first, not its agent (deepshard.launch.memory.raise_oom_score)
+    with open("/proc/self/oom_score_adj", "r+") as f:
+        adj = int(f.read() or 0); f.seek(0); f.write(str(min(1000, adj + 500)))
+except (OSError, ValueError):
+    pass
 os.execvp(sys.argv[2], sys.argv[2:])
 """
 

@@ -4,7 +4,9 @@ The training loop runs its ``step_hooks`` (``hook(step, model)``) at the start o
 assembly installs the hook below only when the variable is set, so the loop itself holds no test
 code.  ``nan@K``: from step K on the embedding's output is NaN, so a real NaN flows through the loss
 into every gradient; ``nan@K:N``: for the N steps K..K+N-1 only (a transient fault the run recovers
-from).  ``error@K``: the last rank raises at step K (a worker error the launcher must report).
+from).  ``error@K``: the last rank raises at step K (a worker error the launcher must report).  ``oom@K``:
+the last rank allocates at step K until its memory cgroup's OOM killer takes it (refused outside a
+cgroup with a limit: it would fill the host).
 
 The NaN is put into the first decoder layer's input, which is the embedding's output in every layout
 (whole, tensor-parallel, or read in vocabulary tiles under ZeRO-3, where the embedding module's own
@@ -31,8 +33,8 @@ def step_hooks_from_env(env: Mapping[str, str]) -> list[StepHook]:
         return []
     kind, _, at = spec.partition("@")
     first, _, count = at.partition(":")
-    if kind not in ("nan", "error") or not first.isdigit() or (count and not count.isdigit()):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected nan@K, nan@K:N or error@K")
+    if kind not in ("nan", "error", "oom") or not first.isdigit() or (count and not count.isdigit()):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected nan@K, nan@K:N, error@K or oom@K")
     return [InjectTestFault(kind, int(first), int(count) if count else None, spec)]
 
 
@@ -54,6 +56,20 @@ class InjectTestFault:
                 lambda mod, args: (args[0] * float("nan"), *args[1:]))
         elif self.kind == "error" and dist.get_rank() == dist.get_world_size() - 1:
             inject_test_fault(step, self.spec)
+        elif self.kind == "oom" and dist.get_rank() == dist.get_world_size() - 1:
+            exhaust_memory(self.spec)
+
+
+def exhaust_memory(spec: str) -> None:
+    """Touch 64 MiB after 64 MiB, up to 1.5 x this process's memory cgroup limit (the kernel kills
+    first); a process without a limit is refused."""
+    from deepshard.launch.memory import OomWatch
+
+    limit = OomWatch().limit()
+    if limit is None:
+        raise ValueError(f"{FAULT_ENV}={spec}: needs a memory cgroup with a limit (it would fill the host)")
+    held = [torch.ones(2**24) for _ in range(int(1.5 * limit) // 2**26)]
+    raise RuntimeError(f"{FAULT_ENV}={spec}: {len(held) * 64} MiB held and not killed")
 
 
 def first_layer(model: torch.nn.Module | None, spec: str) -> torch.nn.Module:

@@ -20,7 +20,7 @@ from torch import nn
 
 from deepshard.core import initialize as core_initialize
 from deepshard.core.mesh import local_device
-from deepshard.core.zero import CpuParamOffload, ParamOffload
+from deepshard.core.zero import ParamOffload
 
 from . import accelerator, comm, compression, moe, ops, param_offload, pipe, runtime, utils, zero
 from .accelerator import get_accelerator
@@ -96,7 +96,7 @@ def _store(cfg: CompatConfig, stage: int) -> tuple[Any, ParamOffload | None]:
         from deepshard.core import DeviceStateStore
 
         return DeviceStateStore, None
-    from deepshard.offload import OffloadConfig, make_store_factory, validate_offload
+    from deepshard.offload import OffloadConfig, make_store_factory, param_offload, validate_offload
 
     config = OffloadConfig(**off)
     try:
@@ -104,7 +104,8 @@ def _store(cfg: CompatConfig, stage: int) -> tuple[Any, ParamOffload | None]:
     except ValueError as err:
         raise ValueError(f"zero_optimization.offload_*: {err}") from None
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    return make_store_factory(config, comm.get_rank(), run_id), CpuParamOffload() if config.params == "cpu" else None
+    factory = make_store_factory(config, comm.get_rank(), run_id)
+    return factory, param_offload(config, factory)  # params=nvme: the factory's ParamSwap, hooked into the model
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
