@@ -54,8 +54,9 @@ def run_id() -> str:
 
 
 def init_model(model: nn.Module, s: Settings) -> None:
-    """The run's seeded init, then the HF weights for model=hf (works on ZeRO-3 and TP shards too)."""
-    model.init_weights(seed=s.train.seed)
+    """The run's seeded init, then the HF weights for model=hf (works on ZeRO-3 and TP shards too;
+    the checkpoint writes every base weight, so only the buffers are initialized first)."""
+    model.init_weights(seed=s.train.seed, weights=s.model_name != "hf")
     if s.model_name == "hf":
         registry.spec_of(s.model).hf.load_weights(model, s.model_path)
     if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base), or a PEFT folder's
