@@ -74,3 +74,18 @@ def test_sliced_reads_equal_load_file(tmp_path, family):
     spec.hf.load_weights(sharded, str(tmp_path))
     assert all(hasattr(p, "full_tensor") for p in sharded.parameters())
     _check(sharded, want)
+
+
+def test_the_estimator_counts_the_load_peak(tmp_path):
+    """``load_peak``: at ZeRO-3 over 2 ranks, the checkpoint's bytes / 2 kept and half its largest
+    tensor read at once (fp32, from the file here); stages 0-2 keep and read whole tensors."""
+    from deepshard.finetune.models import registry
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.working_set import RunShape, load_peak
+
+    save_hf("llama", tmp_path)
+    sizes = [t.numel() * 4 for f in tmp_path.glob("*.safetensors") for t in load_file(str(f)).values()]
+    cfg = registry.for_hf(str(tmp_path)).hf.config_from_hf(str(tmp_path))
+    counts = model_counts(cfg, world=2)
+    assert load_peak(counts, RunShape(stage=3, dp=2)) == (sum(sizes) // 2, max(sizes) // 2)
+    assert load_peak(counts, RunShape(stage=2, dp=2)) == (sum(sizes), max(sizes))
