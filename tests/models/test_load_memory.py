@@ -1,10 +1,10 @@
-"""A ZeRO-3 world-2 load of a HF checkpoint (150 MiB of random fp32 Llama weights, vocabulary 32001:
+"""A ZeRO-3 world-2 load of a HF checkpoint (146 MiB of random fp32 Llama weights, vocabulary 32001:
 the embedding's and the head's last shard is one row short) inside a memory cgroup v1 whose limit
 leaves the two ranks, over what they hold once imported and joined, the checkpoint plus its largest
 tensor.  Each rank reads only its rows of each tensor, so it loads; the loader that read whole tensors
 (after a whole random draw per tensor) needed about 1.8 largest tensors more per rank and was
 OOM-killed there (issue 39; README "Loading without host-memory spikes").  Each rank's shard equals
-``load_file``'s tensor chunked as FSDP2 shards dim 0.  Needs root and the memory controller. ~25 s."""
+``load_file``'s tensor chunked as FSDP2 shards dim 0.  Needs root and the memory controller. ~8 s."""
 
 from __future__ import annotations
 
