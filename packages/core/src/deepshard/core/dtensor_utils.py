@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["copy_global", "dtensor_replication", "like_param", "local_tensor", "storage_bytes"]
+__all__ = ["copy_global", "dtensor_replication", "like_param", "local_slices", "local_tensor", "storage_bytes"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,20 @@ def like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def local_slices(dst: torch.Tensor) -> tuple[slice, ...]:
+    """The region of ``dst``'s global value that this rank holds, one slice per dim: all of it for a
+    plain tensor; a DTensor's shard (ZeRO-3's dim-0 rows, the uneven last shard included; TP's rows or
+    columns), so a reader can fetch only those elements from a file."""
+    if not isinstance(dst, DTensor):
+        return tuple(slice(0, n) for n in dst.shape)
+    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
 def copy_global(dst: torch.Tensor, value: torch.Tensor) -> None:
     """Write a full value into ``dst``; a sharded DTensor (ZeRO-3 built on meta) takes its piece only,
     so a sharded model gets exactly the weights the single-process model gets."""
     if isinstance(dst, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(value.shape, dst.device_mesh, dst.placements)
-        dst.to_local().copy_(value[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        dst.to_local().copy_(value[local_slices(dst)])
     else:
         dst.copy_(value)

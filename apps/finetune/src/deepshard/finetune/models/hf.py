@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepshard.core.dtensor_utils import copy_global
+from deepshard.core.dtensor_utils import copy_global, local_slices, local_tensor
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja")
@@ -123,11 +123,24 @@ def check_hf_dir(path: str | Path, model: nn.Module, *, rename: Callable[[str], 
         raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")
 
 
+def read_local(st: Any, hf_name: str, dst: torch.Tensor, *, row0: int = 0) -> torch.Tensor:
+    """The elements of the checkpoint tensor ``hf_name`` (from ``row0`` on: a fused tensor's piece)
+    that this rank's ``dst`` holds (``local_slices``: all of a plain tensor, a ZeRO-3 / TP shard's rows
+    or columns), read from the open safetensors file ``st`` as a slice: a rank never reads whole
+    tensors it keeps only a part of (the host peak of a load is its shards plus one slice)."""
+    region = local_slices(dst)
+    if region and row0:
+        region = (slice(region[0].start + row0, region[0].stop + row0), *region[1:])
+    return st.get_slice(hf_name)[region]
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str], str | None] = from_hf_name,
                     assemble: Assemble | None = None) -> None:
-    """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 sharded), one tensor at a time
-    (``rename``/``assemble``: as in :func:`check_hf_dir`)."""
+    """Copy a HF checkpoint's weights into ``model`` (plain, or ZeRO-3 / TP sharded), each rank reading
+    only the rows (or columns) it keeps of each tensor (``read_local``).  ``rename``/``assemble``: as in
+    :func:`check_hf_dir`; a family that ``assemble``s several tensors into one (MoE's experts) reads
+    each of them whole, one at a time."""
     from safetensors import safe_open
 
     params = {n: p for n, p in model.named_parameters() if ".lora_" not in n}  # LoRA adapters: not in a base
@@ -142,15 +155,20 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, rename: Callable[[str
                     if "rotary_emb" in name:
                         continue
                     raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our model")
-                t = st.get_tensor(hf_name)
-                if assemble is not None:
-                    t = assemble(hf_name, t, f"model.path={str(path)!r}")
+                if assemble is None:
+                    shape = tuple(st.get_slice(hf_name).get_shape())
+                else:
+                    t = assemble(hf_name, st.get_tensor(hf_name), f"model.path={str(path)!r}")
                     if t is None:
                         continue
-                if t.shape != params[name].shape:
-                    raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(t.shape)}, "
+                    shape = tuple(t.shape)
+                if shape != tuple(params[name].shape):
+                    raise ValueError(f"model.path={str(path)!r}: {hf_name} has shape {list(shape)}, "
                                      f"our model expects {list(params[name].shape)}")
-                copy_global(params[name], t)
+                if assemble is None:
+                    local_tensor(params[name]).copy_(read_local(st, hf_name, params[name]))
+                else:
+                    copy_global(params[name], t)
                 missing.discard(name)
     if missing:
         raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")

@@ -27,6 +27,7 @@ class ModelCounts:
     largest_unit: int = 0  # the largest unit all-gathered whole
     units: tuple[int, ...] = ()  # every unit's shard (root, tiled units, blocks)
     gathered: tuple[int, ...] = ()  # the units gathered whole (not a tiled embedding or head)
+    largest_tensor: int = 0  # the largest parameter's elements (a checkpoint load reads its slice of it)
 
 
 def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, world: int = 1,
@@ -41,7 +42,8 @@ def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, 
     return ModelCounts(num_params=count_params(model_cfg, lora) // (tp * pp), nf4=nf4,
                        frozen=count_frozen(model_cfg, lora) - nf4,
                        largest_unit=_largest_unit(model, tiled), units=tuple(_unit_shards(model, world, tiled)),
-                       gathered=tuple(_unit_shards(model, world, tiled, gathered=True)))
+                       gathered=tuple(_unit_shards(model, world, tiled, gathered=True)),
+                       largest_tensor=max((p.numel() for p in model.parameters()), default=0))
 
 
 def count_params(model_cfg: Any, lora: Any = None) -> int:

@@ -14,7 +14,8 @@ a CPU-only host is the same RAM):
   ``activation_memory``), and the loss's logits chunk and gradient accumulators (a vocabulary tile
   under tiling),
 - a worker's own pages before training (launch's ``memory.job_baseline``: what the host's processes
-  hold once, the forkserver's image among them, is counted by the caller, once per host).
+  hold once, the forkserver's image among them, is counted by the caller, once per host),
+- ``model=hf``: the checkpoint read (``load_peak``), beyond the activations it never meets.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RunShape:
     sp: int = 1  # parallel.sp: seq_len above is already a rank's seq_len / sp tokens
     mlp_tiles: int = 1  # model.mlp_tiles: one tile's [tokens, ffn_hidden] at a time
     ac_offload: bool = False  # checkpointed block inputs in host memory (the host column)
+    loads_checkpoint: bool = False  # model=hf: the weights are read from safetensors at start
 
 
 @dataclass
@@ -114,8 +116,21 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
     if offloaded:
         ws.host["activations (offloaded inputs)"] = offloaded
     ws.device["loss"] = max(0, _loss(cfg, s) - transient)  # beyond the backward transient it never meets
+    if s.loads_checkpoint:  # the read slice is host memory; on a CPU-only host the activations come later
+        _, read = load_peak(counts, s)
+        ws.host["checkpoint read"] = read if s.on_device else max(0, read - ws.device["activations"] - ws.device["loss"])
     ws.host["process baseline"] = baseline
     return ws
+
+
+def load_peak(counts: ModelCounts, s: RunShape) -> tuple[int, int]:
+    """A rank's host peak while it loads a HF checkpoint, as (the parameters it keeps, fp32; the slice
+    it reads at once): ``models/hf.read_local`` reads one tensor at a time and of it only this rank's
+    rows, so the peak is about checkpoint/world + the largest tensor / world at ZeRO-3 (stages 0-2
+    keep whole parameters: checkpoint + the largest tensor).  Counted at 4 bytes per element (an fp32
+    checkpoint; a bf16 one needs less); the optimizer states and activations do not exist yet."""
+    shards = s.dp if s.stage == 3 else 1
+    return 4 * (counts.num_params + counts.frozen + counts.nf4) // shards, 4 * counts.largest_tensor // shards
 
 
 def run_shape(s: Settings) -> RunShape:
@@ -131,7 +146,7 @@ def run_shape(s: Settings) -> RunShape:
                     prefetch=e.zero.prefetch, reduce_bucket_size=e.zero.reduce_bucket_size,
                     tile_rows=tile_rows(s.model, zero_stage=e.zero.stage, tp=par.tp, pp=par.pp, sp=sp),
                     on_device=torch.cuda.is_available(), sp=sp, mlp_tiles=s.model.mlp_tiles,
-                    ac_offload=e.ac_offload)
+                    ac_offload=e.ac_offload, loads_checkpoint=s.model_name == "hf")
 
 
 def counts_of(s: Settings, shape: RunShape) -> ModelCounts:

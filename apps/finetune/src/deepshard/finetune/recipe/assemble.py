@@ -55,10 +55,14 @@ def run_id() -> str:
 
 
 def init_model(model: nn.Module, s: Settings) -> None:
-    """The run's seeded init, then the HF weights for model=hf (works on ZeRO-3 and TP shards too)."""
-    model.init_weights(seed=s.train.seed)
+    """The run's seeded init, or for model=hf its buffers and then the HF weights (works on ZeRO-3 and
+    TP shards too): the checkpoint writes every base weight, and a whole random draw per tensor first
+    would be the load's host peak (a family's ``init_weights`` takes ``weights=False`` for that)."""
     if s.model_name == "hf":
+        model.init_weights(seed=s.train.seed, weights=False)
         registry.spec_of(s.model).hf.load_weights(model, s.model_path)
+    else:
+        model.init_weights(seed=s.train.seed)
     if s.peft is not None:  # the adapters: PEFT's init (B = 0: the run starts as the base), or a PEFT folder's
         init_adapters(model, seed=s.train.seed)
         if s.peft.init_from:

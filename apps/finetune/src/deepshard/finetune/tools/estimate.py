@@ -118,6 +118,12 @@ def working_set_lines(settings) -> list[str]:
     out += [f"{_fmt(ws.host.get(k, 0)):>10} {_fmt(ws.device.get(k, 0)):>10}   {k}" for k in {**ws.host, **ws.device}]
     out.append(f"{_fmt(ws.host_total):>10} {_fmt(ws.device_total):>10}   total"
                + ("" if shape.on_device else f" ({_fmt(ws.ram(False))} of RAM per rank)"))
+    if shape.loads_checkpoint:
+        from deepshard.finetune.models.working_set import counts_of, load_peak
+
+        kept, read = load_peak(counts_of(settings, shape), shape)
+        out.append(f"Loading model.path: about {_fmt(kept + read)} per rank above the baseline at its peak "
+                   f"({_fmt(kept)} of parameters kept + {_fmt(read)}: its slice of the largest tensor, read one at a time)")
     return out + shared_lines(base, settings.world_size, ws.ram(shape.on_device))
 
 

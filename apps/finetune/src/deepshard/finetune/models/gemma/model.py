@@ -218,10 +218,12 @@ class Gemma(nn.Module):
                                                              sliding=kind == SLIDING), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Normal 0.02 for matrices (residual projections scaled by depth), zeros for the (1 + w) norms."""
+    def init_weights(self, seed: int = 0, *, weights: bool = True) -> None:
+        """Normal 0.02 for matrices (residual projections scaled by depth), zeros for the (1 + w) norms.
+        ``weights=False``: the buffers only (a checkpoint writes every weight next; drawing
+        whole random tensors first would be the load's host peak)."""
         g = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters() if weights else ():
             if ".lora_" in name:
                 continue
             if name.endswith("norm.weight"):

@@ -256,11 +256,13 @@ class Llama(nn.Module):
         self.head_loss_fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] | None = None
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """GPT-2/Llama-style init (normal 0.02, residual projections scaled by depth), seeded."""
+    def init_weights(self, seed: int = 0, *, weights: bool = True) -> None:
+        """GPT-2/Llama-style init (normal 0.02, residual projections scaled by depth), seeded.
+        ``weights=False``: the buffers only (a checkpoint writes every weight next; drawing
+        whole random tensors first would be the load's host peak)."""
         g = torch.Generator().manual_seed(seed)
         std = 0.02
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters() if weights else ():
             if ".lora_" in name:  # LoRA adapters (models/lora.py) have their own init: the base's stays as is
                 continue
             if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":

@@ -4,7 +4,8 @@
 Split on load, fused on export: every layout the decoder has (TP's even per-head split of q/k/v,
 LoRA per projection, ZeRO's per-parameter shards, the pipeline split) applies unchanged, where a fused
 weight under TP would need a per-head-group, per-half shard layout of its own.  A fused tensor is read
-as row slices (safetensors' ``get_slice``), one piece at a time.
+as row slices (safetensors' ``get_slice``), one piece at a time, and of each piece only the rows
+(or columns) this rank keeps (``hf.read_local``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepshard.core.dtensor_utils import copy_global
+from deepshard.core.dtensor_utils import local_tensor
 from deepshard.finetune.models.hf import (
     check_tokenizer,
     from_hf_name,
+    read_local,
     safetensors_files,
     safetensors_headers,
     to_hf_name,
@@ -92,7 +94,8 @@ def check_dir(path: str | Path, model: nn.Module) -> None:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, path: str | Path) -> None:
-    """A Phi-3 checkpoint into ``model`` (plain or sharded), each fused tensor's pieces read as row slices."""
+    """A Phi-3 checkpoint into ``model`` (plain or sharded), each fused tensor's pieces read as row
+    slices, each rank reading only its own part of a piece."""
     from safetensors import safe_open
 
     params = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
@@ -105,11 +108,13 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                         if "rotary_emb" in name:
                             continue
                         raise ValueError(f"model.path={str(path)!r}: weight {hf_name!r} has no place in our model")
-                    t = st.get_tensor(hf_name) if end < 0 else st.get_slice(hf_name)[start:end]
-                    if t.shape != params[name].shape:
+                    shape = list(st.get_slice(hf_name).get_shape())
+                    if end >= 0:  # a fused tensor's piece: rows start:end (all of them must be there)
+                        shape[0] = min(end, shape[0]) - start
+                    if tuple(shape) != tuple(params[name].shape):
                         raise ValueError(f"model.path={str(path)!r}: {hf_name} rows {start}:{end} have shape "
-                                         f"{list(t.shape)}, our model expects {list(params[name].shape)}")
-                    copy_global(params[name], t)
+                                         f"{shape}, our model expects {list(params[name].shape)}")
+                    local_tensor(params[name]).copy_(read_local(st, hf_name, params[name], row0=start))
                     missing.discard(name)
     if missing:
         raise ValueError(f"model.path={str(path)!r}: no weights for {sorted(missing)[:5]}")

@@ -136,11 +136,11 @@ class TransformersLM(nn.Module):
         return self._blocks_list if self._blocks_list is not None else list(self._blocks)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, *, weights: bool = True) -> None:
         """The buffers the model computed at build, back in place; the parameters come from the
         checkpoint (``model=hf``: this path always loads one).  A plain model's tied head, which
         ``to_empty`` untied, is tied again (ZeRO-3's sharded model keeps the tie)."""
-        del seed  # every parameter is loaded: nothing is drawn
+        del seed, weights  # every parameter is loaded: nothing is drawn
         for module, name, value in self._buffer_init:
             module._buffers[name].copy_(value)
         head, embed = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
