@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -32,6 +33,7 @@ from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
 
 _PEER_GRACE_S = 1.0
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 # this process's environment when this module was imported: in a forkserver worker, the server's
 _ENV_AT_IMPORT = dict(os.environ)
@@ -172,6 +174,13 @@ def workers_on_cpu(nproc: int, cuda_devices: int) -> bool:
     return 0 < cuda_devices < nproc
 
 
+def set_mmap_threshold(nbytes: int) -> None:
+    """glibc's fixed mmap threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets at a
+    process's start): blocks this large or larger are mapped on their own and go back to the OS when freed."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
 def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` with the launcher's environment as of this launch, under torchelastic's per-rank
     variables; the worker dies with ``parent`` (the forkserver, which ends with the launcher).  forkserver's workers fork from a server that kept the environment of the process's
@@ -190,6 +199,8 @@ def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., An
     os.environ.update(per_rank)
     if "OMP_NUM_THREADS" in os.environ:  # torch read the server's value when it was imported there
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # glibc read the server's environment, at its start
+        set_mmap_threshold(int(os.environ["MALLOC_MMAP_THRESHOLD_"]))
     try:
         return fn(*args)
     except Exception as err:
