@@ -20,8 +20,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, remove_dead_beats
-from deepshard.launch.local import _describe, elastic_log_dir, worker_threads
+from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, read_beats, remove_dead_beats
+from deepshard.launch.local import _describe, elastic_log_dir, killed_for_memory_line, worker_threads
+from deepshard.launch.memory import OomWatch
 from deepshard.launch.parent_death import guarded
 
 LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each worker's local rank here (elastic.utils.macros)
@@ -69,13 +70,18 @@ def visible_devices(slots: Sequence[int], already: str | None) -> str:
     return ",".join(ids[s] if ids is not None and s < len(ids) else str(s) for s in slots)
 
 
-def describe(failures: dict[int, object], host: str) -> Failure:
+def describe(failures: dict[int, object], host: str, *, oom: OomWatch | None = None,
+             beats: Sequence[dict] = ()) -> Failure:
     """The root cause among the agent's failed workers (keyed by global rank): a death by signal
-    first, then an error, then a worker stopped by the agent; its host, rank and cause."""
+    first, then an error, then a worker stopped by the agent; its host, rank and cause.  A SIGKILL the
+    memory cgroup's OOM killer sent (``oom``) is named as a kill for memory, with the rank's last
+    heartbeat (``beats``) and the limit."""
     failures = {rank: _without_empty_error(f) for rank, f in failures.items()}
     described = {rank: _describe(rank, f) for rank, f in failures.items()}
     rank = min(described, key=lambda r: (described[r][0], getattr(failures[r], "timestamp", 0), r))
-    _, kind, _, line, _ = described[rank]
+    _, kind, error_type, line, _ = described[rank]
+    if error_type == "SIGKILL" and oom is not None and oom.fired():
+        line = killed_for_memory_line(rank, next((b for b in beats if b.get("rank") == rank), None), oom.limit())
     line = line.replace(f"rank {rank}", f"rank {rank} on {host}", 1)
     attempt = re.search(r"attempt_(\d+)", str(getattr(failures[rank], "error_file", "")))
     if attempt and int(attempt.group(1)) > 0:  # torch's agent numbers each run of the workers
@@ -167,6 +173,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
         logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
     )
     watchdog = Watchdog(beat_dir, node.hang_s) if node.hang_s > 0 else None
+    oom = OomWatch()  # the memory cgroup's OOM kills from here on are this node's
     entry, args = guarded(entry, args, os.getpid())  # the workers die with this agent, even by SIGKILL
     try:
         with _environment(env), watchdog or contextlib.nullcontext():
@@ -178,7 +185,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
             hang = watchdog.hang
             return Failure(str(hang).replace(f"rank {hang.rank}", f"rank {hang.rank} on {node.host}", 1)
                            + "; the workers were stopped", 1)
-        return describe(err.failures, node.host)
+        return describe(err.failures, node.host, oom=oom, beats=read_beats(beat_dir))
     except SignalException as err:
         return Failure(f"the launcher on {node.host} got {err.sigval.name}: its workers were stopped",
                        128 + int(err.sigval))

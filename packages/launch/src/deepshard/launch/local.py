@@ -103,6 +103,15 @@ def _with_peer_error_files(failures: dict[int, Any]) -> dict[int, Any]:
     return out
 
 
+def killed_for_memory_line(rank: int, last_beat: dict | None, limit: int | None = None) -> str:
+    """``rank R was killed for memory at step S (phase)`` from the rank's last heartbeat; with ``limit``
+    (a caller that has no estimate of its own to add, the ``deepshard`` command) the limit it met."""
+    started = last_beat is not None and last_beat["phase"] != "startup"
+    line = f"rank {rank} was killed for memory " + (f"at step {last_beat['step']} ({last_beat['phase']})"
+                                                    if started else "before its first step")
+    return line + (f" (memory limit {limit / 2**30:.2f} GiB)" if limit else "")
+
+
 def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | None = None,
                oom: OomWatch | None = None) -> JobFailed:
     """The root cause among a ChildFailedError's failures and its peers' error files (or the
@@ -119,10 +128,8 @@ def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | 
     last = next((b for b in beats or [] if b["rank"] == rank), None)
     started = last is not None and last["phase"] != "startup"
     if error_type == "SIGKILL" and oom is not None and oom.fired():
-        line = f"rank {rank} was killed for memory " + (f"at step {last['step']} ({last['phase']})" if started
-                                                        else "before its first step")
-        return JobFailed(line, rank=rank, kind="oom", error_type=error_type, tracebacks=traces,
-                         memory_limit=oom.limit())
+        return JobFailed(killed_for_memory_line(rank, last), rank=rank, kind="oom", error_type=error_type,
+                         tracebacks=traces, memory_limit=oom.limit())
     if kind == "signal" and started:
         line += f" during step {last['step']} ({last['phase']})"
     return JobFailed(line, rank=rank, kind=kind, error_type=error_type, tracebacks=traces)
