@@ -20,13 +20,15 @@ Offloaded optimizer state is reported under ``host``/``nvme`` instead of ``optim
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from deepshard.core.dtensor_utils import storage_bytes
 from deepshard.core.state_store import StateStore
+from deepshard.core.update_rule import UpdateRule
 from deepshard.core.zero.stages import ZeroStage
 
 
@@ -62,18 +64,29 @@ class ModelStateBytes:
                 **{f"buffers.{k}": v for k, v in self.buffer_parts.items()}}
 
 
-def expected_bytes(stage: int, num_params: int, dp: int, dtype: str) -> ModelStateBytes:
-    """The stage's expected per-rank model-state bytes (see the table above)."""
+def rule_state_bytes(rule: UpdateRule, numels: Sequence[int]) -> int:
+    """Bytes of ``rule``'s states for parameters of these (whole) sizes, in its state dtype: AdamW's two
+    moments per parameter, Muon's one momentum per hidden matrix and AdamW's two on the rest."""
+    size = torch.empty(0, dtype=rule.state_dtype).element_size()
+    return sum(n * size for name in rule.states for i, n in enumerate(numels) if rule.holds(name, i))
+
+
+def expected_bytes(stage: int, num_params: int, dp: int, dtype: str, *, states: int | None = None,
+                   params_are_masters: bool = False) -> ModelStateBytes:
+    """The stage's expected per-rank model-state bytes (see the table above).  ``states``: the update
+    rule's state bytes for the whole model (:func:`rule_state_bytes`; default AdamW's fp32 moments, 8 B per
+    parameter); ``params_are_masters``: bf16 states with bf16 params keep no fp32 master copy."""
     mixed = dtype != "fp32"
     n = num_params
-    if stage == 3:
-        return ModelStateBytes(params=4 * n // dp, grads=4 * n // dp, optimizer=8 * n // dp)
+    states = 8 * n if states is None else states
+    if stage == 3:  # the fp32 shards are the masters
+        return ModelStateBytes(params=4 * n // dp, grads=4 * n // dp, optimizer=states // dp)
     p = 2 if mixed else 4
-    opt = 12 if mixed else 8
+    opt = states + (4 * n if mixed and not params_are_masters else 0)
     return ModelStateBytes(
         params=p * n,
         grads=4 * n // dp if stage >= 2 else 4 * n,
-        optimizer=opt * n // dp if stage >= 1 else opt * n,
+        optimizer=opt // dp if stage >= 1 else opt,
     )
 
 
@@ -102,8 +115,11 @@ def measured_bytes(stage: ZeroStage, store: StateStore, modules: Iterable[nn.Mod
 def model_state_memory(stage: ZeroStage, store: StateStore, *, num_params: int, dp: int, dtype: str,
                        modules: Iterable[nn.Module] = ()) -> dict[str, ModelStateBytes]:
     """``{"measured": ..., "expected": ...}`` per-rank model-state bytes (what ``memory()`` returns)."""
+    rule = store.rule
     return {"measured": measured_bytes(stage, store, modules),
-            "expected": expected_bytes(stage.zero_stage, num_params, dp, dtype)}
+            "expected": expected_bytes(stage.zero_stage, num_params, dp, dtype,
+                                       states=rule_state_bytes(rule, [p.numel() for p in stage.params]),
+                                       params_are_masters=rule.state_dtype != torch.float32 and dtype != "fp32")}
 
 
 # -- estimates before a run: what the ZeRO stages hold, by residence, from the counts alone ------------
@@ -125,13 +141,15 @@ class Residence:
 
 def residence(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
               offload_params: bool | str = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0,
-              param_buffer_bytes: int = 0) -> Residence:
+              param_buffer_bytes: int = 0, states: int | None = None,
+              params_are_masters: bool = False) -> Residence:
     """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
     per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``nvme_buffer_bytes``
     and ``param_buffer_bytes``: the offload stores' host buffers (``deepshard.offload.memory``), which
     the offloaded states stream through.  ``frozen_params`` (a LoRA base): params only, in the compute
-    dtype at stages 0-2, fp32 shards at stage 3 (FSDP2)."""
-    e = expected_bytes(stage, num_params, dp, dtype)
+    dtype at stages 0-2, fp32 shards at stage 3 (FSDP2).  ``states``, ``params_are_masters``: the update
+    rule's (:func:`expected_bytes`; the offloaded figure is AdamW's, the only rule offload runs)."""
+    e = expected_bytes(stage, num_params, dp, dtype, states=states, params_are_masters=params_are_masters)
     frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
     e.params += frozen
     device, host, nvme = e.params + e.grads + e.optimizer, 0, 0

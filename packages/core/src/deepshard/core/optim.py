@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,19 +147,28 @@ def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:
 def update_rule(stage: ZeroStage, oc: OptimConfig) -> UpdateRule:
     """The update ``oc`` names over ``stage``'s parameters: AdamW, or Muon on the hidden matrices
     (core/muon.py's split) with AdamW on the rest."""
+    if oc.name == "adamw":
+        return rule_for(oc, stage.names, [])
+    for name, p in zip(stage.names, stage.params):
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+            raise ValueError(f"optim.name=muon with tensor parallelism: {name} is split across tp ranks and "
+                             "Muon's Newton-Schulz over tp-sharded matrices is not built (use parallel.tp=1)")
+    return rule_for(oc, stage.names, [tuple(p.shape) for p in stage.params], group=stage.shard_group())
+
+
+def rule_for(oc: OptimConfig, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+             group: dist.ProcessGroup | None = None) -> UpdateRule:
+    """The rule ``oc`` names for parameters of these names and (global) shapes; ``group``: the shard group
+    Muon gathers row chunks over (None: whole tensors, or a count of states before any worker starts)."""
     state_dtype = LOW_PRECISION_DTYPES[oc.state_dtype]
     adam = AdamW(betas=tuple(oc.betas), eps=oc.eps, state_dtype=state_dtype)
     if oc.name == "adamw":
         return adam
     from deepshard.core.muon import Muon, muon_split
 
-    for name, p in zip(stage.names, stage.params):
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
-            raise ValueError(f"optim.name=muon with tensor parallelism: {name} is split across tp ranks and "
-                             "Muon's Newton-Schulz over tp-sharded matrices is not built (use parallel.tp=1)")
-    shapes = tuple(tuple(p.shape) for p in stage.params)
-    return Muon(use_muon=tuple(muon_split(stage.names, shapes)), shapes=shapes, group=stage.shard_group(),
+    shapes = tuple(tuple(s) for s in shapes)
+    return Muon(use_muon=tuple(muon_split(names, shapes)), shapes=shapes, group=group,
                 adam=adam, base_lr=oc.lr, muon_lr=oc.muon_lr, momentum=oc.momentum, nesterov=oc.nesterov,
                 ns_steps=oc.ns_steps, ns_dtype=LOW_PRECISION_DTYPES[oc.ns_dtype], state_dtype=state_dtype)
 

@@ -28,12 +28,33 @@ class ModelCounts:
     units: tuple[int, ...] = ()  # every unit's shard (root, tiled units, blocks)
     gathered: tuple[int, ...] = ()  # the units gathered whole (not a tiled embedding or head)
     largest_tensor: int = 0  # the largest parameter's elements (a checkpoint load reads its slice of it)
+    optimizer_states: int | None = None  # the update rule's state bytes (/ tp x pp); None: AdamW's fp32 moments
+
+
+def optimizer_state_bytes(model: nn.Module, optim: Any, lora: Any = None) -> int:
+    """Bytes of the states ``optim`` (an OptimConfig) keeps for ``model``'s trainable parameters: core's
+    rule over their names and shapes (Muon: one momentum per hidden matrix; bf16 states: half).  Under
+    LoRA the trainable factors (and modules to save) all take AdamW, as Muon's split says."""
+    from deepshard.core.memory import rule_state_bytes
+    from deepshard.core.optim import rule_for
+
+    if lora is not None:
+        from dataclasses import replace
+
+        from deepshard.finetune.models.lora import count_lora_params
+
+        return rule_state_bytes(rule_for(replace(optim, name="adamw"), [], []), [count_lora_params(model, lora)])
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rule = rule_for(optim, [n for n, _ in named], [tuple(p.shape) for _, p in named])
+    return rule_state_bytes(rule, [p.numel() for _, p in named])
 
 
 def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, world: int = 1,
-                 tiled: bool = False) -> ModelCounts:
-    """The counts of ``model_cfg`` (``lora``: a LoraConfig) for a run at ``world`` data-parallel ranks."""
+                 tiled: bool = False, optim: Any = None) -> ModelCounts:
+    """The counts of ``model_cfg`` (``lora``: a LoraConfig) for a run at ``world`` data-parallel ranks
+    (``optim``: an OptimConfig, whose update rule's states are counted)."""
     model = build_meta(model_cfg)
+    states = None if optim is None else optimizer_state_bytes(model, optim, lora) // (tp * pp)
     nf4 = 0
     if lora is not None and getattr(lora, "base_quant", "none") == "nf4":
         from deepshard.finetune.models.qlora import count_nf4
@@ -43,7 +64,8 @@ def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, 
                        frozen=count_frozen(model_cfg, lora) - nf4,
                        largest_unit=_largest_unit(model, tiled), units=tuple(_unit_shards(model, world, tiled)),
                        gathered=tuple(_unit_shards(model, world, tiled, gathered=True)),
-                       largest_tensor=max((p.numel() for p in model.parameters()), default=0))
+                       largest_tensor=max((p.numel() for p in model.parameters()), default=0),
+                       optimizer_states=states)
 
 
 def count_params(model_cfg: Any, lora: Any = None) -> int:
