@@ -16,17 +16,12 @@ import sys
 import threading
 from pathlib import Path
 
-if __name__ == "__main__":  # first, so that the workers' imports run beside this process's (torch, the config)
-    from deepshard.finetune.early_start import start_early
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
-    start_early(sys.argv)
-
-import hydra  # noqa: E402 - after the workers' server started
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from deepshard.finetune.config import register  # noqa: E402
-from deepshard.finetune.config.ds_config import merge_argv  # noqa: E402
+from deepshard.finetune.config import register
+from deepshard.finetune.config.ds_config import merge_argv
 
 register()
 USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # the user's setting, restored when the task starts

@@ -21,7 +21,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.precision import LossScaleAtMinimum
-from deepshard.finetune import early_start
 from deepshard.finetune.config import Settings, validate
 from deepshard.finetune.config.world import under_torchrun
 from deepshard.finetune.data.tokenizer import tokenizer_modules
@@ -113,10 +112,8 @@ def _run(settings: Settings, run_dir: str) -> dict:
     settings, estimate = plan_memory(settings, settings.world_size if local_workers else
                                      int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # and offload buffers chosen to fit
                                      forked=local_workers)
-    if local_workers:  # their imports, in the background (main.py started it already), during the checks
+    if local_workers:  # their imports, in the background, while the checks below read the inputs
         start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
-    else:  # this process is the one rank: a server main.py started would only compete with it
-        early_start.not_needed()
     check_inputs(settings)  # user data read through once, model=hf's files
     if not local_workers:
         return _inline(settings, run_dir)

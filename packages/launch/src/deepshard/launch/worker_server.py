@@ -1,17 +1,14 @@
 """The forkserver that :func:`deepshard.launch.local.launch_local`'s workers fork from.
 
 It imports torch, deepshard and the workers' function once per launcher process; a spawned worker
-would import them again (~5 s of CPU per rank per launch).  This module imports neither torch nor
-the rest of deepshard, so a launcher can start the server first thing, and the server's imports
-overlap the launcher's own (its torch, its config checks, its data checks) instead of following them.
+would import them again (~5 s of CPU per rank per launch).  A launcher that starts it before its own
+checks overlaps the two (the app does so right after its memory preflight).
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.forkserver
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -54,17 +51,3 @@ def server_pid() -> int | None:
     pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     return pid if isinstance(pid, int) else None
 
-
-def stop_worker_server() -> None:
-    """Stop a server this process started before any worker forked from it, so that its imports stop
-    using a core: killed (it reads its stop signal only once its imports are done), then reaped by
-    multiprocessing's ``ForkServer._stop`` (no public call exists; where a Python lacks it, the killed
-    server is reaped when this process ends)."""
-    pid = server_pid()
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-from deepshard.finetune.early_start import under_torchrun  # defined where main.py reads it before torch
 from deepshard.launch.hostfile import MAX_SLOTS
 
 
@@ -25,6 +24,11 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
         raise ValueError(f"launcher.nproc_per_node={n} > {cuda_devices} visible GPU(s): nccl needs one GPU per "
                          f"rank; use at most {cuda_devices} (or 'auto')")
     return n
+
+
+def under_torchrun() -> bool:
+    """torchrun (any node count) already started one process per rank and set the environment."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def host_world_size(nproc_per_node: str) -> int:
