@@ -160,8 +160,17 @@ def _is_file_at(fd: int, path: Path) -> bool:
 
 def acquire(directory: str | os.PathLike, *, key: str, job: str = "", renew_s: float = RENEW_S) -> JobLock:
     """Lock ``directory`` (created if missing) for this job, or raise :class:`DirectoryInUse` naming
-    ``key=directory`` and the owner.  A lock of a job that is gone is taken over with a log line."""
+    ``key=directory`` and the owner.  A lock of a job that is gone is taken over with a log line.  A
+    directory whose lock cannot be written (a full or read-only disk) is a ValueError naming it."""
     directory = Path(os.path.abspath(directory))
+    try:
+        return _acquire(directory, key=key, job=job, renew_s=renew_s)
+    except OSError as err:
+        raise ValueError(f"{key}={directory}: the job's lock file cannot be written there "
+                         f"({err.strerror or err})") from None
+
+
+def _acquire(directory: Path, *, key: str, job: str, renew_s: float) -> JobLock:
     created = _first_missing(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
