@@ -1,4 +1,4 @@
-"""Faults at events, for the chaos soak (``bench/chaos.py``): test and bench use only.
+"""Faults at events, for the chaos soak (``bench/bench_chaos.py``): test and bench use only.
 
 Active only when ``DEEPSHARD_CHAOS_PLAN`` names a plan file (JSON: ``{"faults": [...], "fill": PATH,
 "pause_s": S}``); unset, every function here is a no-op.  The workers report three events: the start

@@ -222,7 +222,7 @@ class RunCheckpoints:
 
     def resume(self, *, micro_batches_per_step: int = 1) -> int:
         """Restore everything from the chosen checkpoint; returns the number of steps already done."""
-        chaos.before_resume()  # the chaos soak's hooks (bench/chaos.py): no-ops unless its plan is set
+        chaos.before_resume()  # the chaos soak's hooks (bench/bench_chaos.py): no-ops unless its plan is set
         path, verified = self._resolve()
         step = 0
         if path is not None:

@@ -1,7 +1,7 @@
 """The chaos soak: a seeded run of the app under ``deepshard --max_restarts`` through many faults of every
 kind, then a clean run of the same config; the two must end bit-identical (fp32).
 
-    python bench/chaos.py [--seed 0] [--steps 300] [--per_kind 5,4,4,4,4,5,4] [--doc docs/chaos.md]
+    python bench/bench_chaos.py [--seed 0] [--steps 300] [--per_kind 5,4,4,4,4,5,4] [--doc docs/chaos.md]
 
 The first half of the steps saves synchronously, the second asynchronously (each a launch of the same
 command but for ``train.max_steps`` and ``checkpoint.async_save``; ``scheduler=warmup`` does not depend on
@@ -327,7 +327,7 @@ def write_doc(r: dict, path: Path) -> None:
     kinds = ", ".join(f"{k} {n}" for k, n in r["faults_by_kind"].items())
     path.write_text(f"""# The chaos soak
 
-`python bench/chaos.py --seed {r['seed']} --steps {r['steps']} --doc docs/chaos.md` (root: the checkpoints live on a
+`python bench/bench_chaos.py --seed {r['seed']} --steps {r['steps']} --doc docs/chaos.md` (root: the checkpoints live on a
 tmpfs of their own). The app's tiny Llama at ZeRO-3 on 2 CPU workers under `deepshard --max_restarts={r['max_restarts']}
 --hang_s={r['hang_s']}`, a save every {r['every_steps']} steps (`keep_last={r['keep_last']}`), steps 1-{r['steps'] // 2}
 with synchronous saves, {r['steps'] // 2 + 1}-{r['steps']} with `checkpoint.async_save=true`; then a clean run of the
