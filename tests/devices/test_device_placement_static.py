@@ -27,6 +27,9 @@ CONSTRUCTORS = {
 OFFLOAD = "packages/offload/src/deepshard/offload"
 FINETUNE = "apps/finetune/src/deepshard/finetune"
 ALLOWED = {
+    "apps/finetune/src/deepshard/finetune/recipe/faults.py:exhaust_memory":
+        "the test-only OOM fault (DEEPSHARD_TEST_FAULT=oom@K): host memory held until the cgroup's OOM killer "
+        "takes the worker; it never reaches a collective",
     "packages/compat/src/deepshard/compat/deepspeed/zero.py:_gathered_before_initialize":
         "GatheredParameters before initialize: full host tensors a script loads weights into (the model is not "
         "on a device yet); they reach the broadcast only after .to(local_device())",

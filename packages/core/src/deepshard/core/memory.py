@@ -67,7 +67,7 @@ class ModelStateBytes:
 def rule_state_bytes(rule: UpdateRule, numels: Sequence[int]) -> int:
     """Bytes of ``rule``'s states for parameters of these (whole) sizes, in its state dtype: AdamW's two
     moments per parameter, Muon's one momentum per hidden matrix and AdamW's two on the rest."""
-    size = torch.empty(0, dtype=rule.state_dtype).element_size()
+    size = rule.state_dtype.itemsize
     return sum(n * size for name in rule.states for i, n in enumerate(numels) if rule.holds(name, i))
 
 
