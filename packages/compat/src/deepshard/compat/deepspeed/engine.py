@@ -27,12 +27,12 @@ from deepshard.core.optim import StepStats
 from .checkpoint import full_state_dict, load_ds_style, rank0_tag, save_16bit, save_ds_style
 from .config import CompatConfig
 from .ds_files import check_tag
-from .queries import DeepSpeedQueries
+from .queries import DeepSpeedQueries, ModuleAttributes
 from .schedule import load_scheduler_state, scheduler_state, step_scheduler
 from .timer import ThroughputTimer
 
 
-class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
+class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
     """What DeepSpeed users call on ``model_engine``; ``.engine`` is the deepshard Engine underneath.
     DeepSpeed's config queries (``fp16_enabled()``...) come from :class:`DeepSpeedQueries`."""
 
@@ -135,19 +135,6 @@ class DeepSpeedEngine(nn.Module, DeepSpeedQueries):
         raise ValueError("engine.eval_batch(): the pipeline engine's call; build the model as "
                          "deepspeed.pipe.PipelineModule, or run engine.eval() and engine(batch) under torch.no_grad()")
 
-    def __getattr__(self, name: str) -> Any:
-        """Attributes the engine lacks come from the module, as in DeepSpeed."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        module = self._modules.get("module")
-        if module is not None and name != "module":
-            try:
-                return getattr(module, name)
-            except AttributeError:
-                pass
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     @property
     def optimizer(self) -> Any:

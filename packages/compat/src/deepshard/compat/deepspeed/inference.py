@@ -21,10 +21,10 @@ from deepshard.core.zero import ParamOffload, apply_fsdp
 from . import zero
 from .checkpoint import full_state_dict
 from .config import CompatConfig
-from .queries import RankQueries
+from .queries import ModuleAttributes, RankQueries
 
 
-class InferenceEngine(nn.Module, RankQueries):
+class InferenceEngine(ModuleAttributes, nn.Module, RankQueries):
     """The engine DeepSpeed returns without an optimizer: ``engine(batch)`` (under ``torch.no_grad()`` at
     ZeRO-3 the gathered units are released after each forward, as DeepSpeed does), ``.module``, ``eval()``;
     training calls stop with one line."""
@@ -69,16 +69,6 @@ class InferenceEngine(nn.Module, RankQueries):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         return full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
 
-    def __getattr__(self, name: str) -> Any:
-        """Attributes the engine lacks come from the module, as in DeepSpeed."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        module = self._modules.get("module")
-        if module is not None and name != "module":
-            return getattr(module, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
 def initialize_inference(model: nn.Module, cfg: CompatConfig, ds_dict: dict, *, blocks: nn.ModuleList,

@@ -19,6 +19,24 @@ from deepshard.core.optim import StepStats
 from .config import CompatConfig
 
 
+class ModuleAttributes:
+    """Attributes an engine lacks come from its ``module``, as in DeepSpeed.  Listed before ``nn.Module``
+    in an engine's bases, so that the module's own parameters, buffers and submodules are found first."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            pass
+        module = self._modules.get("module")  # type: ignore[attr-defined]
+        if module is not None and name != "module":
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
 class RankQueries:
     """Where this process computes and which rank it is: every engine of ours answers these alike
     (the training ones, and the forward-only one ``initialize`` returns without an optimizer)."""
