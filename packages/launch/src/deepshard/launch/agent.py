@@ -80,7 +80,7 @@ def describe(failures: dict[int, object], host: str, *, oom: OomWatch | None = N
     described = {rank: _describe(rank, f) for rank, f in failures.items()}
     rank = min(described, key=lambda r: (described[r][0], getattr(failures[r], "timestamp", 0), r))
     _, kind, error_type, line, _ = described[rank]
-    if error_type == "SIGKILL" and oom is not None and oom.fired():
+    if oom is not None and oom.explains(error_type):
         line = killed_for_memory_line(rank, next((b for b in beats if b.get("rank") == rank), None), oom.limit())
     line = line.replace(f"rank {rank}", f"rank {rank} on {host}", 1)
     attempt = re.search(r"attempt_(\d+)", str(getattr(failures[rank], "error_file", "")))

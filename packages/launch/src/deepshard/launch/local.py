@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.checkpoint.plain_files import open_file
+from deepshard.core.memory import set_mmap_threshold
 from deepshard.core.mesh import free_port
 from deepshard.launch import worker_server
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
@@ -33,7 +33,6 @@ from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
 
 _PEER_GRACE_S = 1.0
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 # this process's environment when this module was imported: in a forkserver worker, the server's
 _ENV_AT_IMPORT = dict(os.environ)
@@ -127,7 +126,7 @@ def job_failed(child_failed: Any, hang: Hang | None = None, beats: list[dict] | 
     _, kind, error_type, line, _ = described[rank]
     last = next((b for b in beats or [] if b["rank"] == rank), None)
     started = last is not None and last["phase"] != "startup"
-    if error_type == "SIGKILL" and oom is not None and oom.fired():
+    if oom is not None and oom.explains(error_type):
         return JobFailed(killed_for_memory_line(rank, last), rank=rank, kind="oom", error_type=error_type,
                          tracebacks=traces, memory_limit=oom.limit())
     if kind == "signal" and started:
@@ -179,13 +178,6 @@ def workers_on_cpu(nproc: int, cuda_devices: int) -> bool:
     with gloo (the test suite's multi-rank tests on a one-GPU host).  The app refuses such a
     ``launcher.nproc_per_node`` before launch instead."""
     return 0 < cuda_devices < nproc
-
-
-def set_mmap_threshold(nbytes: int) -> None:
-    """glibc's fixed mmap threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets at a
-    process's start): blocks this large or larger are mapped on their own and go back to the OS when freed."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes)
 
 
 def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., Any], *args: Any) -> Any:

@@ -188,6 +188,10 @@ class OomWatch:
         """The group's memory limit in bytes, None without one."""
         return _limit_usage(self.group)[0] if self.group else None
 
+    def explains(self, error_type: str) -> bool:
+        """Whether a worker that died of ``error_type`` (a signal's name) was killed for memory."""
+        return error_type == "SIGKILL" and self.fired()
+
     def fired(self) -> bool:
         if self.group is None or self.limit() is None:
             return False  # without a limit the host's OOM killer decides, and leaves no count of ours

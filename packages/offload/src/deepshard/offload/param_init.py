@@ -9,8 +9,6 @@ refilled from the file first.  The mmap threshold below keeps freed shards from 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 from collections.abc import Callable
 from typing import Any
@@ -19,11 +17,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepshard.core.memory import set_mmap_threshold
+
 from .fsdp_hooks import lazy_init, mutates, plain_tensor
 from .unit_swap import UnitSwap
 
 MMAP_THRESHOLD = 128 * 1024
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def fixed_mmap_threshold() -> None:
@@ -31,10 +30,8 @@ def fixed_mmap_threshold() -> None:
     the largest chunk freed, after which shard-sized blocks come from the heap and stay resident
     when freed, so the process would grow to the model's size.  A fixed threshold (what
     ``MALLOC_MMAP_THRESHOLD_`` sets; respected when given) maps every large block separately."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        set_mmap_threshold(MMAP_THRESHOLD)
 
 
 class _InitWatch(TorchDispatchMode):
