@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from tests.alone import pytest_runtest_protocol  # noqa: F401  (the `alone` marker's lock, a hook)
 from tests.checkpoint.tmpfs import tmpfs_mounter
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -54,6 +54,7 @@ def _reaped(proc: subprocess.Popen, *pids: int):
             proc.wait()
 
 
+@pytest.mark.alone  # ends within 30 s
 def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "train.max_steps=100000")
@@ -70,6 +71,7 @@ def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.alone  # named within 2 x hang_s
 def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(tmp_path):
     hang_s = 6
     run_dir = tmp_path / "run"

@@ -5,8 +5,11 @@ per launch for the workers' error files and never removes it (2,217 of them had 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +26,15 @@ except JobFailed as err:
 """
 
 
-def test_a_launch_leaves_no_elastic_scratch_whether_it_succeeds_or_fails(tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TMPDIR": str(scratch)},
-                          capture_output=True, text=True, timeout=180)
+def test_a_launch_leaves_no_elastic_scratch_whether_it_succeeds_or_fails():
+    # a short TMPDIR of its own: the forkserver's socket lives under it (AF_UNIX paths end at 107 bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir="/tmp"))
+    try:
+        done = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TMPDIR": str(scratch)},
+                              capture_output=True, text=True, timeout=180)
+        left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(("torchelastic_", "deepshard-elastic-")))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "failed: rank " in done.stdout and "ValueError" in done.stdout, done.stdout  # the error file was read
-    left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(("torchelastic_", "deepshard-elastic-")))
     assert left == []

@@ -47,6 +47,7 @@ def test_a_workers_gc_does_not_copy_the_servers_pages():
     assert max(grown) < 8 * MiB, [g / MiB for g in grown]
 
 
+@pytest.mark.alone  # the group's usage counts page cache it reads first
 @pytest.mark.slow
 @pytest.mark.skipif(not cgroup_available(), reason="needs root and the cgroup v1 memory controller")
 def test_baseline_estimate_matches_the_cgroup_and_the_launcher_trims():
