@@ -30,6 +30,10 @@ GEMMA3 = dict(head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attentio
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})
 
 
+GEMMA2 = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12, attn_logit_softcapping=3.0,
+              final_logit_softcapping=2.0)
+
+
 def hf_config(family: str, **overrides):
     """transformers' own config class for ``family``'s tiny case."""
     import transformers as tf
@@ -49,6 +53,8 @@ def hf_config(family: str, **overrides):
                              original_max_position_embeddings=PHI3_ORIGINAL)
     if family == "gemma3":
         return tf.Gemma3TextConfig(**{**GEMMA3, **kw})
+    if family == "gemma2":  # sliding every other layer, attention scores and final logits soft-capped
+        return tf.Gemma2Config(**{**GEMMA2, **kw})
     assert family == "llama"
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -1,8 +1,10 @@
 """Each native family trained by its own recipe at world 2 equals transformers' own model trained
 by plain torch (3 steps of AdamW on masked chat-like rows, fp32): ZeRO-3 for every family (Qwen3's
-embedding and head in vocabulary tiles), Qwen3 at tp=2, Mistral at pp=2 with rows longer than its
-window; losses and every parameter within 1e-5.  The ZeRO-3 checkpoints export to HF folders that
-transformers loads with our trained model's logits."""
+embedding and head in vocabulary tiles), tp=2 (Qwen2, Qwen3, Mistral, Phi-3, Gemma 3), pp=2 (Mistral
+with rows longer than its window, Qwen2, Qwen3, Phi-3), Ulysses sp=2 (Gemma 2 and 3 with sliding and
+global layers, Qwen2, Qwen3, Mistral, Phi-3), CPU offload of parameters and optimizer state (Qwen2,
+Qwen3, Mistral): losses and every parameter within 1e-5 (``train_harness.CASES``; one launch).  The
+ZeRO-3 checkpoints export to HF folders that transformers loads with our trained model's logits."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     dirs = {}
-    for family in FAMILIES:
+    for family in dict.fromkeys([*FAMILIES, *(case[0] for case in CASES.values())]):
         save_hf(family, root / family)
         dirs[family] = str(root / family)
     return launch_local(worker, 2, dirs, str(root / "ckpt")), dirs
@@ -29,7 +31,9 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: reference(CASES[name][0], lora=name in LORA) for name in CASES}
+    """One plain-torch run per family (and per LoRA): the layout does not change what it trains."""
+    runs = {key: reference(*key) for key in dict.fromkeys((CASES[name][0], name in LORA) for name in CASES)}
+    return {name: runs[CASES[name][0], name in LORA] for name in CASES}
 
 
 def _merged(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:

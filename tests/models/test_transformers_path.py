@@ -6,7 +6,8 @@ World 1: our token-weighted loss on masked variable-length rows equals the one c
 from transformers' logits; packed documents see only themselves.  One shared world-2 run: ZeRO-3 on
 each model (GPT-2 with grad accumulation and AC, GPT-NeoX with CPU offload, OLMo2 with LoRA once) and
 GPT-NeoX at tp=2 equal transformers' model trained by plain torch.optim.AdamW (losses and every
-parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits.
+parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits,
+and the LoRA checkpoint's ``export --adapter`` to a folder PEFT loads with our logits.
 Refusals (pp, sp, tp without a plan, LoRA on Conv1D) are one line from the app's settings.
 """
 
@@ -181,10 +182,15 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     full = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
             for n, p in engine.model.named_parameters()}
     out = {"losses": losses, "params": full}
-    if name in ("zero3_gpt2", "zero3_neox"):
+    if name in ("zero3_gpt2", "zero3_neox", "zero3_olmo2_lora"):
         meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+        if lora:  # as the app saves a +peft=lora run: the adapters only, the base by reference
+            meta["peft"] = {"r": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": list(TARGETS),
+                            "modules_to_save": []}
+            meta["base"] = {"model": "hf", "path": hf_dir, "seed": 0}
         out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
-                                                model=engine.model, app_state={"step": STEPS}, meta=meta))
+                                                model=None if lora else engine.model, app_state={"step": STEPS},
+                                                meta=meta))
     return out
 
 
@@ -258,6 +264,31 @@ def test_export_loads_in_transformers_with_our_logits(world2, tmp_path, name):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (loaded(ids).logits - trained(ids).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
+def test_lora_adapter_export_loads_in_peft_with_our_logits(world2, tmp_path):
+    """``export --adapter`` of the OLMo2 LoRA checkpoint: PEFT's ``PeftModel.from_pretrained`` on
+    transformers' base gives the logits of the base with ``alpha / r * B @ A`` of our trained factors
+    added to each target weight (merged here, in plain torch)."""
+    from peft import PeftModel
+
+    from deepshard.finetune.tools.adapter_export import export_adapter
+
+    name = "zero3_olmo2_lora"
+    info = export_adapter(world2[0][name]["checkpoint"], tmp_path / "adapter")
+    assert info["tensors"] == 2 * len(TARGETS) * 2  # A and B per target per layer (2 layers)
+    loaded = PeftModel.from_pretrained(hf_model("olmo2"), str(tmp_path / "adapter")).eval()
+    ours, merged = world2[0][name]["params"], hf_model("olmo2")
+    weights = merged.state_dict()
+    with torch.no_grad():
+        for n in [n for n in ours if n.endswith(".lora_A.weight")]:
+            stem = n.removesuffix(".lora_A.weight")
+            weights[stem + ".weight"] += ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n]
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        want = merged(ids).logits
+        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
+        assert (hf_model("olmo2")(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
 
 
 def _settings(hf_dir: str, *overrides: str, world: int = 2):

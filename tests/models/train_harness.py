@@ -4,8 +4,14 @@ the test process trains transformers' own model of it with torch.optim.AdamW on 
 
 Cases: ZeRO-3 at dp=2 for every family (Qwen3 with its embedding and head in vocabulary tiles,
 Qwen2 with the chunked fused loss in several chunks, Phi-3 split from its fused checkpoint), Qwen3 at tp=2 and Mistral at pp=2 (its rows
-longer than the window).  One tp layout per process, run last (a second tp mesh after FSDP2 trips
-the kernels' one-mesh check).  Each ZeRO-3 case saves a checkpoint the export test reads.
+longer than the window).  Issue 39's cells: Phi-3 at tp=2 (its fused q/k/v and gate/up split on load,
+so each piece is column-sharded by heads) and pp=2; Ulysses sp=2 (ZeRO-3 over dp x sp, each rank
+holding half of every row) for Gemma 3 (a sliding and a global layer, rows longer than the window),
+Gemma 2 (attention scores soft-capped), Qwen2, Qwen3, Mistral and Phi-3 (longrope: the whole row's
+length picks the factors); Qwen2 and Mistral at tp=2, Qwen2 and Qwen3 at pp=2; ZeRO-3 with the
+parameters and the optimizer state in host memory (``offload.params=cpu``, ``offload.device=cpu``)
+for Qwen2, Qwen3 and Mistral.  The tp layouts run last.  Each family's ``zero3_<family>`` case
+saves a checkpoint the export test reads.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.models.hf_refs import ROWS, chat_rows, hf_model
+from tests.models.hf_refs import ROWS, SEQ, chat_rows, hf_model
 
 STEPS = 3
 # eps 1e-6, not 1e-8: a gradient near zero (Qwen2's k bias: 1e-10; softmax barely sees it) is rounding
@@ -32,8 +38,25 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "pp2_mistral": ("mistral", 2, 1, 1, 1, {}),
          "zero3_qwen2_lora": ("qwen2", 1, 2, 1, 3, {}),
          "zero3_phi3": ("phi3", 1, 2, 1, 3, {}),
+         "pp2_phi3": ("phi3", 2, 1, 1, 1, {}),
+         "pp2_qwen2": ("qwen2", 2, 1, 1, 0, {}),
+         "pp2_qwen3": ("qwen3", 2, 1, 1, 1, {}),
+         "sp2_gemma3": ("gemma3", 1, 1, 1, 3, {}),
+         "sp2_gemma2": ("gemma2", 1, 1, 1, 3, {}),
+         "sp2_qwen2": ("qwen2", 1, 1, 1, 3, {}),
+         "sp2_qwen3": ("qwen3", 1, 1, 1, 1, {}),
+         "sp2_mistral": ("mistral", 1, 1, 1, 3, {}),
+         "sp2_phi3": ("phi3", 1, 1, 1, 1, {}),
+         "offload_qwen2": ("qwen2", 1, 2, 1, 3, {}),
+         "offload_qwen3": ("qwen3", 1, 2, 1, 3, {}),
+         "offload_mistral": ("mistral", 1, 2, 1, 3, {}),
          "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {}),
-         "tp2_gemma3": ("gemma3", 1, 1, 2, 0, {})}
+         "tp2_gemma3": ("gemma3", 1, 1, 2, 0, {}),
+         "tp2_phi3": ("phi3", 1, 1, 2, 0, {}),
+         "tp2_qwen2": ("qwen2", 1, 1, 2, 1, {}),
+         "tp2_mistral": ("mistral", 1, 1, 2, 0, {})}
+SP = {name: 2 for name in CASES if name.startswith("sp2_")}  # Ulysses: the sp axis takes the world
+OFFLOAD = {name for name in CASES if name.startswith("offload_")}  # CPU params (FSDP2's) + CPU optimizer state
 LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
 TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
 
@@ -56,14 +79,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
-def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, group) -> list[float]:
-    """One token-weighted step per leading index of ``ids`` on this rank's ``rows``; each step's global
-    mean loss."""
+def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, group,
+                cols: slice = slice(None)) -> list[float]:
+    """One token-weighted step per leading index of ``ids`` on this rank's ``rows`` (and, under sp, its
+    ``cols`` of each row: the labels were aligned on the whole row); each step's global mean loss
+    (``group``: every rank holding a part of the batch)."""
     import torch.distributed as dist
 
     losses = []
     for step in range(ids.shape[0]):
-        x, y = ids[step, rows], labels[step, rows]
+        x, y = ids[step, rows, cols], labels[step, rows, cols]
         num_items = engine.global_num_items((y != -100).sum())
         loss = engine(x, y, reduction="sum")
         engine.backward(loss, num_items=num_items)
@@ -77,11 +102,15 @@ def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, gr
 def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     """This rank's part of one case: the global losses and the trained parameters it holds, by our names."""
 
-    from deepshard.core import ParallelDims, build_mesh, initialize
+    from deepshard.core import DeviceStateStore, ParallelDims, build_mesh, initialize
     from deepshard.core.checkpoint.state import save_checkpoint
+    from deepshard.core.mesh import zero_mesh
+    from deepshard.core.zero import CpuParamOffload
     from deepshard.finetune.models import registry
+    from deepshard.offload import CpuStateStore
 
     family, pp, dp, tp, stage, overrides = CASES[name]
+    sp = SP.get(name, 1)
     spec = registry.for_hf(hf_dir)
     cfg = dataclasses.replace(spec.hf.config_from_hf(hf_dir), **overrides)
     model = spec.build(cfg)
@@ -96,9 +125,11 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
                 if ".lora_" in n:
                     p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
     config = _engine_config(stage)
-    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp))
+    mesh = build_mesh(ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp))
     ids, labels = chat_rows(STEPS)
     rows = slice(mesh["dp"].get_local_rank() * ROWS // dp, (mesh["dp"].get_local_rank() + 1) * ROWS // dp)
+    part = mesh["sp"].get_local_rank() if sp > 1 else 0
+    cols = slice(part * SEQ // sp, (part + 1) * SEQ // sp)
     losses = []
     if pp > 1:
         trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2)
@@ -107,11 +138,13 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
         modules = trainer.pipeline.modules
         params = {n: _full(p) for m in modules for n, p in m.named_parameters()}
         return {"losses": losses, "params": params}
-    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
-    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
-    losses += train_steps(engine, ids, labels, rows, mesh["dp"].get_group())
+    offload = CpuParamOffload() if name in OFFLOAD else None
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none", offload_params=offload)
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, offload_params=offload,
+                        store_factory=CpuStateStore if name in OFFLOAD else DeviceStateStore)
+    losses += train_steps(engine, ids, labels, rows, zero_mesh(mesh).get_group(), cols)
     out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
-    if stage == 3:
+    if name == f"zero3_{family}":
         meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
         out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
                                                 model=engine.model, app_state={"step": STEPS}, meta=meta))

@@ -34,7 +34,7 @@ from deepshard.core.checkpoint.consolidate import load_full_tensor, tensor_infos
 from deepshard.core.checkpoint.manifest import CheckpointError, read_manifest, sealed_files, verify_checkpoint
 from deepshard.finetune.models import registry
 from deepshard.finetune.models.hf import plan_shards, safetensors_files, write_safetensors
-from deepshard.finetune.models.lora import LoraConfig, peft_key
+from deepshard.finetune.models.lora import LoraConfig
 
 PREFIX = "model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,6 +98,12 @@ def _tokenizer_files(ckpt: Path, manifest: dict[str, Any]) -> list[str]:
     return sealed_files(ckpt, manifest, TOKENIZER)
 
 
+def _peft_key(name: str, to_hf_name: Callable[[str], str]) -> str:
+    """Our adapter's name -> its key in PEFT's adapter file: PEFT's prefix + the family's HF name (the
+    transformers path's names are transformers' own, not the decoder's ``model.`` + name)."""
+    return "base_model.model." + to_hf_name(name.replace("_checkpoint_wrapped_module.", ""))
+
+
 def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> dict[str, Any]:
     """A PEFT adapter folder from a LoRA checkpoint, written by ``PeftModel.save_pretrained``."""
     from peft import get_peft_model, set_peft_model_state_dict
@@ -121,7 +127,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "fp32"
         for name, p in list(module.named_parameters(recurse=False)):
             if p.requires_grad and p.is_meta:
                 module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=DTYPES[dtype]))
-    state = {peft_key(i.key[len(PREFIX):]): load_full_tensor(ckpt, i).to(DTYPES[dtype])
+    state = {_peft_key(i.key[len(PREFIX):], hf.to_hf_name): load_full_tensor(ckpt, i).to(DTYPES[dtype])
              for i in tensor_infos(ckpt, PREFIX)}
     result = set_peft_model_state_dict(model, state)
     if result.unexpected_keys:

@@ -15,7 +15,7 @@ from deepshard.finetune.models.llama.memory import activation_memory
 from deepshard.finetune.models.llama.model import PRESETS, Llama, LlamaConfig
 from deepshard.finetune.models.registry import HFAdapter, ModelSpec, register
 
-__all__ = ["PRESETS", "SPEC", "Llama", "LlamaConfig", "decoder_spec"]
+__all__ = ["PRESETS", "SPEC", "Llama", "LlamaConfig", "check_parallel", "decoder_spec"]
 
 
 def _parallelize(model: nn.Module, mesh: Any, **kwargs: Any) -> Any:
@@ -42,12 +42,24 @@ def _stage_init(seed: int = 0, **kwargs: Any) -> Callable[[nn.Module], None]:
     return llama_stage_init(seed, **kwargs)
 
 
+def check_parallel(cfg: LlamaConfig, *, pp: int = 1, tp: int = 1, sp: int = 1, lora: Any = None, ep: int = 1) -> None:
+    """Before start: a tied head (Llama 3.2, SmolLM2, Qwen2.5/Qwen3's small models) with pipeline stages
+    is refused.  The head is the embedding; split, the last stage would hold a copy that trains apart
+    from the first stage's embedding (no cross-stage gradient sum is built).  (``ep``: the settings' own
+    check says that a dense model has no experts.)"""
+    if pp > 1 and cfg.tie_embeddings:
+        raise ValueError(f"parallel.pp={pp} with model.tie_embeddings=True (config.json tie_word_embeddings): the "
+                         f"head is the embedding, which would sit on the first and the last stage at once and train "
+                         f"as two copies; use parallel.pp=1 (ZeRO, tp and sp run tied models)")
+
+
 def decoder_spec(name: str, config: type, hf: HFAdapter, presets: Mapping[str, Any] | None = None) -> ModelSpec:
     """Register the family ``name``: this decoder built from ``config`` (a LlamaConfig subclass whose
     defaults set its switches), read and written by ``hf``."""
     return register(ModelSpec(name=name, config=config, build=Llama, parallelize=_parallelize,
                               pipeline=_pipeline, stage_init=_stage_init, check_tp=_check_tp, hf=hf,
-                              activation_memory=activation_memory, presets=presets or {}))
+                              activation_memory=activation_memory, presets=presets or {},
+                              check_parallel=check_parallel))
 
 
 SPEC = decoder_spec("llama", LlamaConfig, ADAPTER, PRESETS)
