@@ -98,6 +98,7 @@ else
   RUN_S=40; WARMUP=5
 fi
 RUNS+=("s3_qlora:+zero=stage3 +peft=lora peft.base_quant=nf4")  # QLoRA: NF4 base sharded by ZeRO-3 (issue 44)
+RUNS+=("s2_muon_cpu:+zero=stage2 optim=muon +offload=cpu")  # Muon on the host store: all-to-alls moved to the GPU (issue 44)
 SWAP="${NVME_PATH:-$OUT/swap}"
 mkdir -p "$SWAP"
 for run in "${RUNS[@]}"; do

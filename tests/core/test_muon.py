@@ -3,7 +3,8 @@
 Oracles written here with plain torch: ``torch.optim.Muon`` + ``torch.optim.AdamW`` (torch's Muon runs
 Newton-Schulz in bf16, so ours runs it in bf16 for that check), and a reference Muon in fp32 for the
 ZeRO checks (torch's bf16 iteration turns a 1e-6 change of a gradient into ~1e-4 of the update).
-One world-2 launch runs stages 1, 2, 3 and a resume across stages; each test checks its slice.
+One world-2 launch runs stages 1, 2, 3, each again with the optimizer state in the host store
+(``offload.device=cpu``: CpuStateStore runs the rule), and a resume across stages; each test checks its slice.
 """
 
 from __future__ import annotations
@@ -129,10 +130,13 @@ def _worker(tmp: str):
     from deepshard.core import init_distributed, initialize
     from deepshard.core.checkpoint.state import load_checkpoint, save_checkpoint
     from deepshard.core.mesh import local_device
+    from deepshard.offload import CpuStateStore
     from tests.core.zero_harness import distributed_run
 
     init_distributed()
     out = {stage: distributed_run(_config(stage), STEPS)[:2] for stage in (1, 2, 3)}
+    out.update({f"offload{stage}": distributed_run(_config(stage), STEPS, store_factory=CpuStateStore)[:2]
+                for stage in (1, 2, 3)})
     # resume across layouts: 3 steps at stage 1, saved; loaded at stage 3, 2 more steps
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(STEPS, world, 1).to(local_device())
@@ -162,12 +166,14 @@ def runs(gloo_pool, tmp_path_factory):
     return results[0], _reference(STEPS, 2, torch_muon=False)
 
 
-@pytest.mark.parametrize("case", [1, 2, 3, "resume"])
+@pytest.mark.parametrize("case", [1, 2, 3, "offload1", "offload2", "offload3", "resume"])
 @pytest.mark.slow  # a multi-rank launch: the full suite (the inner loop keeps the in-process checks)
 def test_zero_world2_equals_world1(runs, case):
     out, (ref_losses, ref) = runs
     losses, params = out[case]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+    if str(case).startswith("offload"):  # and the same run without offload, step for step
+        assert losses == pytest.approx(out[int(case[-1])][0], rel=1e-6)
     for name, p in ref.items():
         assert _rel(params[name.replace("_checkpoint_wrapped_module.", "")], p) < 1e-5, (case, name)
 

@@ -324,3 +324,17 @@ def test_the_estimator_counts_the_nf4_base_at_half_a_byte():
     block_linears = 2 * (128 * 128 * 2 + 64 * 128 * 2 + 3 * 128 * 256)
     assert quant.nf4 == block_linears and plain.nf4 == 0
     assert quant.frozen == plain.frozen - block_linears and quant.num_params == plain.num_params
+
+
+def test_memory_accounting_counts_an_nf4_weights_codes_and_scales():
+    """core's storage census (engine.memory()'s frozen params) sees through the subclass, which has no
+    storage of its own: the app's first step reported memory with it and failed there."""
+    from deepshard.core.memory import frozen_param_bytes
+    from deepshard.finetune.models.qlora import _torchao
+
+    linear = torch.nn.Linear(256, 128, bias=False).requires_grad_(False)
+    q = _torchao().to_nf4(linear.weight.detach(), block_size=BLOCK, scaler_block_size=256)
+    linear.weight = torch.nn.Parameter(q, requires_grad=False)
+    held = [q.quantized_data, q.quantized_scalers, q.quantization_factor]
+    assert sum(t.nbytes for t in held) == 128 * 256 // 2 + 128 * 256 // BLOCK + 4 * 2  # codes, scales, factors
+    assert sum(t.nbytes for t in held) <= frozen_param_bytes([linear]) <= sum(t.nbytes for t in held) + 128

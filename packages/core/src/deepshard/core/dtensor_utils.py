@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["copy_global", "dtensor_replication", "like_param", "local_slices", "local_tensor", "storage_bytes"]
 
@@ -19,14 +20,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``: a DTensor's local shard; a wrapper subclass (torchao's NF4Tensor, a
+    QLoRA base) has none of its own, so its inner tensors' (codes, scales) instead."""
+    t = local_tensor(t)
+    if t.device.type == "meta":
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for name in names for s in _storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard), each once;
     meta tensors hold none."""
     seen: dict[int, int] = {}
     for t in tensors:
-        t = local_tensor(t)
-        if t.device.type != "meta":
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for s in _storages(t):
+            seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 

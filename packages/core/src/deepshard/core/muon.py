@@ -13,6 +13,11 @@ every chunk of a matrix to its owner, each owner orthogonalizes the whole matric
 fp32 copy of the Muon matrices' shards; the orthogonalization work is split across ranks instead of
 repeated on each.  3-D expert weights ``[E, out, in]`` get Muon per expert matrix: Shard(0) splits them
 by expert, so each rank orthogonalizes its own experts with no communication.
+
+**With the optimizer state offloaded** (``offload.device=cpu``: the host store runs the rule over the
+whole parameter list at once, as the device store does) the states and blends are host tensors; the
+all-to-alls and Newton-Schulz run on ``device`` (the compute device: nccl takes device tensors only),
+and each rank's rows come back to the host for the update.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class Muon(UpdateRule):
     ns_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
     rounder: StochasticRounder = field(default_factory=StochasticRounder, repr=False)
+    device: torch.device | None = None  # where the all-to-alls run (None: where the states are)
 
     def holds(self, name: str, index: int) -> bool:
         return (name == "momentum_buffer") == self.use_muon[index]
@@ -125,7 +131,7 @@ class Muon(UpdateRule):
             rows, cols = self.shapes[i][-2:]
             m32 = upcast(masters[i])
             m32.mul_(1 - muon_lr * weight_decays[i])
-            m32.add_(orthogonal[i], alpha=-muon_lr * math.sqrt(max(1.0, rows / cols)))
+            m32.add_(orthogonal[i].to(m32.device), alpha=-muon_lr * math.sqrt(max(1.0, rows / cols)))
             self.rounder.store(masters[i], m32)
 
     def _ns(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +153,8 @@ class Muon(UpdateRule):
             return (hi - lo) * cols[i]
 
         mine = [i for i in whole if owner[i] == rank]
-        device = blends[whole[0]].device
-        send = torch.cat([blends[i].reshape(-1) for r in range(world) for i in whole if owner[i] == r])
+        device = self.device or blends[whole[0]].device  # host states (offload): sent from the compute device
+        send = torch.cat([blends[i].reshape(-1) for r in range(world) for i in whole if owner[i] == r]).to(device)
         recv = torch.empty(sum(chunk(i, r) for r in range(world) for i in mine), device=device)
         dist.all_to_all_single(recv, send, [sum(chunk(i, rank) for i in whole if owner[i] == r) for r in range(world)],
                                [sum(chunk(i, r) for i in mine) for r in range(world)], group=self.group)

@@ -154,13 +154,15 @@ def update_rule(stage: ZeroStage, oc: OptimConfig) -> UpdateRule:
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
             raise ValueError(f"optim.name=muon with tensor parallelism: {name} is split across tp ranks and "
                              "Muon's Newton-Schulz over tp-sharded matrices is not built (use parallel.tp=1)")
-    return rule_for(oc, stage.names, [tuple(p.shape) for p in stage.params], group=stage.shard_group())
+    return rule_for(oc, stage.names, [tuple(p.shape) for p in stage.params], group=stage.shard_group(),
+                    device=local_device())
 
 
 def rule_for(oc: OptimConfig, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
-             group: dist.ProcessGroup | None = None) -> UpdateRule:
+             group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> UpdateRule:
     """The rule ``oc`` names for parameters of these names and (global) shapes; ``group``: the shard group
-    Muon gathers row chunks over (None: whole tensors, or a count of states before any worker starts)."""
+    Muon gathers row chunks over (None: whole tensors, or a count of states before any worker starts);
+    ``device``: where Muon's collectives run when a store keeps its states on the host."""
     state_dtype = LOW_PRECISION_DTYPES[oc.state_dtype]
     adam = AdamW(betas=tuple(oc.betas), eps=oc.eps, state_dtype=state_dtype)
     if oc.name == "adamw":
@@ -170,7 +172,8 @@ def rule_for(oc: OptimConfig, names: Sequence[str], shapes: Sequence[tuple[int, 
     shapes = tuple(tuple(s) for s in shapes)
     return Muon(use_muon=tuple(muon_split(names, shapes)), shapes=shapes, group=group,
                 adam=adam, base_lr=oc.lr, muon_lr=oc.muon_lr, momentum=oc.momentum, nesterov=oc.nesterov,
-                ns_steps=oc.ns_steps, ns_dtype=LOW_PRECISION_DTYPES[oc.ns_dtype], state_dtype=state_dtype)
+                ns_steps=oc.ns_steps, ns_dtype=LOW_PRECISION_DTYPES[oc.ns_dtype], state_dtype=state_dtype,
+                device=device)
 
 
 def build_optimizer(stage: ZeroStage, config: EngineConfig, *, store_factory: StoreFactory = DeviceStateStore,

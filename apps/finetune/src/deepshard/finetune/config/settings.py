@@ -540,11 +540,12 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
 def check_optimizer(settings: Settings) -> None:
     """Muon and bf16 states where they are built; the rest refused here, before any worker starts."""
     optim, offload = settings.engine.optim, settings.offload
-    if optim.name == "muon" and (offload.device != "none" or offload.params != "none"):
+    # offload.device=cpu runs: the host store updates every parameter in one call, as Muon needs
+    if optim.name == "muon" and (offload.device == "nvme" or offload.params != "none"):
         raise ValueError(f"optim.name=muon with offload.device={offload.device!r}/offload.params={offload.params!r}: "
-                         "the host and NVMe stores update each piece of state as its gradient arrives, and "
-                         "Muon's Newton-Schulz needs each whole matrix gathered across ranks at once (use "
-                         "offload=none, or optim=adamw)")
+                         "the NVMe stores update the state piece by piece as it streams, and Muon's Newton-Schulz "
+                         "needs each whole matrix at once; parameter offload with Muon is untested (use "
+                         "offload.device=cpu with offload.params=none, or optim=adamw)")
     if optim.name == "muon" and settings.parallel.tp > 1:
         raise ValueError(f"optim.name=muon with parallel.tp={settings.parallel.tp}: Newton-Schulz over "
                          "tensor-parallel matrices is not built (use parallel.tp=1)")
