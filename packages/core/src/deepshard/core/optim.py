@@ -121,7 +121,10 @@ class ZeroOptimizer:
         if not torch.isfinite(sq):
             self.scaler.update(overflow=True)
             self.stage.zero_grad()
-            return StepStats(False, float("nan"), lr, scale)
+            # a deferred update (NVMe params): the previous one's state is still news (this step's loss came from it)
+            param_norm, of = self.measured_norm() if self.store.defers_update else (None, None)
+            of = self.num_updates if param_norm is not None else None  # judged now, though this step is skipped
+            return StepStats(False, float("nan"), lr, scale, param_norm=param_norm, param_norm_step=of)
         norm = sq.sqrt().item() / scale
         coef = 1.0
         if self.grad_clip > 0:

@@ -66,7 +66,7 @@ class DivergenceGuard:
         """Judge ``step``: its loss (before the update), whether it was applied, and the parameter norm
         it left (``param_norm_step``: of an earlier step's update, deferred); ``last``: the run's final
         step, which must leave a good state."""
-        blown = self._blown(applied, param_norm)
+        blown = self._blown(applied or param_norm_step is not None, param_norm)  # an earlier update's: it was applied
         if blown is not None and param_norm_step is not None:  # the loss then comes from that state already
             blown = blown.replace("the update ", f"the update of step {param_norm_step} ", 1)
         finite = math.isfinite(loss)
