@@ -107,8 +107,9 @@ def with_first_death(failures: dict[int, object], deaths: DeathWatch, beats: Seq
     reported = str(getattr(next(iter(failures.values())), "error_file", "") or "")
     # a name no worker writes, in the same attempt_N folder: describe() counts the restarts from it
     error_file = str(Path(reported).parent.parent / f"rank{rank}-killed" / "error.json") if reported else ""
-    return {**failures, rank: ProcessFailure(local_rank=rank, pid=death.pid, exitcode=-death.signal,
-                                             error_file=error_file)}
+    killed = ProcessFailure(local_rank=rank, pid=death.pid, exitcode=-death.signal, error_file=error_file)
+    killed.error_file = error_file  # torch's ProcessFailure forgets a file that does not exist ("<N/A>")
+    return {**failures, rank: killed}
 
 
 def _without_empty_error(failure: object) -> object:
