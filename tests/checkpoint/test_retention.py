@@ -173,3 +173,27 @@ def test_a_user_directory_named_like_the_step_being_saved_is_named_not_replaced(
     with pytest.raises(CheckpointError, match=r"step-00000005.*not a deepshard checkpoint"):
         publish(tmp, tmp_path / "step-00000005")
     assert (theirs / "notes.txt").read_text() == "mine\n"
+
+
+def _set_aside_names(root) -> list[str]:
+    return sorted(p.name[:len("abandoned-step-00000010")] for p in root.iterdir() if p.name.startswith("abandoned-"))
+
+
+def test_retention_keeps_only_the_newest_checkpoint_set_aside(tmp_path):
+    """Each fallback past a corrupt newest renames it aside; under keep_last retention removes the older ones
+    and keeps the newest set aside (what a user looks at to see what went wrong); keep_last=0 keeps all."""
+    users = _user_dir(tmp_path, "abandoned-step-00000001-mine")  # named like one, no manifest: never ours
+    _ckpt(tmp_path, 5)
+    _ckpt(tmp_path, 10, corrupt=True)
+    set_aside(tmp_path, 5)  # the run fell back to 5 past the corrupt 10
+    prune(tmp_path, keep_last=2, keep=[_ckpt(tmp_path, 8)])
+    _ckpt(tmp_path, 12, corrupt=True)
+    set_aside(tmp_path, 8)
+    prune(tmp_path, keep_last=0, keep=[_ckpt(tmp_path, 9)])  # 0 keeps everything, set aside or not
+    assert _set_aside_names(tmp_path) == ["abandoned-step-00000001", "abandoned-step-00000010",
+                                          "abandoned-step-00000012"]
+    removed = prune(tmp_path, keep_last=2, keep=[_ckpt(tmp_path, 11)])
+    assert _steps(tmp_path) == [11, 9]
+    assert _set_aside_names(tmp_path) == ["abandoned-step-00000001", "abandoned-step-00000012"]
+    assert any(p.name.startswith("abandoned-step-00000010-") for p in removed)
+    assert (users / "notes.txt").read_text() == "mine\n"

@@ -1,9 +1,8 @@
 """``save_model()`` under ZeRO-3 with the parameters offloaded (ds_config ``offload_param``, cpu and
 nvme; issue 43) in the HF Trainer path: the safetensors it writes load with transformers'
-``from_pretrained`` and give the engine's logits within 1e-5.  With nvme, ds_config's ``offload_param``
-now builds an engine (its ParamSwap was never attached to the model: initialize failed on an empty
-unit list); its save is still open (``NVME_LEFT``).  One rank of the session's gloo pool,
-2 steps of the tiny Llama."""
+``from_pretrained`` and give the engine's logits within 1e-5.  With nvme the shards rest on NVMe with the
+last update deferred to their next use: the save applies it and reads them back first (it failed before,
+gathering empty shards).  One rank of the session's gloo pool, 2 steps of the tiny Llama."""
 
 from __future__ import annotations
 
@@ -35,12 +34,7 @@ def save_under_param_offload(tmp: str, device: str) -> dict[str, Any]:
     return {"gap": (loaded - ours).abs().max().item(), "finite": bool(torch.isfinite(ours).all())}
 
 
-NVME_LEFT = ("save_model() gathers each DTensor shard with to_local(), and under offload.params=nvme the shards rest "
-             "on NVMe (storage size 0) with the last update deferred to their next use: the save must apply it and "
-             "read them back (ParamSwap.resident()), which compat cannot reach yet")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("nvme", marks=pytest.mark.xfail(strict=True, reason=NVME_LEFT))])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_save_model_under_zero3_param_offload_loads_with_the_engines_logits(tmp_path, device):
     got = pool(1).run(save_under_param_offload, str(tmp_path), device)[0]
     assert got["finite"] and got["gap"] < 1e-5, got

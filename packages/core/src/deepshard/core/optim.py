@@ -27,8 +27,11 @@ class StepStats:
     lr: float
     loss_scale: float
     # the global L2 norm of the trainable parameters the step left (non-finite if any is); None: the
-    # step was skipped, or the parameters are not in memory to measure (offload.params=nvme)
+    # step was skipped, or the parameters are not in memory to measure
     param_norm: float | None = None
+    # the update whose state param_norm measures when it is not this step's: under offload.params=nvme each
+    # update is applied in the next forward, so a step reports the state the previous update left
+    param_norm_step: int | None = None
 
 
 def _local_sq_norm(tensors: list[torch.Tensor], replication: list[int], device: torch.device) -> torch.Tensor:
@@ -118,7 +121,10 @@ class ZeroOptimizer:
         if not torch.isfinite(sq):
             self.scaler.update(overflow=True)
             self.stage.zero_grad()
-            return StepStats(False, float("nan"), lr, scale)
+            # a deferred update (NVMe params): the previous one's state is still news (this step's loss came from it)
+            param_norm, of = self.measured_norm() if self.store.defers_update else (None, None)
+            of = self.num_updates if param_norm is not None else None  # judged now, though this step is skipped
+            return StepStats(False, float("nan"), lr, scale, param_norm=param_norm, param_norm_step=of)
         norm = sq.sqrt().item() / scale
         coef = 1.0
         if self.grad_clip > 0:
@@ -130,13 +136,32 @@ class ZeroOptimizer:
         self.stage.zero_grad()
         self.scaler.update(overflow=False)
         self.num_updates += 1
-        return StepStats(True, norm, lr, scale, param_norm=self.param_norm())
+        param_norm, of = self.measured_norm()
+        return StepStats(True, norm, lr, scale, param_norm=param_norm, param_norm_step=of)
 
     def param_norm(self) -> float | None:
         """The global L2 norm of the trainable parameters now (NaN if any is not finite), one
-        all-reduce of two scalars; None where they are not in memory (offload.params=nvme, whose
-        update runs at each param's next use).  What a divergence check compares step to step."""
-        return global_param_norm(self.stage.local_params(), self.stage.replication())
+        all-reduce of two scalars; under a deferred update (offload.params=nvme) the update still owed
+        is applied first.  What a divergence check compares step to step."""
+        return self.measured_norm(settle=True)[0]
+
+    def measured_norm(self, *, settle: bool = False) -> tuple[float | None, int | None]:
+        """``(norm, of)``: the global parameter norm and, under a store that defers its update, the step
+        of the update whose state it measures (``settle``: the owed one, applied now; else the newest
+        applied in full, or None before any); ``of`` is None when the norm is of the params now."""
+        if not self.store.defers_update:
+            return global_param_norm(self.stage.local_params(), self.stage.replication()), None
+        got = self.store.applied_param_sq(settle=settle)
+        device = local_device()
+        sq = sum(x / r for x, r in zip(got[1], self.stage.replication(), strict=True)) if got else 0.0
+        both = torch.tensor([sq, 0.0 if got else 1.0], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(both)
+        total, unmeasured = both.tolist()
+        if unmeasured or got is None:
+            return None, None
+        of = None if settle or got[0] == self.num_updates else got[0]
+        return (math.sqrt(total) if math.isfinite(total) else math.nan), of
 
 
 def decays(params: list[torch.Tensor], weight_decay: float) -> list[float]:

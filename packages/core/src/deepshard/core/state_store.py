@@ -64,6 +64,17 @@ class StateStore(ABC):
         """Named staging buffers the store holds beyond the state itself (none by default)."""
         return {}
 
+    # True for a store whose update reaches ``params`` after :meth:`step` returns (offload's deferred NVMe
+    # update, run at each unit's next use): the norm of the params is then its :meth:`applied_param_sq`
+    defers_update = False
+
+    def applied_param_sq(self, *, settle: bool = False) -> tuple[int, list[float]] | None:
+        """A store that defers its update: the step of the newest update applied in full and each param's sum
+        of squares after it (taken where it was applied); ``settle`` applies any update still owed first,
+        and reads the params when none was applied since they were made or loaded.  None: nothing to say
+        (a store that does not defer: measure ``params`` after :meth:`step`)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and buffers (stores with scratch files remove them here)."""
 

@@ -17,9 +17,11 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from deepshard.launch.deaths import DeathWatch
 from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, read_beats, remove_dead_beats
 from deepshard.launch.local import _describe, elastic_log_dir, killed_for_memory_line, worker_threads
 from deepshard.launch.memory import OomWatch
@@ -90,6 +92,26 @@ def describe(failures: dict[int, object], host: str, *, oom: OomWatch | None = N
     return Failure(line, 128 - exitcode if exitcode < 0 else exitcode or 1)
 
 
+def with_first_death(failures: dict[int, object], deaths: DeathWatch, beats: Sequence[dict]) -> dict[int, object]:
+    """``failures`` (the agent's, by global rank) plus the worker killed by a signal that died first, when
+    the agent reported only a peer that failed after it (both dead by the time it looked): the
+    watch's record (:mod:`.deaths`), its pid named by the rank's heartbeat."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    ranks = {int(b["pid"]): int(b["rank"]) for b in beats if "pid" in b and "rank" in b}
+    ranks.update({int(f.pid): r for r, f in failures.items() if getattr(f, "pid", None)})  # type: ignore[attr-defined]
+    got = deaths.first_killed(ranks)
+    if got is None or (got[0] in failures and int(getattr(failures[got[0]], "exitcode", 0)) < 0):
+        return failures
+    rank, death = got
+    reported = str(getattr(next(iter(failures.values())), "error_file", "") or "")
+    # a name no worker writes, in the same attempt_N folder: describe() counts the restarts from it
+    error_file = str(Path(reported).parent.parent / f"rank{rank}-killed" / "error.json") if reported else ""
+    killed = ProcessFailure(local_rank=rank, pid=death.pid, exitcode=-death.signal, error_file=error_file)
+    killed.error_file = error_file  # torch's ProcessFailure forgets a file that does not exist ("<N/A>")
+    return {**failures, rank: killed}
+
+
 def _without_empty_error(failure: object) -> object:
     """A script that wrote no error file (no ``@record``) is described by its exit code, not torch's ``<NONE>``."""
     data = getattr(failure, "error_file_data", None)
@@ -116,21 +138,24 @@ def _environment(updates: dict[str, str]) -> object:
 class _RestartLine(logging.Filter):
     """Of the agent's INFO lines only its restart decision passes, as one line of ours."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, on_restart: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.host = host
+        self.on_restart = on_restart
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
             return True
         if "will restart worker group" in str(record.msg) and len(record.args or ()) == 4:
             _, state, left, most = record.args  # type: ignore[misc]
+            if self.on_restart is not None:
+                self.on_restart()
             print(f"deepshard: a worker on {self.host} {str(state).lower()}; restarting the workers "
                   f"(restart {int(most) - int(left) + 1} of {most})", file=sys.stderr, flush=True)
         return False
 
 
-def _quiet_agent(host: str) -> None:
+def _quiet_agent(host: str, on_restart: Callable[[], None] | None = None) -> None:
     """The agent's INFO lines (rendezvous rounds, worker groups) stay out of the job's output, but for its
     restarts (one line each); its warnings stay."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
@@ -139,7 +164,7 @@ def _quiet_agent(host: str) -> None:
     api.setLevel(logging.INFO)
     for f in [f for f in api.filters if isinstance(f, _RestartLine)]:
         api.removeFilter(f)
-    api.addFilter(_RestartLine(host))
+    api.addFilter(_RestartLine(host, on_restart))
 
 
 def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | None:
@@ -150,7 +175,8 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _quiet_agent(node.host)
+    deaths = DeathWatch()  # who died first: the agent reports one failed worker, not always the cause
+    _quiet_agent(node.host, on_restart=deaths.clear)
     env = dict(node.env)
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(worker_threads(node.nproc, cuda=torch.cuda.is_available()))
@@ -176,7 +202,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     oom = OomWatch()  # the memory cgroup's OOM kills from here on are this node's
     entry, args = guarded(entry, args, os.getpid())  # the workers die with this agent, even by SIGKILL
     try:
-        with _environment(env), watchdog or contextlib.nullcontext():
+        with _environment(env), watchdog or contextlib.nullcontext(), deaths:
             elastic_launch(config, entry)(*args)
         return None
     except ChildFailedError as err:
@@ -185,7 +211,8 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
             hang = watchdog.hang
             return Failure(str(hang).replace(f"rank {hang.rank}", f"rank {hang.rank} on {node.host}", 1)
                            + "; the workers were stopped", 1)
-        return describe(err.failures, node.host, oom=oom, beats=read_beats(beat_dir))
+        beats = read_beats(beat_dir)
+        return describe(with_first_death(err.failures, deaths, beats), node.host, oom=oom, beats=beats)
     except SignalException as err:
         return Failure(f"the launcher on {node.host} got {err.sigval.name}: its workers were stopped",
                        128 + int(err.sigval))

@@ -44,6 +44,8 @@ RULE_STATES = ("exp_avg", "exp_avg_sq")  # the swap's state files (units.FILES):
 class InfinityStore(StateStore):
     """AdamW state (and the params themselves) in the :class:`ParamSwap`'s files."""
 
+    defers_update = True  # each unit's update runs at its next use (the divergence check's norm: below)
+
     def __init__(self, params: list[torch.Tensor], weight_decays: list[float], rule: UpdateRule, *,
                  swap: ParamSwap) -> None:
         # the swap creates its files when the params are materialized, before any rule exists: a rule
@@ -61,6 +63,12 @@ class InfinityStore(StateStore):
                                  count=min(swap.config.buffer_count, len(self.pieces)))
         self.deferred = DeferredStep(swap=swap, pieces=self.pieces, pool=self.pool, update=self.update)
         swap.deferred = self.deferred
+        # each param's sum of squares as the deferred update leaves it, piece by piece (the norm costs no
+        # read of its own); published in ``applied`` with the update's step once every piece has run
+        self._sq = [0.0] * len(params)
+        self._updated = 0
+        self._step = 0
+        self.applied: tuple[int, list[float]] | None = None
 
     def _write_all(self, fn) -> None:
         """``fn(piece, buffer)`` fills each piece's states in a buffer, written behind the next."""
@@ -77,6 +85,7 @@ class InfinityStore(StateStore):
         swap.finish_writes()
         self.deferred.run_all()  # two steps with no forward between: the first one's updates first
         swap.release_all()  # resident copies would be stale after the update
+        self._sq, self._updated, self._step = [0.0] * len(self.params), 0, step
         self.deferred.start(lr=lr, step=step, grad_scale=grad_scale)
 
     def update(self, piece: Piece, buf: StateBuffer, *, lr: float, step: int, grad_scale: float) -> None:
@@ -86,6 +95,36 @@ class InfinityStore(StateStore):
         views = {k: [buf.f32[REGION[k]][lo:hi] for _, lo, hi in cuts] for k in STATES + ("grad",)}
         self.rule.apply(views["param"], views["grad"], {k: views[k] for k in RULE_STATES},
                         [self.weight_decays[s.index] for s, _, _ in cuts], lr=lr, step=step, grad_scale=grad_scale)
+        for (s, _, _), v in zip(cuts, views["param"], strict=True):
+            self._sq[s.index] += float(v.dot(v))
+        self._updated += 1
+        if self._updated == len(self.pieces):
+            self.applied = (step, self._sq)
+
+    def applied_param_sq(self, *, settle: bool = False) -> tuple[int, list[float]] | None:
+        """The sums of squares of the newest update applied in full (see :class:`StateStore`); ``settle``
+        runs the owed update now (as a save would) or, with none applied since the params were made or
+        loaded, reads them from the param file piece by piece."""
+        if not settle:
+            return self.applied
+        self.swap.finish_writes()
+        self.deferred.run_all()
+        if self.applied is not None and self.applied[0] == self._step:
+            return self.applied
+        sq = [0.0] * len(self.params)
+
+        def add(piece: Piece, buf: StateBuffer) -> None:
+            for s, lo, hi in _cuts(self.swap.units[piece.unit], piece):
+                v = buf.f32["master"][lo:hi]
+                sq[s.index] += float(v.dot(v))
+
+        pieces = self.pieces
+        self.deferred.forget()  # every buffer free, no request in flight
+        self.pool.ensure()
+        stream_groups(len(pieces), self.pool.buffers, lambda g, b: add(pieces[g], b),
+                      read_io=lambda g, b: piece_io(self.swap, pieces[g], b, ("param",), write=False), write_io=None,
+                      overlap=self.swap.config.aio.overlap_events)
+        return self._step, sq
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -114,6 +153,7 @@ class InfinityStore(StateStore):
         """Masters become the params (written to the param file), moments to theirs (a load into
         :meth:`state_dict`'s views lands in private copies of the mapped pages, copied here)."""
         self.deferred.drop()  # the loaded state replaces whatever update was still owed
+        self.applied = None
         self.swap.release_all()
         flat = {key: [t.detach().reshape(-1) for t in state[key]] for key in ("master", "exp_avg", "exp_avg_sq")}
 

@@ -17,9 +17,10 @@ their global norm (``StepStats.param_norm``) exceeds ``train.max_param_growth`` 
 the newest good state (the run's start, or the last good step).  AdamW moves each weight by about
 ``lr`` a step: on the default run (``optim.lr=3e-3``) the norm grows by at most 0.7% a step, at ten
 times that lr by 12%; ``optim.lr=1e9`` multiplies it by 1e10.  Such a state stays bad until a step
-brings it back within the bound: nothing is saved meanwhile.  (With ``offload.params=nvme`` the
-parameters are on NVMe at the step's end and the norm is not measured: the loss and gradient
-checks remain.)
+brings it back within the bound: nothing is saved meanwhile.  With ``offload.params=nvme`` each update
+is applied in the next forward, where the norm is taken (``StepStats.param_norm_step``): a step judges the
+state the previous update left and names that update; a step that saves first applies its own update
+and judges it, so no blown state is saved.
 A run whose last step is bad ends with ``TrainingDiverged`` too, however few bad steps it had: a run
 never ends "done" on a non-finite or blown-up state.
 """
@@ -61,10 +62,13 @@ class DivergenceGuard:
         return self.streak == 0
 
     def check(self, step: int, loss: float, *, applied: bool, loss_scale: float, newest_checkpoint: str,
-              param_norm: float | None = None, last: bool = False) -> None:
+              param_norm: float | None = None, param_norm_step: int | None = None, last: bool = False) -> None:
         """Judge ``step``: its loss (before the update), whether it was applied, and the parameter norm
-        it left; ``last``: the run's final step, which must leave a good state."""
-        blown = self._blown(applied, param_norm)
+        it left (``param_norm_step``: of an earlier step's update, deferred); ``last``: the run's final
+        step, which must leave a good state."""
+        blown = self._blown(applied or param_norm_step is not None, param_norm)  # an earlier update's: it was applied
+        if blown is not None and param_norm_step is not None:  # the loss then comes from that state already
+            blown = blown.replace("the update ", f"the update of step {param_norm_step} ", 1)
         finite = math.isfinite(loss)
         if applied and finite and blown is None:
             self.streak = self.at_min = 0
@@ -76,7 +80,8 @@ class DivergenceGuard:
         if self.dynamic and not applied:  # a NaN loss too: DeepSpeed judges it by the scale's floor alone
             self._overflow(step, loss_scale, newest_checkpoint)
         else:
-            self._bad(step, loss, applied=applied, blown=blown, newest_checkpoint=newest_checkpoint)
+            self._bad(step, loss, applied=applied, blown=blown, newest_checkpoint=newest_checkpoint,
+                      lagged=param_norm_step is not None)
         if last and self.streak:
             raise TrainingDiverged(
                 f"training diverged at step {step}: the run ended on {self.streak} bad step(s) in a row (fewer than "
@@ -96,12 +101,13 @@ class DivergenceGuard:
                     f"good state's {ref:.4g}; train.max_param_growth={bound:g})")
         return None
 
-    def _bad(self, step: int, loss: float, *, applied: bool, blown: str | None, newest_checkpoint: str) -> None:
+    def _bad(self, step: int, loss: float, *, applied: bool, blown: str | None, newest_checkpoint: str,
+             lagged: bool = False) -> None:
         """A bad step without a dynamic scale (or an applied one with it): a warning, and an error at
         ``train.max_bad_steps`` in a row."""
         self.streak += 1
         count = f"({self.streak} in a row, train.max_bad_steps={self.max_bad_steps})"
-        if blown is not None and math.isfinite(loss):
+        if blown is not None and (math.isfinite(loss) or lagged):
             self.say(f"warning: step {step}: {blown}; nothing saved until a step is good {count}")
         else:
             finite = math.isfinite(loss)

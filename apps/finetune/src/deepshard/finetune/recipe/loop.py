@@ -125,8 +125,8 @@ class TrainingLoop:
                               "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                               "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
                               "train/step_applied": float(stats.applied), "train/skipped_steps": self.guard.skipped})
-        if stats.param_norm is not None:
-            logger.scalars(step, {"train/param_norm": stats.param_norm})
+        if stats.param_norm is not None:  # under a deferred update (NVMe params): at the step it measures
+            logger.scalars(stats.param_norm_step or step, {"train/param_norm": stats.param_norm})
         if (moe := getattr(self.engine.model, "router_stats", None)) is not None:  # MoE: rank 0's last micro-batch
             logger.scalars(step, moe.scalars())
         logger.progress({"loss": f"{out.loss:.3f}", "tok/s": f"{tok_s:,.0f}"})
@@ -148,9 +148,13 @@ class TrainingLoop:
         """``train.max_bad_steps`` bad steps in a row (non-finite, or a blown-up state) stop the run
         (TrainingDiverged), and so does a bad last step."""
         s = out.stats
+        norm, of = s.param_norm, s.param_norm_step
+        if s.applied and of is not None and (last or (self.every_steps and step % self.every_steps == 0)):
+            norm, of = self.engine.optimizer.measured_norm(settle=True)  # NVMe params: this step's update, before a save
         try:
-            self.guard.check(step, out.loss, applied=s.applied, loss_scale=s.loss_scale, param_norm=s.param_norm,
-                             newest_checkpoint=self.ckpt.newest_good or "none written yet", last=last)
+            self.guard.check(step, out.loss, applied=s.applied, loss_scale=s.loss_scale, param_norm=norm,
+                             param_norm_step=of, newest_checkpoint=self.ckpt.newest_good or "none written yet",
+                             last=last)
         except TrainingDiverged:
             self.logger.close()
             raise

@@ -187,6 +187,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         param_offload.attach(engine.optimizer, model)  # TRL's generation removes and restores ZeRO-3's hooks
     scheduler = client_scheduler(lr_scheduler, optimizer, engine.optimizer, config_scheduler="scheduler" in ds_dict)
     ds_engine = DeepSpeedEngine(engine, cfg, ds_config=ds_dict, lr_scheduler=scheduler)
+    ds_engine.offload_params = offload_params  # the save of HF weights reads NVMe shards back through it
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
     return ds_engine, engine.optimizer, loader, scheduler

@@ -11,6 +11,7 @@ its bytes and drops it.  The peak beyond the sharded model is one full tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -121,6 +122,14 @@ def gather_to(t: Any, dst: int) -> torch.Tensor | None:
             dist.recv(whole[start:start + n], src=rank, group=group)
         start += n
     return whole
+
+
+def params_in_memory(offload_params: Any) -> contextlib.AbstractContextManager:
+    """Every shard in memory for a save: under ZeRO-Infinity's parameter swap (``offload.params=nvme``) the
+    shards rest in swap files with the last update deferred to their next use; its ``resident()`` applies
+    that update and reads them back, and releases them after.  Other layouts hold their shards already."""
+    resident = getattr(offload_params, "resident", None)
+    return resident() if resident is not None else contextlib.nullcontext()
 
 
 def write_streaming(model: nn.Module, output_dir: str | os.PathLike, *, is_main: bool,

@@ -29,7 +29,7 @@ from transformers.trainer_utils import _is_peft_model
 from . import auto, checkpoints
 from .arguments import TrainingArguments
 from .bridge import EngineOptimizer, EngineSchedule, build_engine, hf_schedule
-from .save import trainable_state, write_streaming
+from .save import params_in_memory, trainable_state, write_streaming
 
 
 class Trainer(transformers.Trainer):
@@ -169,11 +169,12 @@ class Trainer(transformers.Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.ds_engine.engine.gather_params()
-        if _is_peft_model(self.model):
-            self._save(output_dir, state_dict=trainable_state(self.model, is_main=self.args.should_save))
-        else:  # transformers writes config, generation config, tokenizer, arguments; then the weights stream
-            self._save(output_dir, state_dict={})
-            write_streaming(self.model, output_dir, is_main=self.args.should_save)
+        with params_in_memory(getattr(self.ds_engine, "offload_params", None)):  # NVMe params: read back first
+            if _is_peft_model(self.model):
+                self._save(output_dir, state_dict=trainable_state(self.model, is_main=self.args.should_save))
+            else:  # transformers writes config, generation config, tokenizer, arguments; then the weights stream
+                self._save(output_dir, state_dict={})
+                write_streaming(self.model, output_dir, is_main=self.args.should_save)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -2,7 +2,9 @@
 
 What a run may remove is only what its saves made: temp dirs named exactly
 ``step-NNNNNNNN.{tmp,init,old}-XXXXXXXX`` (8 hex digits) holding the ``.owner.json`` marker a save
-writes into them, and ``step-NNNNNNNN`` checkpoints with a deepshard manifest.  Anything else in the
+writes into them, ``step-NNNNNNNN`` checkpoints with a deepshard manifest, and the checkpoints
+:func:`set_aside` renamed ``abandoned-step-NNNNNNNN-<time>`` (with their manifest) but the newest of
+them, which stays for a look at what went wrong.  Anything else in the
 checkpoint dir (a user's folder whose name merely contains ``.tmp-``, a look-alike without the
 marker) is never removed; one in the way of a save is named in its error.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +29,8 @@ from deepshard.core.checkpoint.manifest import (
 from deepshard.core.checkpoint.owners import OWNER, owner_alive
 
 log = logging.getLogger("deepshard.checkpoint")
+
+SET_ASIDE = re.compile(r"^abandoned-step-(\d{8,})-(\d{8}T\d{6})(?:-(\d+))?$")  # exactly the names set_aside gives
 
 
 def _named_like_temp(root: str | os.PathLike) -> list[tuple[Path, bool]]:
@@ -85,6 +90,20 @@ def set_aside(root: str | os.PathLike, newer_than: int) -> list[tuple[Path, Path
     return moved
 
 
+def set_aside_dirs(root: str | os.PathLike) -> list[Path]:
+    """The checkpoints :func:`set_aside` renamed under ``root`` (exact name and a deepshard manifest),
+    the most recently set aside first (by the time in the name, then by the rename's ctime)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = SET_ASIDE.match(p.name)
+        if m and is_checkpoint(p):  # a user's look-alike folder is never ours
+            found.append(((m.group(2), p.stat().st_ctime_ns, int(m.group(3) or 0), int(m.group(1))), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def _verifies(path: Path) -> bool:
     try:
         verify_checkpoint(path)
@@ -95,8 +114,9 @@ def _verifies(path: Path) -> bool:
 
 def prune(root: str | os.PathLike, keep_last: int, *, keep: Iterable[str | os.PathLike] = (),
           is_good: Callable[[Path], bool] = _verifies) -> list[Path]:
-    """Keep the newest ``keep_last`` checkpoints that verify (0 keeps all); remove older ones and
-    the temp dirs of dead saves, logging each.
+    """Keep the newest ``keep_last`` checkpoints that verify (0 keeps all); remove older ones, the
+    checkpoints set aside but the newest one (:func:`set_aside_dirs`) and the temp dirs of dead
+    saves, logging each.
 
     ``keep`` (the checkpoint just written) is never removed and counts as good.  A checkpoint that
     fails ``is_good`` does not count: one newer than the ``keep_last``-th good one stays (for a
@@ -119,6 +139,10 @@ def prune(root: str | os.PathLike, keep_last: int, *, keep: Iterable[str | os.Pa
                 log.info("checkpoint: removed %s (retention keeps the newest %d good ones)", cand.path, keep_last)
             elif is_good(cand.path):
                 good += 1
+        for p in set_aside_dirs(root)[1:]:  # each fallback past a corrupt newest adds one: they never piled up
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            log.info("checkpoint: removed %s (retention keeps only the newest checkpoint set aside)", p)
     for p, alive, owner in temp_dirs(root):
         if not alive:
             shutil.rmtree(p, ignore_errors=True)
