@@ -64,7 +64,8 @@ def test_optimizer_step_clip_reduction_on_compute_device() -> None:
     stage.handed_over.return_value = set()
     stage.local_grads.return_value = [torch.randn(4, 4), torch.randn(4)]
     stage.replication.return_value = [1, 1]
-    opt = ZeroOptimizer(stage, mock.MagicMock(), lambda step: 1e-3, LossScaler(PrecisionConfig()), grad_clip=1.0)
+    opt = ZeroOptimizer(stage, mock.MagicMock(defers_update=False), lambda step: 1e-3, LossScaler(PrecisionConfig()),
+                        grad_clip=1.0)
     with fake_world(), use_local_device(META), CollectiveRecorder() as rec:
         opt.step()
     _check(rec)
