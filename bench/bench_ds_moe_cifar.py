@@ -150,7 +150,7 @@ def train(args, model_engine, trainloader, local_device) -> list[float]:
 def main(argv, deepspeed) -> list[float] | dict[str, list[float]]:
     """One epoch of the script: this rank's per-step losses; with ``--ckpt_dir``, also the losses of one
     more epoch after ``save_checkpoint`` and ``load_checkpoint`` (from ``--load_dir`` if given) into a
-    fresh engine on a Net from another seed."""
+    fresh engine on a Net from another seed (``--load_dir`` alone: no save)."""
     args = add_argument(argv, deepspeed)
     deepspeed.init_distributed()
     trainset = cifar_like()
@@ -158,9 +158,10 @@ def main(argv, deepspeed) -> list[float] | dict[str, list[float]]:
     local_device = deepspeed.accelerator.get_accelerator().device_name(model_engine.local_rank)
     torch.manual_seed(1)  # the gates' noise from the same RNG state on both sides
     losses = train(args, model_engine, trainloader, local_device)
-    if args.ckpt_dir is None:
+    if args.ckpt_dir is None and args.load_dir is None:
         return losses
-    model_engine.save_checkpoint(args.ckpt_dir)
+    if args.ckpt_dir is not None:
+        model_engine.save_checkpoint(args.ckpt_dir)
     model_engine, trainloader = build(args, deepspeed, trainset, seed=2)
     load_path, _ = model_engine.load_checkpoint(args.load_dir or args.ckpt_dir)
     assert load_path is not None, f"no checkpoint in {args.load_dir or args.ckpt_dir}"

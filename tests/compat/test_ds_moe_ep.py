@@ -7,7 +7,8 @@ gates), the step's loss the mean of every rank's and micro-batch's loss (DeepSpe
 torch.optim.AdamW.  The experts chosen (per-expert counts), the losses and every parameter after 3 steps
 equal within 1e-5.  (b) ``deepspeed.utils.groups`` as DeepSpeed's topology names them.  (c)
 bench/bench_ds_moe_cifar.py (DeepSpeedExamples' CIFAR-10 MoE script) under deepshard against real
-DeepSpeed 0.19.8's losses on the same 4 ranks (fixtures/ds_moe_cifar.json, bench/record_ds_moe.py).
+DeepSpeed 0.19.8's losses on the same 4 ranks (fixtures/ds_moe_cifar.json, bench/record_ds_moe.py), and
+the epoch after resuming DeepSpeed's own MoE checkpoint (its expert files imported) against DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -24,12 +25,21 @@ from tests.compat.ds_moe_ep_harness import AUX, CASES, EXPERTS, STEPS, batch, we
 from tests.gloo_pool import pool
 
 WORLD = 4
+CKPT_VARIANT = "top2"  # bench/record_ds_moe.py: DeepSpeed saved after its epoch and resumed it ("resumed")
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "ds_moe_cifar.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return pool(WORLD).run(_run_all, FIXTURE["variants"])
+def runs(tmp_path_factory) -> list[dict]:
+    """One pool call for every case; the checkpointed variant also resumes DeepSpeed's own checkpoint after
+    its epoch (fixtures/ds_moe_ckpt, imported by ``ds_import``) and trains one more epoch."""
+    from deepshard.compat.deepspeed.ds_import import import_checkpoint
+
+    imported = tmp_path_factory.mktemp("imported")
+    import_checkpoint(Path(__file__).parent / "fixtures" / "ds_moe_ckpt", imported)
+    variants = {name: [*argv, "--load_dir", str(imported)] if name == CKPT_VARIANT else argv
+                for name, argv in FIXTURE["variants"].items()}
+    return pool(WORLD).run(_run_all, variants)
 
 
 def _run_all(variants: dict) -> dict:
@@ -128,7 +138,9 @@ def test_deepspeed_moe_cifar_script_equals_deepspeed(runs, variant):
     for rank, out in enumerate(runs):
         want, got = FIXTURE["losses"][variant][rank], out[f"cifar_{variant}"]
         assert "error" not in want, want
-        if isinstance(want, dict):  # the checkpointed variant: its first epoch here
-            want, got = want["losses"], got["losses"] if isinstance(got, dict) else got
+        if variant == CKPT_VARIANT:  # also the epoch after resuming DeepSpeed's checkpoint (imported here)
+            assert max(abs(a - b) for a, b in zip(got["resumed"], want["resumed"], strict=True)) < 1e-5, (
+                rank, got["resumed"], want["resumed"])
+            want, got = want["losses"], got["losses"]
         assert len(got) == len(want) == 4
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5, (rank, got, want)
