@@ -125,6 +125,14 @@ def test_expert_parallel_initialize_equals_one_process(runs, case):
         assert max(diffs.values()) < 1e-5, (rank, diffs)
 
 
+def test_the_data_has_tokens_with_equal_gates():
+    """The tie rule above is exercised: some step-0 token has an all-zero hidden state (equal gates)."""
+    w = weights()
+    zero_rows = sum(int((torch.relu(F.linear(batch(0, micro, r)[0], w["inp.weight"], w["inp.bias"])) == 0).all(-1).sum())
+                    for micro in range(2) for r in range(WORLD))
+    assert zero_rows > 0
+
+
 def test_groups_are_deepspeeds_topology(runs):
     for rank, out in enumerate(runs):
         g = out["groups"]
