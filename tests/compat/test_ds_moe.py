@@ -135,11 +135,11 @@ def test_compression_helper_recursive_getattr():
     assert isinstance(model[0][0], nn.Identity)
 
 
-def test_initialize_refuses_experts_split_over_ranks():
-    from deepshard.compat.deepspeed.moe.layer import check_engine_ep
+def test_initialize_refuses_two_expert_parallel_sizes():
+    from deepshard.compat.deepspeed.moe.layer import expert_parallel
 
-    layer = deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=2)
-    layer.ep_size = 2  # as a layer built at ep_size=2 in a process group reports (no group here)
-    with pytest.raises(ValueError, match=r"0 is deepspeed\.moe\.layer\.MoE with ep_size=2: the engine would average"):
-        check_engine_ep(nn.Sequential(layer))
-    check_engine_ep(nn.Sequential(deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=2)))  # ep_size=1 passes
+    layers = [deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=4) for _ in range(2)]
+    layers[0].ep_size, layers[1].ep_size = 2, 4  # as layers built at ep_size 2 and 4 in a process group report
+    with pytest.raises(ValueError, match=r"MoE layers with ep_size=\[2, 4\]: one ep_size > 1 per model"):
+        expert_parallel(nn.Sequential(*layers))
+    assert expert_parallel(nn.Sequential(deepspeed.moe.layer.MoE(HIDDEN, expert(), num_experts=2))) == (1, [])

@@ -39,7 +39,8 @@ TARGET = "deepshard.compat.deepspeed"
 # layout, where ours differs): name -> our module
 EXTRA = {"deepspeed.checkpoint.utils": "deepshard.compat.deepspeed.runtime.hf_shims",
          "deepspeed.runtime.lr_schedules": "deepshard.compat.deepspeed.runtime.hf_shims",
-         "deepspeed.runtime.engine": "deepshard.compat.deepspeed.engine"}
+         "deepspeed.runtime.engine": "deepshard.compat.deepspeed.engine",
+         "deepspeed.utils.groups": "deepshard.compat.deepspeed.groups"}
 _announced = False
 
 
@@ -146,6 +147,9 @@ def _prepare_modules() -> None:
     if not hasattr(checkpoint, "__path__"):
         checkpoint.__path__ = []  # lets ``deepspeed.checkpoint.utils`` be imported (EXTRA maps it)
     checkpoint.utils = shims
+    utils = importlib.import_module(TARGET + ".utils")
+    if not hasattr(utils, "__path__"):
+        utils.__path__ = []  # lets ``deepspeed.utils.groups`` be imported (EXTRA maps it)
 
 
 def activate() -> None:

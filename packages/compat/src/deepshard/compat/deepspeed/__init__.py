@@ -128,7 +128,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if mpu is not None or mesh_param is not None:
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=): model parallelism through an mpu is not "
                          "supported; use deepshard.pipeline (pp x dp x tp) instead")
-    moe.layer.check_engine_ep(model)  # experts split over ep_size > 1 ranks: not through this engine
+    ep, experts = moe.layer.expert_parallel(model)  # experts split over ep_size > 1 ranks: their own ZeRO group
     if config is not None and config_params is not None:
         raise ValueError("deepspeed.initialize(): give config= or config_params=, not both")
     config = config if config is not None else config_params
@@ -161,6 +161,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if model_parameters is not None:  # a generator (model.parameters()) is read twice below
         model_parameters = list(model_parameters)
     _train_only(model, model_parameters)
+    if ep > 1 and pipelined:
+        raise ValueError(f"deepspeed.initialize(): a PipelineModule with MoE ep_size={ep}: expert parallelism is "
+                         f"not built with pipelines; use ep_size=1")
     if pipelined:
         return _initialize_pipeline(model, cfg, ds_dict, optimizer, lr_scheduler, training_data, collate_fn)
     stage = cfg.engine.zero.stage
@@ -171,14 +174,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         model.to(local_device())
     store_factory, offload_params = _store(cfg, stage)
     blocks = find_blocks(model, ac=cfg.engine.ac)
+    if ep > 1 and any(b is e for b in blocks for e in experts):  # experts are their own units, over edp
+        blocks = nn.ModuleList()
     if stage == 3:
         zero.check_external_parameters(model, blocks)
     # each parameter's decay, by name before ZeRO-3 swaps the params: the script's optimizer groups', or
     # DeepSpeed's for the ds_config's optimizer (its weight_decay on every parameter of each group)
     decays = group_decays(model, optimizer) if optimizer is not None else \
         config_decays(model, model_parameters, cfg.engine.optim.weight_decay)
-    engine = core_initialize(model, cfg.engine, blocks=blocks, store_factory=store_factory,
-                             offload_params=offload_params, materialize=zero.materialize if on_meta else None)
+    mesh, parallelize = _expert_parallel(cfg, ep, experts, blocks, offload_params) if ep > 1 else (None, None)
+    engine = core_initialize(model, cfg.engine, blocks=blocks, store_factory=store_factory, mesh=mesh,
+                             parallelize_fn=parallelize, offload_params=offload_params,
+                             materialize=zero.materialize if on_meta else None)
     if decays:
         apply_group_decays(engine, decays)
     if stage == 3:
@@ -191,6 +198,22 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     zero._ENGINES.add(ds_engine)
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
     return ds_engine, engine.optimizer, loader, scheduler
+
+
+def _expert_parallel(cfg: CompatConfig, ep: int, experts: list[nn.Module], blocks: nn.ModuleList,
+                     offload_params: ParamOffload | None) -> tuple[Any, Callable]:
+    """The mesh with ``ep`` (consecutive ranks) and ``edp`` axes, and core's recipe told which modules are
+    this rank's experts: ZeRO shards and reduces them over ``edp`` (DeepSpeed's expert-data-parallel group),
+    the dense params over all dp ranks."""
+    from functools import partial
+
+    from deepshard.core import ParallelDims, build_mesh
+    from deepshard.core.parallelize import parallelize_model
+
+    e = cfg.engine
+    mesh = build_mesh(ParallelDims(ep=ep))
+    return mesh, partial(parallelize_model, mesh=mesh, zero=e.zero, dtype=e.precision.dtype, ac=e.ac, blocks=blocks,
+                         offload_params=offload_params, ac_offload=e.ac_offload, compile=e.compile, experts=experts)
 
 
 def _initialize_inference(model: nn.Module, cfg: CompatConfig, ds_dict: dict) -> tuple:

@@ -25,6 +25,7 @@ from deepshard.core.checkpoint import write_offline_checkpoint
 
 from .ds_files import DS_OWN_KEYS, resolve_tag_dir
 from .ds_layout import DsCheckpoint, reading
+from .ds_moe_import import import_moe_checkpoint, is_moe_checkpoint
 
 __all__ = ["client_state", "import_checkpoint", "loss_scaler_state"]
 
@@ -35,6 +36,8 @@ def import_checkpoint(ds_dir: str | Path, out_dir: str | Path, *, tag: str | Non
     """Write ``out_dir/step-N`` from the DeepSpeed checkpoint (``tag``, or the one ``latest`` names);
     returns its path."""
     tag_dir = resolve_tag_dir(ds_dir, tag)
+    if is_moe_checkpoint(tag_dir):  # deepspeed.moe's per-expert files (ds_moe_import)
+        return import_moe_checkpoint(tag_dir, out_dir)
     ds = DsCheckpoint(tag_dir)
     ms = ds.model_states
     params = {p.name: p for p in ds.params}

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from . import groups  # noqa: F401 - deepspeed.utils.groups (DeepSpeed's expert / data-parallel groups)
+
 logger = logging.getLogger("DeepSpeed")
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -11,8 +11,9 @@ PR-MoE's residual, ``softmax(coefficient(x))`` mixing the MoE output and a dense
 With ``ep_size > 1`` the ep groups are ``ep_size`` consecutive ranks (DeepSpeed's default); the layer
 needs an initialized process group whose size ep_size divides.  The routing rules are in
 ``sharded_moe``.  What is not built is refused by name: ``use_tutel`` and
-``enable_expert_tensor_parallelism`` (no tensor-parallel experts here), and ``deepspeed.initialize`` of a
-model with ``ep_size > 1`` (its engine reduces over all dp ranks; the layer itself runs, forward and backward).
+``enable_expert_tensor_parallelism`` (no tensor-parallel experts here).  ``deepspeed.initialize`` of a model
+with ``ep_size > 1`` reduces the experts' gradients over the expert-data-parallel ranks only
+(:func:`expert_parallel`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import groups
 from .sharded_moe import MOELayer, TopKGate
 
-__all__ = ["MoE", "check_engine_ep"]
+__all__ = ["MoE", "expert_parallel"]
 
 def _ep_group(ep_size: int) -> dist.ProcessGroup | None:
-    """This rank's group of ``ep_size`` consecutive ranks; every rank makes every group, in the same order
-    (each layer makes its own: a cached group would outlive a process group torn down and made again)."""
+    """This rank's group of ``ep_size`` consecutive ranks, from ``deepspeed.utils.groups`` (made once per
+    default process group, DeepSpeed's topology and names)."""
     if ep_size == 1:
         return None
     if not dist.is_initialized() or dist.get_world_size() % ep_size:
@@ -37,12 +39,8 @@ def _ep_group(ep_size: int) -> dist.ProcessGroup | None:
         raise ValueError(f"ep_size={ep_size}: expert parallelism needs an initialized process group whose size "
                          f"ep_size divides (world size {world}); call deepspeed.init_distributed() first or "
                          f"use ep_size=1")
-    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
-    for start in range(0, world, ep_size):
-        group = dist.new_group(list(range(start, start + ep_size)))
-        if start <= rank < start + ep_size:
-            mine = group
-    return mine
+    groups._create_expert_and_data_parallel(ep_size)
+    return groups._get_expert_parallel_group(f"ep_size_{ep_size}")
 
 
 class MoE(nn.Module):
@@ -94,13 +92,20 @@ class _Experts(nn.Module):
         return iter(self.deepspeed_experts)
 
 
-def check_engine_ep(model: nn.Module) -> None:
-    """``deepspeed.initialize`` refuses a model whose MoE layers split experts over ``ep_size > 1`` ranks: the
-    engine's ZeRO averages every gradient over all data-parallel ranks, which would mix different experts
-    (DeepSpeed reduces them over the expert-data-parallel group only; the app's ``parallel.ep`` does)."""
-    for name, m in model.named_modules():
-        if isinstance(m, MoE) and m.ep_size > 1:
-            raise ValueError(f"deepspeed.initialize(): {name or 'model'} is deepspeed.moe.layer.MoE with "
-                             f"ep_size={m.ep_size}: the engine would average different experts' gradients over "
-                             f"data-parallel ranks; use ep_size=1 (every rank holds every expert) or the app's "
-                             f"parallel.ep")
+def expert_parallel(model: nn.Module) -> tuple[int, list[nn.Module]]:
+    """``(ep_size, this rank's expert modules)`` of the model's MoE layers with ``ep_size > 1`` (``(1, [])``
+    without any), for ``deepspeed.initialize``: ZeRO reduces those experts over the expert-data-parallel
+    ranks only (DeepSpeed's ``_reduce_expert_gradients``), averaged over all dp ranks as DeepSpeed does:
+    each layer's experts then pass a ``1/ep_size`` gradient scale (``MOELayer.expert_grad_scale``), since
+    our reducers average over the group they reduce in.  One ep_size > 1 per model (DeepSpeed allows
+    several groups; not built here)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1]
+    sizes = sorted({m.ep_size for m in layers})
+    if len(sizes) > 1:
+        raise ValueError(f"deepspeed.initialize(): MoE layers with ep_size={sizes}: one ep_size > 1 per model is "
+                         f"built (its expert groups); give every layer the same ep_size")
+    if not layers:
+        return 1, []
+    for m in layers:
+        m.deepspeed_moe.expert_grad_scale = 1.0 / m.ep_size
+    return sizes[0], [e for m in layers for e in m.deepspeed_moe.experts.deepspeed_experts]

@@ -37,8 +37,9 @@ def _capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> in
 
 
 def _gumbel(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    u = torch.rand(shape, device=device).clamp(1e-10, 1 - 1e-7)
-    return -torch.log(-torch.log(u))
+    """Gumbel(0, 1) noise drawn as DeepSpeed's ``gumbel_rsample`` draws it (the same RNG draws, bit for bit)."""
+    one, zero = torch.tensor(1.0, device=device), torch.tensor(0.0, device=device)
+    return torch.distributions.gumbel.Gumbel(zero, one).rsample(shape)
 
 
 def _dropless_capacity(counts: torch.Tensor, ep_group: dist.ProcessGroup | None) -> int:
@@ -177,6 +178,19 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group), None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
 class MOELayer(nn.Module):
     """Gate -> ``[experts, capacity, hidden]`` buffer -> (all-to-all) -> local experts -> back -> combine."""
 
@@ -187,6 +201,10 @@ class MOELayer(nn.Module):
         self.num_local_experts, self.ep_size, self.ep_group = num_local_experts, ep_size, ep_group
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        # the experts' weight-gradient factor (moe.layer.expert_parallel sets 1/ep under deepspeed.initialize):
+        # the experts' output gradient is scaled by it and their input gradient by its inverse, so only the
+        # experts' own parameters see it, whatever module the expert is (FSDP2 units included)
+        self.expert_grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         d_model = x.shape[-1]
@@ -196,8 +214,13 @@ class MOELayer(nn.Module):
         if self.ep_size > 1:
             buffer = _AllToAll.apply(buffer, self.ep_group)
         buffer = buffer.reshape(self.ep_size, self.num_local_experts, -1, d_model)
+        scale = self.expert_grad_scale
+        if scale != 1.0:
+            buffer = _ScaleGrad.apply(buffer, 1.0 / scale)
         out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, buffer.chunk(self.num_local_experts,
                                                                                             dim=1), strict=True)], dim=1)
+        if scale != 1.0:
+            out = _ScaleGrad.apply(out, scale)
         if self.ep_size > 1:
             out = _AllToAll.apply(out, self.ep_group)
         out = out.reshape(self.ep_size * self.num_local_experts, -1, d_model)
