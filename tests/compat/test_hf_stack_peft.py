@@ -85,7 +85,8 @@ def _recorded() -> dict:
 def test_sft_lora_zero3_matches_deepspeed_resumes_and_saves_the_adapter(runs):
     out, theirs = runs["ds"], _recorded()
     assert out["engine"] == "deepshard.compat.deepspeed.engine" and out["world_size"] == 2
-    assert out["peft"] == theirs["peft"] == "PeftModelForCausalLM" and out["trainable"] == theirs["trainable"]
+    assert theirs["peft"] == "PeftModelForCausalLM" and out["peft"].endswith(theirs["peft"])  # FSDP2 names it FSDP...
+    assert out["trainable"] == theirs["trainable"]
     assert [h["step"] for h in out["logs"]] == [h["step"] for h in theirs["logs"]] == [1.0, 2.0, 3.0, 4.0]
     gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(out["logs"], theirs["logs"], strict=True))
     assert gap < 1e-5, f"LoRA at ZeRO-3: losses differ from DeepSpeed's by {gap}"
