@@ -159,3 +159,17 @@ def test_accelerate_config_bad_key_stops_the_launcher(tmp_path, capsys, change, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {path}: {named}: "), err
     assert not (tmp_path / "started").exists()
+
+
+def test_lora_adapters_survive_zero_init():
+    """PEFT moves new adapters onto the base layer's device, the meta device under our zero.Init: the provider's
+    patch keeps them real, and initialize shards rank 0's values (without it B was re-drawn, not zero)."""
+    from tests.compat.hf_stack_harness import lora_under_zero_init
+    from tests.gloo_pool import pool
+
+    out = pool(2).run(lora_under_zero_init)
+    for rank, got in enumerate(out):
+        assert got["real"] and got["b_zero"], (rank, got["real"], got["b_zero"])
+        assert got["gap"] < 1e-6, f"rank {rank}: LoRA at init changed the logits by {got['gap']}"
+        assert got["a"] == out[0]["drawn"], f"rank {rank}: A is not rank 0's drawn value"
+    assert out[1]["drawn"] != out[0]["drawn"]
