@@ -28,7 +28,7 @@ from .checkpoint import full_state_dict, load_ds_style, rank0_tag, save_16bit, s
 from .config import CompatConfig
 from .ds_files import check_tag
 from .queries import DeepSpeedQueries, ModuleAttributes
-from .schedule import load_scheduler_state, scheduler_state, step_scheduler
+from .schedule import load_group_rate, load_scheduler_state, scheduler_state, step_scheduler
 from .timer import ThroughputTimer
 
 
@@ -276,6 +276,8 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
         path, app = found
         for key, value in app.get("counters", {}).items():
             setattr(self, key, int(value))
+        if load_optimizer_states and not load_module_only:  # DeepSpeed's order: the optimizer, then the scheduler
+            load_group_rate(self.engine.optimizer, app)
         if load_lr_scheduler_states and not load_module_only:
             load_scheduler_state(self.lr_scheduler, app)
         if self.global_rank == 0:  # one line, so a job restarted by its launcher says where it resumed
