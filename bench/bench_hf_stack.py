@@ -111,8 +111,9 @@ def run(name: str, engine: str, deepspeed_venv: Path) -> dict:
         start = time.perf_counter()
         done = run_launcher([*launch, *tail], tmp, env, timeout=1200)
         wall = time.perf_counter() - start
-        if done.returncode != 0:
-            raise SystemExit(f"{name} on {engine}: exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
+        if done.returncode != 0:  # named in the output; the other scripts still run
+            print(f"{name} on {engine}: exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}", file=sys.stderr)
+            return {"error": f"exit {done.returncode}", "wall_s": wall}
         ranks = [json.loads(p.read_text()) for p in sorted((tmp / "ranks").glob("rank*.json"))]
     assert len(ranks) == 2, f"{name} on {engine}: {len(ranks)} rank reports"
     gaps = [g for r in ranks for g in r["update_s"]]
@@ -138,11 +139,14 @@ def main() -> None:
     results: dict = {"world_size": 2, "precision": "fp32", "layout": "ZeRO-3, optimizer offload cpu", "scripts": {}}
     for name in opts.scripts:
         ours, theirs = run(name, "deepshard", venv), run(name, "deepspeed", venv)
-        results["scripts"][name] = {"deepshard": ours, "deepspeed": theirs,
-                                    "update_time_ratio": ours["update_s"] / theirs["update_s"],
-                                    "peak_rss_ratio": ours["peak_rss_mib"] / theirs["peak_rss_mib"]}
-        print(f"{name}: update {ours['update_s']:.3f} s vs {theirs['update_s']:.3f} s, peak RSS "
-              f"{ours['peak_rss_mib']:.0f} vs {theirs['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+        results["scripts"][name] = {"deepshard": ours, "deepspeed": theirs}
+        if "error" not in ours and "error" not in theirs:
+            results["scripts"][name].update(update_time_ratio=ours["update_s"] / theirs["update_s"],
+                                            peak_rss_ratio=ours["peak_rss_mib"] / theirs["peak_rss_mib"])
+            print(f"{name}: update {ours['update_s']:.3f} s vs {theirs['update_s']:.3f} s, peak RSS "
+                  f"{ours['peak_rss_mib']:.0f} vs {theirs['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+        if opts.out:  # what is done so far, should a later script hang
+            Path(opts.out).write_text(json.dumps(results, indent=1) + "\n")
     text = json.dumps(results, indent=1)
     print(text)
     if opts.out:
