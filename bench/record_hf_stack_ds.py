@@ -10,6 +10,8 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
 - ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
   completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
   tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW);
+- ``sft_lora_zero3_offload``: the same script with ``--lora --save`` (``peft_config=LoraConfig(...)``, PEFT 0.21;
+  checkpoint-2/-4 with ``exclude_frozen_parameters``, the adapter saved, checkpoint-2 resumed by a fresh trainer);
 - ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
   rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
   with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload;
@@ -44,9 +46,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
+        "sft_lora_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
         "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
+FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"]}  # the script's own flags, per run
+KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 
 
@@ -67,7 +72,7 @@ def record(name: str, launcher: str, tmp: Path) -> dict:
     from tests.compat.hf_stack_harness import make_model_dir, write_ds_config
 
     argv = ["--model", make_model_dir(tmp / "model"), "--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False),
-            "--out", str(tmp / "out"), "--result", str(tmp / "result.json")]
+            "--out", str(tmp / "out"), "--result", str(tmp / "result.json"), *FLAGS.get(name, [])]
     bindir = Path(sys.executable).parent
     start = ([str(bindir / "deepspeed"), "--num_gpus", "2"] if launcher == "deepspeed"
              else [str(bindir / "torchrun"), "--standalone", "--nproc_per_node", "2"])
@@ -137,6 +142,7 @@ def main() -> None:
                 continue
             result = record(name, opts.launcher, Path(tmp))
         fixture["runs"][name] = {"script": RUNS[name][0], "zero_stage": RUNS[name][1], "logs": result["logs"]}
+        fixture["runs"][name].update({k: result[k] for k in KEPT if k in result})
         if "generation_seconds" in result:  # GRPO: seconds per step inside TRL's unwrap_model_for_generation
             fixture["runs"][name]["generation_seconds"] = result["generation_seconds"]
         print(f"{name}: losses {[h['loss'] for h in result['logs']]}", file=sys.stderr)

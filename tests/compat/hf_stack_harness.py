@@ -169,3 +169,40 @@ def forward_only_engines() -> dict[str, Any]:
                                 "rest": [optimizer, loader, scheduler], "refused": refused,
                                 "sharded": any(type(p).__name__ == "DTensor" for p in engine.module.parameters())}
     return out
+
+
+def lora_under_zero_init() -> dict[str, Any]:
+    """On each rank of a pool: a tiny Llama built under ``zero.Init`` and loaded in ``GatheredParameters`` (what
+    ``from_pretrained`` does at ZeRO-3), LoRA added by ``peft.get_peft_model`` (PEFT patched as the provider
+    patches it), then ``initialize`` at stage 3: the adapters keep rank 0's values (A as drawn, B zero), so the
+    logits are the base model's."""
+    import peft
+    import peft.tuners.tuners_utils as tuners
+    import torch
+
+    import deepshard.compat.deepspeed as deepspeed
+    from deepshard.compat.peft_zero3 import patch_adapter_device
+    from tests.compat.hf_trainer_harness import collate, rows, tiny_llama
+
+    patch_adapter_device(tuners)
+    plain = tiny_llama().eval()
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = tiny_llama()
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            model.load_state_dict(plain.state_dict())
+    torch.manual_seed(torch.distributed.get_rank())  # ranks draw different adapters: rank 0's must win
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    drawn = q.lora_A["default"].weight.detach().clone()
+    real = all(not p.is_meta for n, p in model.named_parameters() if "lora_" in n)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    batch = collate(rows(4)[2 * torch.distributed.get_rank():][:2])
+    with torch.no_grad():
+        gap = (engine(**batch).logits - plain(**batch).logits).abs().max().item()
+    a = q.lora_A["default"].weight.full_tensor()
+    b = q.lora_B["default"].weight.full_tensor()
+    return {"real": real, "gap": gap, "b_zero": bool((b == 0).all()), "drawn": drawn.tolist(), "a": a.tolist()}

@@ -2,7 +2,12 @@
 ``SFTConfig(deepspeed="ds_config.json")``, the model by path (at ZeRO-3 transformers builds it under
 ``deepspeed.zero.Init``).  No deepshard import: started by ``deepshard --num_gpus 2 sft.py`` (or by
 ``deepspeed --num_gpus 2 sft.py`` for bench/record_hf_stack_ds.py); rank 0 writes the logged losses to
-``--result``.  The model directory and rows are hf_stack_harness.py's."""
+``--result``.  The model directory and rows are hf_stack_harness.py's.
+
+``--lora``: ``SFTTrainer(peft_config=LoraConfig(...))``, TRL's most common run.  ``--save``: checkpoint-2 and
+-4, ``save_model`` (the engine's logits on a probe row go with the result), then a fresh trainer resumes
+checkpoint-2.  Without ``--ds_config`` the DeepSpeed settings come from accelerate's environment
+(``accelerate launch --config_file`` or ``deepshard --accelerate_config``)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
@@ -19,25 +25,67 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path: the
 from tests.compat.hf_stack_harness import chat_rows  # noqa: E402
 
 
+def probe(model_dir: str) -> dict:
+    """One chat row's token ids (the test feeds the same ids to the saved adapter on the base model)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    row = chat_rows(3)[2]
+    ids = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=False)
+    return {"input_ids": torch.tensor([list(ids)])}
+
+
+def sft(opts: argparse.Namespace, out: str, save: bool) -> SFTTrainer:
+    args = SFTConfig(output_dir=out, deepspeed=opts.ds_config, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, learning_rate=3e-3, max_steps=4, logging_steps=1,
+                     save_strategy="steps" if save else "no", save_steps=2, report_to=[], seed=0, bf16=False,
+                     fp16=False, max_length=64, completion_only_loss=True, train_sampling_strategy="sequential",
+                     disable_tqdm=True, model_init_kwargs={"dtype": "float32"})
+    peft_config = None
+    if opts.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    return SFTTrainer(model=opts.model, args=args, train_dataset=Dataset.from_list(chat_rows()),
+                      peft_config=peft_config)
+
+
+def logged(trainer: SFTTrainer) -> list[dict]:
+    return [{k: float(v) for k, v in h.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
+            for h in trainer.state.log_history if "loss" in h]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for flag in ("--model", "--ds_config", "--out", "--result"):
+    for flag in ("--model", "--out", "--result"):
         ap.add_argument(flag, required=True)
+    ap.add_argument("--ds_config", default=None)
+    ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--save", action="store_true")
     opts, _ = ap.parse_known_args()  # --local_rank=N from the launcher
-    args = SFTConfig(output_dir=opts.out, deepspeed=opts.ds_config, per_device_train_batch_size=2,
-                     gradient_accumulation_steps=2, learning_rate=3e-3, max_steps=4, logging_steps=1,
-                     save_strategy="no", report_to=[], seed=0, bf16=False, fp16=False, max_length=64,
-                     completion_only_loss=True, train_sampling_strategy="sequential", disable_tqdm=True,
-                     model_init_kwargs={"dtype": "float32"})
-    trainer = SFTTrainer(model=opts.model, args=args, train_dataset=Dataset.from_list(chat_rows()))
+    trainer = sft(opts, opts.out, opts.save)
     trainer.train()
+    result: dict = {}
+    if opts.save:
+        out = Path(opts.out)
+        trainer.save_model(str(out / "final"))
+        with torch.no_grad():  # the test loads out/final (an adapter with --lora) and compares
+            result["logits"] = trainer.model_wrapped(**probe(opts.model)).logits.tolist()
+        resumed = sft(opts, str(out / "resumed"), save=False)
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+        result["resumed"] = logged(resumed)
+        result["checkpoint_files"] = sorted(str(p.relative_to(out / "checkpoint-2"))
+                                            for p in (out / "checkpoint-2").rglob("*") if p.is_file())
+        result["final_files"] = sorted(p.name for p in (out / "final").iterdir())
     if dist.get_rank() == 0:
-        logs = [{k: float(v) for k, v in h.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
-                for h in trainer.state.log_history if "loss" in h]
         import deepspeed
 
-        Path(opts.result).write_text(json.dumps({"logs": logs, "deepspeed": deepspeed.__version__,
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()
+                        if p.requires_grad)
+        Path(opts.result).write_text(json.dumps({**result, "logs": logged(trainer), "deepspeed": deepspeed.__version__,
                                                  "engine": type(trainer.model_wrapped).__module__,
+                                                 "peft": type(trainer.model).__name__, "trainable": trainable,
                                                  "world_size": dist.get_world_size()}))
 
 

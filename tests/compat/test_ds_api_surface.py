@@ -243,6 +243,40 @@ def test_client_scheduler_resumes_from_a_checkpoint(tmp_path):
     assert resumed == pytest.approx(whole[2:], abs=1e-7) and lr_resumed == pytest.approx(lr_whole)
 
 
+
+def test_script_stepped_scheduler_resumes_at_the_saved_rate(tmp_path):
+    """transformers' Trainer: its scheduler, not given to initialize, is stepped by the script over the optimizer's
+    groups and restored by its own ``load_state_dict`` (which sets no rate): the checkpoint's optimizer groups
+    give the next update's rate, as DeepSpeed's load restores them (without it the resumed update used the
+    schedule's first rate)."""
+    def run(load: bool, steps: range):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=dict(DS))
+        sched = lambda_schedule(opt)
+        if load:
+            engine.load_checkpoint(tmp_path)
+            sched.load_state_dict(saved)
+        losses = []
+        for k, (x, y) in enumerate(data(4)):
+            if k not in steps:
+                continue
+            loss = nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            sched.step()
+            losses.append(loss.item())
+            if k == 1 and not load:
+                engine.save_checkpoint(tmp_path)
+                saved.update(sched.state_dict())
+        return losses
+
+    saved: dict = {}
+    whole = run(False, range(4))
+    assert run(True, range(2, 4)) == pytest.approx(whole[2:], abs=1e-7)
+
+
 class Shared(nn.Module):
     """A block uses a parameter it does not own (DeepSpeed scripts register it as external)."""
 

@@ -108,3 +108,42 @@ def patch_launch(module: ModuleType) -> None:
 
     launch_command._deepshard = True  # type: ignore[attr-defined]
     module.launch_command = launch_command
+
+
+def launch_env(path: str | Path) -> tuple[int, dict[str, str]]:
+    """``deepshard --accelerate_config FILE``: the worker count and the ``ACCELERATE_*`` variables that
+    ``accelerate launch --config_file FILE`` gives its workers, computed by accelerate's own launcher code
+    (so its mapping of ``deepspeed_config`` is used as it is), after :func:`check`.  One node only.
+    Reached by the launcher through the ``deepshard.launch`` entry point (launch imports no compat)."""
+    import os
+    import warnings
+
+    import yaml
+
+    path = str(path)
+    if not Path(path).is_file():
+        raise ValueError(f"--accelerate_config={path}: no such file")
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    kind = cfg.get("distributed_type")
+    if str(kind).upper() != "DEEPSPEED":
+        _refuse(path, "distributed_type", kind, "deepshard --accelerate_config runs accelerate's DeepSpeed configs "
+                "(distributed_type: DEEPSPEED); start other configs with accelerate launch")
+    check(path)
+    if int(cfg.get("num_machines", 1) or 1) > 1:
+        _refuse(path, "num_machines", cfg["num_machines"], "deepshard --accelerate_config starts one node; for "
+                "several, run accelerate launch on each node (deepspeed_multinode_launcher: standard)")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "0", "script.py"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its port checks: deepshard's launcher picks the port
+        args, defaults, mp_from_config = _validate_launch_command(args)
+        fields = list(defaults.deepspeed_config.keys()) if defaults else []  # as launch_command does
+        args.deepspeed_fields_from_accelerate_config = ",".join([*fields, *(["mixed_precision"] if mp_from_config
+                                                                            else [])])
+        _, env = prepare_deepspeed_cmd_env(args)
+    num = args.num_processes
+    if not isinstance(num, int) or num < 1:
+        _refuse(path, "num_processes", num, "the number of worker processes, a positive number")
+    return num, {k: v for k, v in env.items() if k.startswith("ACCELERATE_") and os.environ.get(k) != v}

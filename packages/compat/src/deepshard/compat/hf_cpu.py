@@ -43,10 +43,16 @@ def _patch_trainer_ds_config(module: ModuleType) -> None:
     cls.__init__ = __init__
 
 
+def _patch_peft(module: ModuleType) -> None:
+    from deepshard.compat.peft_zero3 import patch_adapter_device
+
+    patch_adapter_device(module)
+
+
 # the HF stack's modules patched once executed: accelerate's CPU backend nudge, the yaml check of `accelerate
-# launch`, and the ds_config check of TrainingArguments(deepspeed=...)
+# launch`, the ds_config check of TrainingArguments(deepspeed=...), PEFT's adapters under zero.Init
 WATCHED = {"accelerate.state": lambda module: _patch(module), "accelerate.commands.launch": _patch_launch,
-           "transformers.integrations.deepspeed": _patch_trainer_ds_config}
+           "transformers.integrations.deepspeed": _patch_trainer_ds_config, "peft.tuners.tuners_utils": _patch_peft}
 
 
 def _patch(state: ModuleType) -> None:

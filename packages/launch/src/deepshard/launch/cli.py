@@ -6,6 +6,7 @@
     deepshard --hostfile=hosts --include=a:0,1@b train.py  the hosts of a hostfile, over ssh
     deepshard --no_ssh --node_rank=1 --num_nodes=2 --master_addr=a train.py   run on each node yourself
     deepshard --launcher=slurm --hostfile=hosts train.py  inside a Slurm allocation (srun, one agent per node)
+    deepshard --accelerate_config deepspeed_zero3.yaml train.py   accelerate's DeepSpeed yaml (one node)
 
 Each worker gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
 ``--local_rank=N`` before its own arguments (not with ``--no_local_rank``), and the variables of
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
                    help="workers per node: at most the visible GPUs (default: all of them); a CPU-only host "
                    f"takes any positive number of worker processes (default {CPU_WORKERS})")
+    p.add_argument("--accelerate_config", default=None, help="an accelerate config yaml (distributed_type: "
+                   "DEEPSPEED): its num_processes workers, its deepspeed_config given to them as accelerate launch "
+                   "gives it (read by deepshard-compat)")
     p.add_argument("--master_addr", default="", help="rendezvous host (default: the first host; one node: 127.0.0.1)")
     p.add_argument("--master_port", type=int, default=None,
                    help=f"rendezvous port (default {DEFAULT_PORT}; one node: a free port)")
@@ -207,6 +211,24 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("--no_ssh needs --node_rank=N: this node's index among the job's nodes")
 
 
+def accelerate_settings(args: argparse.Namespace) -> None:
+    """``--accelerate_config``: the worker count and the workers' ``ACCELERATE_*`` variables from accelerate's
+    yaml, read by deepshard-compat (found through its ``deepshard.launch`` entry point: launch imports no
+    compat); a key nothing would honour is refused there, one line naming the file and the key."""
+    from importlib.metadata import entry_points
+
+    path = args.accelerate_config
+    if args.hostfile is not None or args.no_ssh or args.world_info:
+        raise UsageError(f"--accelerate_config={path}: starts one node (no --hostfile or --no_ssh with it)")
+    found = list(entry_points(group="deepshard.launch", name="accelerate_config"))
+    if not found:
+        raise UsageError(f"--accelerate_config={path}: reading accelerate's config needs deepshard-compat installed")
+    num, env = found[0].load()(path)
+    if args.num_gpus > 0 and args.num_gpus != num:
+        raise UsageError(f"--num_gpus={args.num_gpus} and {path}'s num_processes={num} differ: give one of them")
+    args.num_gpus, args.accelerate_env = num, env
+
+
 def _forwarded_flags(args: argparse.Namespace) -> list[str]:
     """The flags every node's own ``deepshard`` needs from the launcher's command line."""
     flags = [f"--max_restarts={args.max_restarts}", f"--hang_s={args.hang_s}"]
@@ -221,6 +243,7 @@ def _this_node(args: argparse.Namespace, world: Resources, from_hostfile: bool) 
     # the workers' transformers/accelerate find deepshard's engine as `deepspeed` (deepshard.compat's
     # opt-in provider, issue 41); DEEPSHARD_DEEPSPEED=0 before deepshard leaves the name alone
     env.setdefault(PROVIDE_DEEPSPEED, os.environ.get(PROVIDE_DEEPSPEED, "1"))
+    env.update(getattr(args, "accelerate_env", {}))  # --accelerate_config's ACCELERATE_* variables
     if not args.no_ssh:  # one node, here
         host, slots = next(iter(world.items()))
         port = args.master_port or _free_port()
@@ -306,6 +329,8 @@ def run(argv: Sequence[str]) -> int:
         args = parse(argv)
         _validate(args)
         _check_script(args)
+        if args.accelerate_config is not None:
+            accelerate_settings(args)
         world, from_hostfile = resources(args)
         multi = (len(world) > 1 or args.force_multi) and not args.no_ssh
         if multi:

@@ -170,7 +170,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     on_meta = zero.built_under_init(model)
     if on_meta and stage != 3:
         raise ValueError(f"zero.Init() needs zero_optimization.stage=3 (the ds_config has stage {stage})")
-    if not on_meta:
+    if on_meta:
+        zero.keep_real_params(model)  # PEFT's adapters, made after from_pretrained under zero.Init
+    else:
         model.to(local_device())
     store_factory, offload_params = _store(cfg, stage)
     blocks = find_blocks(model, ac=cfg.engine.ac)

@@ -19,7 +19,7 @@ from torch import nn
 
 from deepshard.core import Engine
 from deepshard.core.checkpoint.async_save import AsyncCheckpointer
-from deepshard.core.checkpoint.manifest import MANIFEST, latest_good
+from deepshard.core.checkpoint.manifest import MANIFEST, latest_good, read_manifest
 from deepshard.core.checkpoint.plain_files import write_text
 from deepshard.core.checkpoint.state import (
     clean_name,
@@ -32,6 +32,7 @@ from deepshard.core.checkpoint.state import (
 from .ds_files import check_tag, no_tag_dir, read_latest
 
 LATEST = "latest"
+FROZEN_EXCLUDED = "exclude_frozen_parameters"  # the manifest's meta: a save without the frozen weights
 
 
 def _json(client_state: dict) -> dict:
@@ -66,9 +67,11 @@ def rank0_tag(tag: str, source: str, mode: str = "WARN") -> str:
 
 def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dict, counters: dict[str, int],
                   save_latest: bool, extra: dict[str, Any] | None = None,
-                  writer: AsyncCheckpointer | None = None) -> Path:
+                  writer: AsyncCheckpointer | None = None, exclude_frozen: bool = False) -> Path:
     """``save_dir/tag/step-N`` (and ``save_dir/latest``).  With ``writer`` (no save in flight: the caller
-    waited) the state is staged and the writer thread writes it; ``latest`` is written once it is sealed."""
+    waited) the state is staged and the writer thread writes it; ``latest`` is written once it is sealed.
+    ``exclude_frozen`` (DeepSpeed's ``exclude_frozen_parameters``: PEFT's adapters without their base):
+    only the trained parameters and their optimizer state, no frozen weights or buffers."""
     oc = engine.config.optim
     opt = engine.optimizer
     # what a DeepSpeed optimizer group needs on resume (to_deepspeed): the rate of the next update
@@ -77,7 +80,8 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
     app = {"client_state": _json(client_state), "counters": counters, "tag": tag, "optimizer": optimizer,
            **(extra or {})}  # e.g. a client lr_scheduler's state (engine.py)
     request = save_request(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
-                           model=engine.model, app_state=app)
+                           model=None if exclude_frozen else engine.model, app_state=app,
+                           meta={FROZEN_EXCLUDED: True} if exclude_frozen else None)
     final = save_dir / tag / step_dir_name(request.step)
     if writer is not None:
         writer.on_sealed = partial(_write_latest, save_dir, tag) if save_latest else None
@@ -116,14 +120,18 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
 
 
 def load_ds_style(engine: Engine, load_dir: Path, tag: str | None, *, optimizer_states: bool,
-                  lr_scheduler_states: bool) -> tuple[Path, dict[str, Any]] | None:
+                  lr_scheduler_states: bool, strict: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """``strict=False`` (DeepSpeed's ``load_module_strict=False``, transformers' for PEFT models): a checkpoint
+    saved without its frozen weights restores the trained ones, the frozen keep their values; a full one
+    restores everything, as a strict load does."""
     path = resolve(load_dir, tag) if dist.get_rank() == 0 else None
     box = [path]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         return None
     path = Path(box[0])
-    app = load_checkpoint(path, engine.optimizer, engine.mesh["dp"], model=engine.model)
+    trained_only = not strict and bool(read_manifest(path).get("meta", {}).get(FROZEN_EXCLUDED))
+    app = load_checkpoint(path, engine.optimizer, engine.mesh["dp"], model=None if trained_only else engine.model)
     opt = engine.optimizer
     if not optimizer_states:  # a fresh optimizer on the loaded weights (Adam moments zeroed)
         state = opt.store.state_dict()

@@ -28,7 +28,7 @@ from .checkpoint import full_state_dict, load_ds_style, rank0_tag, save_16bit, s
 from .config import CompatConfig
 from .ds_files import check_tag
 from .queries import DeepSpeedQueries, ModuleAttributes
-from .schedule import load_scheduler_state, scheduler_state, step_scheduler
+from .schedule import load_group_rate, load_scheduler_state, scheduler_state, step_scheduler
 from .timer import ThroughputTimer
 
 
@@ -208,10 +208,13 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None, save_latest: bool = True) -> bool:
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """``save_dir/tag/`` (default tag ``global_stepN``) and, with ``save_latest``, ``save_dir/latest``.
 
         ``client_state`` must be JSON (DeepSpeed pickles it; our checkpoints execute nothing on load).
+        ``exclude_frozen_parameters`` (transformers passes it for PEFT models): the trained parameters and
+        their optimizer state only; ``load_checkpoint(load_module_strict=False)`` restores them.
         """
         source = f"save_checkpoint({str(save_dir)!r})"
         tag = check_tag(rank0_tag(str(tag or f"global_step{self.global_steps}"), source, self.compat.tag_validation),
@@ -222,7 +225,7 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
             writer = self._async_writer()
         save_ds_style(self.engine, Path(save_dir), str(tag), client_state=dict(client_state or {}),
                       counters=self.counters(), save_latest=save_latest, extra=scheduler_state(self.lr_scheduler),
-                      writer=writer)
+                      writer=writer, exclude_frozen=exclude_frozen_parameters)
         return True
 
     def _async_writer(self) -> AsyncCheckpointer:
@@ -256,22 +259,25 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no checkpoint (DeepSpeed's
-        answer).  ``load_dir`` may also be one of our checkpoints (``ds_import``'s output)."""
+        answer).  ``load_dir`` may also be one of our checkpoints (``ds_import``'s output).
+        ``load_module_strict=False``: a checkpoint saved with ``exclude_frozen_parameters`` restores the
+        trained parameters and leaves the frozen ones as they are (DeepSpeed's meaning)."""
         self.wait_for_checkpoint()
-        if not load_module_strict:
-            raise ValueError("load_checkpoint(load_module_strict=False): not supported (every parameter is restored)")
         # DeepSpeed's load leaves the process's RNGs alone (core's restores the saved ones): a script that
         # draws its data from them after loading (HelloDeepSpeed's numpy masks) gets what it gets there
         generators = rng_state()
         found = load_ds_style(self.engine, Path(load_dir), tag,
                               optimizer_states=load_optimizer_states and not load_module_only,
-                              lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+                              lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+                              strict=load_module_strict)
         set_rng_state(generators)
         if found is None:
             return None, None
         path, app = found
         for key, value in app.get("counters", {}).items():
             setattr(self, key, int(value))
+        if load_optimizer_states and not load_module_only:  # DeepSpeed's order: the optimizer, then the scheduler
+            load_group_rate(self.engine.optimizer, app)
         if load_lr_scheduler_states and not load_module_only:
             load_scheduler_state(self.lr_scheduler, app)
         if self.global_rank == 0:  # one line, so a job restarted by its launcher says where it resumed

@@ -158,6 +158,19 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     return {"lr_scheduler": kept}
 
 
+def load_group_rate(engine_optimizer: Any, app: dict[str, Any]) -> None:
+    """DeepSpeed's load restores its optimizer's groups, with the rate of the next update that the
+    script's scheduler had left there (transformers' Trainer steps its own scheduler, outside the engine,
+    and a torch scheduler's ``load_state_dict`` does not set it again): the script's groups the update
+    reads here (``client_scheduler``) get the saved rate."""
+    saved = app.get("optimizer", {}).get("lr")
+    groups = getattr(engine_optimizer, "param_groups", None)
+    if saved is None or not groups:
+        return
+    for group in groups:
+        group["lr"] = float(saved)
+
+
 def load_scheduler_state(scheduler: Any, app: dict[str, Any]) -> None:
     """Restore a client scheduler and the rate it left in its optimizer (the next update's)."""
     state = app.get("lr_scheduler")

@@ -80,6 +80,23 @@ def built_under_init(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def made_under_init(module: nn.Module) -> bool:
+    """Whether ``module`` itself was built inside ``zero.Init()`` (its parameters wait on the meta device)."""
+    return module in _SAVED_BUFFERS
+
+
+def keep_real_params(model: nn.Module) -> None:
+    """Parameters made outside ``zero.Init()`` on a model built under it (PEFT's adapters, added after
+    ``from_pretrained``) keep their values through ``initialize``: rank 0's, broadcast by ``materialize``,
+    as DeepSpeed broadcasts rank 0's value of a parameter it partitions at ``initialize``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for module in model.modules():
+        written = _WRITTEN.setdefault(module, {})
+        for name, p in module._parameters.items():
+            if p is not None and not p.is_meta and name not in written:
+                written[name] = (0, p.detach().clone() if rank == 0 else None)
+
+
 def materialize(model: nn.Module) -> None:
     """Restore the buffers saved at construction and initialize each rank's parameter shards; then
     the values written in ``GatheredParameters`` before ``initialize`` replace the initializers'."""
