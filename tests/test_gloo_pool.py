@@ -95,6 +95,32 @@ def _destroy_default_group() -> None:
     dist.destroy_process_group()
 
 
+def _gloo_threads() -> int:
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+
+
+def _groups_held_by_a_cycle() -> int:
+    """Sub-groups whose last references are a reference cycle (as an engine and its meshes hold them)."""
+    import torch.distributed as dist
+
+    class Holder:
+        pass
+
+    for _ in range(3):
+        holder = Holder()
+        holder.group, holder.me = dist.new_group([0, 1]), holder
+        dist.barrier(group=holder.group)
+    return _gloo_threads()
+
+
+def test_a_destroyed_groups_threads_do_not_outlive_the_call(gloo_pool):
+    """Before the pool collected each call's garbage, every such group kept 3 polling gloo threads."""
+    idle = gloo_pool(2).run(_gloo_threads)
+    assert all(n > idle[0] for n in gloo_pool(2).run(_groups_held_by_a_cycle))
+    assert gloo_pool(2).run(_gloo_threads) == idle
+
+
 def test_a_collective_runs_over_the_whole_world(gloo_pool):
     assert gloo_pool(2).run(_sum_of_ranks) == [3.0, 3.0]
 
