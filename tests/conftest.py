@@ -23,6 +23,31 @@ def mount_tmpfs(tmp_path):
     yield from tmpfs_mounter(new_dir)
 
 
+# The files that take a minute or more (.ci/run's durations), heaviest first.  Under the two xdist workers
+# (which take whole files in collection order) they start first, so the workers end together on the quick
+# tests instead of one of them finishing a long file alone.
+HEAVY_FIRST = ("tests/models/test_smollm2_qlora.py", "tests/models/test_smollm2.py", "tests/compat/test_hf_stack.py",
+               "tests/compat/test_hf_trainer.py", "tests/models/test_family_training.py",
+               "tests/zeropp/test_quantized.py", "tests/launch/test_cli_launch.py", "tests/launch/test_cli_restart.py",
+               "tests/app/test_compile.py", "tests/zeropp/test_hsdp_qgz.py")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files in this order: :data:`HEAVY_FIRST`, then the other files with slow tests, then the quick ones
+    (a stable sort: each file's tests keep their order, so its module fixtures start once)."""
+    def path(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = {path(item) for item in items if item.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        p = path(item)
+        return (0, HEAVY_FIRST.index(p)) if p in HEAVY_FIRST else (1 if p in slow else 2, 0)
+
+    items.sort(key=rank)
+
+
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
