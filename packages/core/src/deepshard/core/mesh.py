@@ -104,8 +104,35 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+LOWEST_PORT = 20000  # free_port's draws: from here up to the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' local ports)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing is bound to now, for a store another process listens on a moment later.  Drawn
+    below the ephemeral range: the kernel's own pick (bind to port 0) comes from that range, where an
+    outgoing connection of any process beside us (a TCPStore client of another job) can take it before
+    our store listens (EADDRINUSE at the rendezvous, seen with two test workers sharing a host)."""
+    import random
+
+    draw = random.Random()  # seeded from the OS: callers seed the global generator
+    low = _ephemeral_low()
+    for _ in range(64 if low > LOWEST_PORT + 1024 else 0):
+        port = draw.randrange(LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a host whose ephemeral range starts low: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
