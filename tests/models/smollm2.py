@@ -85,3 +85,27 @@ def smollm2_dir() -> tuple[Path, float]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target, time.perf_counter() - start
+
+
+def eval_loss_on_app_rows(model_dir: Path, chat_file: Path, model, *, seq_len: int) -> float:
+    """``model``'s token-weighted loss over the app's own eval rows of ``chat_file`` (the app's tokens and
+    labels for ``model_dir``'s tokenizer): what the app's ``eval/loss`` measures, computed outside it."""
+    import torch
+
+    from deepshard.finetune.config import validate
+    from deepshard.finetune.data.build import build_datasets
+    from deepshard.finetune.data.tokenizer import load_tokenizer
+    from deepshard.finetune.tools.estimate import compose
+
+    s = validate(compose(["model=hf", f"model.path={model_dir}", "data=chat", f"data.path={chat_file}",
+                          "data.eval_fraction=0", "data.pack=false", f"data.seq_len={seq_len}"]))
+    rows, _ = build_datasets(s.data, load_tokenizer(s.model_path), s.model.vocab_size)
+    assert rows.num_truncated == 0  # every answer whole in seq_len tokens
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            x, y = rows[i]["input_ids"][None], rows[i]["labels"][None]
+            total += torch.nn.functional.cross_entropy(model(x).logits[0], y[0], ignore_index=-100,
+                                                       reduction="sum").item()
+            count += int((y != -100).sum())
+    return total / count

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.finetune_app.app_harness import run_app, scalars
+from tests.models.smollm2 import eval_loss_on_app_rows
 
 TEXT = ("The river rose after three days of rain, and the old bridge at the edge of the village was closed. "
         "Farmers carried their vegetables to the market by boat, while the children watched from the hill.")
@@ -140,27 +141,6 @@ def _marker_rate(model, tok, questions: list[str]) -> int:
     return hits
 
 
-def _base_eval_loss(smollm2: Path, eval_file: Path, model) -> float:
-    """transformers' base model on the app's own eval rows (the app's tokens and labels)."""
-    from deepshard.finetune.config import validate
-    from deepshard.finetune.data.build import build_datasets
-    from deepshard.finetune.data.tokenizer import load_tokenizer
-    from deepshard.finetune.tools.estimate import compose
-
-    s = validate(compose(["model=hf", f"model.path={smollm2}", "data=chat", f"data.path={eval_file}",
-                          "data.eval_fraction=0", "data.pack=false", f"data.seq_len={SEQ}"]))
-    rows, _ = build_datasets(s.data, load_tokenizer(s.model_path), s.model.vocab_size)
-    assert rows.num_truncated == 0  # every answer whole in SEQ tokens
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(len(rows)):
-            x, y = rows[i]["input_ids"][None], rows[i]["labels"][None]
-            logits = model(x).logits
-            total += torch.nn.functional.cross_entropy(logits[0], y[0], ignore_index=-100, reduction="sum").item()
-            count += int((y != -100).sum())
-    return total / count
-
-
 @pytest.mark.slow
 def test_chat_fine_tuning_at_zero3_teaches_a_marker_the_base_never_writes(tmp_path, smollm2):
     from deepshard.finetune.tools.hf_export import export_checkpoint
@@ -169,7 +149,7 @@ def test_chat_fine_tuning_at_zero3_teaches_a_marker_the_base_never_writes(tmp_pa
     evals = _chats(tmp_path / "eval.jsonl", [_question(i) for i in range(60, 64)])
     base, tok = _hf(smollm2)
     assert _marker_rate(base, tok, HELD_OUT) == 0
-    base_eval = _base_eval_loss(smollm2, evals, base)
+    base_eval = eval_loss_on_app_rows(smollm2, evals, base, seq_len=SEQ)
     del base
 
     start = time.perf_counter()

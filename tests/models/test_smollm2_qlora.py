@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.finetune_app.app_harness import run_app, scalars
+from tests.models.smollm2 import eval_loss_on_app_rows
 from tests.models.test_qlora import ref_roundtrip
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -106,27 +107,6 @@ def test_qlora_eval_loss_is_within_5_percent_of_lora_on_the_bf16_base(runs):
     assert abs(qlora[-1] - lora[-1]) <= 0.05 * lora[-1], (qlora, lora)
 
 
-def _eval_loss(base: Path, evals: Path, model) -> float:
-    """``model``'s token-weighted loss over the app's own eval rows (its tokens and labels)."""
-    from deepshard.finetune.config import validate
-    from deepshard.finetune.data.build import build_datasets
-    from deepshard.finetune.data.tokenizer import load_tokenizer
-    from deepshard.finetune.tools.estimate import compose
-
-    s = validate(compose(["model=hf", f"model.path={base}", "data=chat", f"data.path={evals}",
-                          "data.eval_fraction=0", "data.pack=false", f"data.seq_len={SEQ}"]))
-    rows, _ = build_datasets(s.data, load_tokenizer(s.model_path), s.model.vocab_size)
-    assert rows.num_truncated == 0  # every answer whole in SEQ tokens
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(len(rows)):
-            x, y = rows[i]["input_ids"][None], rows[i]["labels"][None]
-            total += torch.nn.functional.cross_entropy(model(x).logits[0], y[0], ignore_index=-100,
-                                                       reduction="sum").item()
-            count += int((y != -100).sum())
-    return total / count
-
-
 @pytest.mark.slow
 def test_the_qlora_adapter_loads_in_peft_on_the_dequantized_base_with_the_apps_eval_loss(runs, tmp_path):
     from peft import PeftModel
@@ -141,7 +121,7 @@ def test_the_qlora_adapter_loads_in_peft_on_the_dequantized_base_with_the_apps_e
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(ref_roundtrip(module.weight, WORLD))
     peft = PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
-    ours = _eval_loss(runs["base"], runs["evals"], peft)
+    ours = eval_loss_on_app_rows(runs["base"], runs["evals"], peft, seq_len=SEQ)
     app = runs["qlora"]["eval"][-1]
     print(f"\npeft on the dequantized base: eval loss {ours:.6f}, the app's {app:.6f}")
     assert abs(ours - app) <= 1e-4, (ours, app)
