@@ -6,8 +6,6 @@ Each case runs the launcher's checks in this process; two of them also go throug
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.app.prelaunch import prelaunch_error
+from tests.app_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"
@@ -119,8 +118,7 @@ def test_bad_input_exits_2_with_one_line_before_any_worker(tmp_path, case):
     """The CLI for real: a model-file check and the last check before launch (the data fits the batch)."""
     overrides, expected = case(tmp_path)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = run_main([*TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert lines[-1].startswith(expected), proc.stderr[-3000:]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from deepshard.finetune.config import register, validate
+from tests.app_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -148,10 +147,7 @@ def test_local_worker_count_is_bounded(value):
 
 
 def test_cli_exits_nonzero_with_one_line_before_any_work(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "apps/finetune/main.py"), "train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = run_main(["train.micro_batch_size=0", f"hydra.run.dir={tmp_path}"], cwd=Path.cwd(), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: train.micro_batch_size=0: must be a positive integer"]
     assert not (tmp_path / "tensorboard").exists()  # nothing started

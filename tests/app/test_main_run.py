@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.app_runner import run_main
 
 pytestmark = pytest.mark.slow  # world-size launches: the full suite only (the inner loop: -m 'not slow')
 
@@ -15,11 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_run_command_trains_and_logs(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "apps/finetune/main.py"), "+zero=stage3", "train.max_steps=10",
-         "train.log_every=1", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )
+    proc = run_main(["+zero=stage3", "train.max_steps=10", "train.log_every=1", f"hydra.run.dir={tmp_path}"],
+                    cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s), zero stage 3" in proc.stdout + proc.stderr
     acc = EventAccumulator(str(tmp_path / "tensorboard"))

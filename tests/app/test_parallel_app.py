@@ -3,8 +3,6 @@ fail before any work with the key named (parity itself is proven in tests/pipeli
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from omegaconf import OmegaConf
 
 from deepshard.finetune.config import register, validate
 from tests.app.prelaunch import prelaunch_error
+from tests.app_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 # a ~0.3M-parameter Llama, one layer per pipeline stage: the schedule and the logging are what is checked
@@ -64,11 +63,8 @@ def test_a_world_size_the_layout_does_not_divide_fails_before_launch(tmp_path, m
 
 @pytest.mark.slow
 def test_pipeline_run_trains(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "apps/finetune/main.py"), "parallel.pp=2", "train.max_steps=8",
-         "train.log_every=4", "pipeline.schedule=gpipe", *TINY, f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=600,
-    )
+    proc = run_main(["parallel.pp=2", "train.max_steps=8", "train.log_every=4", "pipeline.schedule=gpipe", *TINY,
+                     f"hydra.run.dir={tmp_path}"], cwd=Path.cwd(), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "2 rank(s) (pp 2 x dp 1 x tp 1)" in out

@@ -21,6 +21,7 @@ import torch
 
 from deepshard.compat.deepspeed.ds_import import import_checkpoint
 from deepshard.launch.local import launch_local
+from tests.app_runner import run_module
 from tests.compat.import_harness import resume_worker
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -218,8 +219,7 @@ def _hold(leftover: str, ready) -> None:
 
 
 def _cli_import(src: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepshard.finetune.tools.from_deepspeed", str(src), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    return run_module("deepshard.finetune.tools.from_deepspeed", [src, out], cwd=Path.cwd(), timeout=120)
 
 
 @pytest.fixture

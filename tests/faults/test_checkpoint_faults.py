@@ -24,6 +24,7 @@ import pytest
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
 from deepshard.finetune.tools.export import main as export_main
+from tests.app_runner import run_main
 from tests.checkpoint.malicious import poison_metadata
 from tests.finetune_app.app_harness import MAIN, TINY
 
@@ -36,8 +37,7 @@ def _cmd(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def _run(cwd: Path, run_dir: Path, *overrides: str, timeout: int = 180) -> tuple[int, str]:
-    proc = subprocess.run(_cmd(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = run_main(_cmd(run_dir, *overrides)[2:], cwd=cwd, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -9,23 +9,21 @@ temp dir without its marker) survive a run and its retention; resuming a 3-layer
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
-from tests.finetune_app.app_harness import MAIN, TINY
+from tests.app_runner import run_main
+from tests.finetune_app.app_harness import TINY
 
 pytestmark = pytest.mark.slow
 USER_DIRS = ("project.tmp-notes", "photos.old-2023", "build.init-cache", "plain", "step-00000009.tmp-0123abcd")
 
 
 def _run(cwd: Path, *overrides: str, timeout: int = 240) -> tuple[int, str, str]:
-    cmd = [sys.executable, str(MAIN), *TINY, "+zero=stage3", *overrides, f"hydra.run.dir={cwd / 'run'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = run_main([*TINY, "+zero=stage3", *overrides, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return proc.returncode, proc.stdout + proc.stderr, proc.stderr
 
 

@@ -26,6 +26,7 @@ import pytest
 
 from deepshard.core.checkpoint.consolidate import iter_full_tensors
 from deepshard.core.checkpoint.manifest import step_dirs
+from tests.app_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"
@@ -47,8 +48,7 @@ def _run(run_dir: Path, *overrides: str, fault: str | None = None, timeout: int 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if fault:
         env["DEEPSHARD_TEST_FAULT"] = fault
-    proc = subprocess.run(_cmd(run_dir, *overrides), capture_output=True, text=True, timeout=timeout,
-                          cwd=run_dir.parent, env=env)
+    proc = run_main(_cmd(run_dir, *overrides)[2:], cwd=run_dir.parent, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 

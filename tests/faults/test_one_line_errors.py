@@ -15,11 +15,12 @@ import os
 import pickle
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.app_runner import run_main, run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "apps/finetune/main.py"
@@ -45,9 +46,8 @@ def _one_line(proc: subprocess.CompletedProcess, expected: str) -> str:
 
 def _main(tmp: Path, *overrides: str, run_dir: Path | None = None, env: dict | None = None):
     run_dir = run_dir if run_dir is not None else tmp / "run"
-    return subprocess.run([sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp,
-                          env={**os.environ, **(env or {})})
+    return run_main([*TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp, timeout=300,
+                    env={**os.environ, **(env or {})})
 
 
 def _nothing_trained(run_dir: Path) -> None:
@@ -181,8 +181,7 @@ def _zero2(root: Path, *, short_rank: int | None = None, drop: str | None = None
 
 
 def _import(ds: Path, out: Path):
-    proc = subprocess.run([sys.executable, "-m", "deepshard.finetune.tools.from_deepspeed", str(ds), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_module("deepshard.finetune.tools.from_deepspeed", [ds, out], cwd=Path.cwd(), timeout=300)
     if out.exists():
         assert not list(out.glob("*.tmp-import")), list(out.iterdir())
     assert "this must not run" not in proc.stdout

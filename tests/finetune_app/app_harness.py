@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from deepshard.finetune.data.corpus import generate
+from tests.app_runner import MAIN, run_main  # noqa: F401  (MAIN: what the tests import from here)
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN = ROOT / "apps/finetune/main.py"
 FIXTURES = Path(__file__).parent / "fixtures"
 # a ~0.4M-parameter Llama (the embedded tokenizer's 2048 tokens dominate): quick on 2 CPU cores
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
@@ -54,9 +53,8 @@ def write_save_to_disk(root: Path, rows: list[dict], split: str | None = None) -
 
 
 def run_app(cwd: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python apps/finetune/main.py OVERRIDES hydra.run.dir=cwd/run``."""
-    return subprocess.run([sys.executable, str(MAIN), *overrides, f"hydra.run.dir={cwd / 'run'}"],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    """``python apps/finetune/main.py OVERRIDES hydra.run.dir=cwd/run`` (through the pytest worker's app runner)."""
+    return run_main([*overrides, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
 
 
 def scalars(logdir: Path) -> dict[str, list[float]]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from tests.finetune_app.app_harness import MAIN
+from tests.app_runner import run_main
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
         "data.seq_len=64"]
@@ -22,9 +20,8 @@ ZERO2 = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_
 def _run(tmp_path, *overrides: str) -> tuple[int, list[str], str]:
     (tmp_path / "ds_config.json").write_text(json.dumps(ZERO2))
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(MAIN), "+deepspeed=ds_config.json", "launcher.nproc_per_node=2",
-                           *TINY, *overrides, f"hydra.run.dir={run}"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = run_main(["+deepspeed=ds_config.json", "launcher.nproc_per_node=2", *TINY, *overrides,
+                     f"hydra.run.dir={run}"], cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert not (run / "heartbeat").exists() and not (run / "launcher.log").exists()  # no worker started
     return proc.returncode, proc.stderr.strip().splitlines(), proc.stderr
 

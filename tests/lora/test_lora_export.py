@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from deepshard.core.checkpoint.consolidate import iter_full_tensors, tensor_infos
+from tests.app_runner import run_main
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +52,7 @@ def _chats(path: Path, n: int = 48) -> Path:
 
 
 def _app(cwd: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "apps/finetune/main.py"), *overrides,
-                           f"hydra.run.dir={cwd / name}"], capture_output=True, text=True, timeout=600, cwd=cwd)
+    proc = run_main([*overrides, f"hydra.run.dir={cwd / name}"], cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
