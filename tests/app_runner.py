@@ -73,7 +73,7 @@ class _Runner:
 
     def __init__(self) -> None:
         self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.app_runner"], cwd=ROOT, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         ready = self._answer(timeout=300)
         self.server_pid = int(ready["server"])
@@ -126,6 +126,9 @@ def _read(path: Path) -> str:
 
 _LOCK = threading.Lock()
 _RUNNER: _Runner | None = None
+# started by -c, not as a script: a script's folder (tests/) would go on sys.path, where tests/kernels
+# shadows the installed ``kernels`` (tests/test_no_shadowing.py)
+SERVE = "from tests.app_runner import _serve; _serve()"
 
 
 def _runner() -> _Runner:
@@ -271,6 +274,3 @@ def _say(stream, **answer) -> None:
     stream.write((json.dumps(answer) + "\n").encode())
     stream.flush()
 
-
-if __name__ == "__main__":
-    _serve()
