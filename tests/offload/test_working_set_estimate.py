@@ -155,7 +155,9 @@ def test_the_larger_phase_not_the_sum():
         o = OffloadConfig(device="nvme", params="nvme", sub_group_size=sub_group, buffer_size=sub_group,
                           buffer_count=2, param_buffer_count=3)
         ws = working_set(cfg, counts, RunShape(stage=3, dp=1, offload=o, prefetch=0, ac="full"), baseline=0)
-        return ws.ram(False), {**ws.host, **ws.device}
+        parts = {**ws.host, **ws.device}
+        assert parts["page tables"] == -(-(ws.ram(False) - parts["page tables"]) // 4096) * 8  # 8 B per 4 KiB page
+        return ws.ram(False) - parts["page tables"], parts
 
     assert total(4096)[1]["gathered units"] == 4 * 4 * unit  # backward: in use, one ahead, gradient, RS input
     small_ram, small = total(4096)  # 2 x 16 B x 4096 = 128 KiB of pieces: backward is the larger phase

@@ -14,7 +14,8 @@ a CPU-only host is the same RAM):
   ``activation_memory``), and the loss's logits chunk and gradient accumulators (a vocabulary tile
   under tiling),
 - a worker's own pages before training (launch's ``memory.job_baseline``: what the host's processes
-  hold once, the forkserver's image among them, is counted by the caller, once per host),
+  hold once, the forkserver's image among them, is counted by the caller, once per host), and the
+  kernel's page tables for the rest (launch's ``memory.page_table_bytes``),
 - ``model=hf``: the checkpoint read (``load_peak``), beyond the activations it never meets.
 """
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from deepshard.core.memory import DTYPE_BYTES, gathered_unit_bytes, grads_in_flight_bytes, residence
 from deepshard.finetune.models.memory_plan import ModelCounts, model_counts
 from deepshard.finetune.models.registry import spec_of
+from deepshard.launch.memory import page_table_bytes
 from deepshard.offload import OffloadConfig
 from deepshard.offload.memory import host_buffers
 
@@ -129,6 +131,7 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
         _, read = load_peak(counts, s)
         ws.host["checkpoint read"] = read if s.on_device else max(0, read - ws.device["activations"] - ws.device["loss"])
     ws.host["process baseline"] = baseline
+    ws.host["page tables"] = page_table_bytes(ws.ram(s.on_device) - baseline)  # the kernel's, for what it maps
     return ws
 
 
