@@ -138,20 +138,22 @@ def _usage(group: Path) -> dict[str, int]:
 
 
 def _processes(group: Path) -> dict[str, dict[str, int]]:
-    """Each process of the group: its role (``launcher``, ``forkserver``, ``rank N``), anonymous and shared
-    resident bytes (``/proc/PID/status``), so a peak is split by who holds it."""
-    out: dict[str, dict[str, int]] = {}
+    """Each process of the group: its role (``launcher``, ``forkserver``, ``worker``: a child of the
+    forkserver, or the launcher itself at world 1), anonymous and shared resident bytes (``/proc/PID/status``;
+    a worker's count includes the forkserver's pages it shares), so a peak is split by who holds it."""
+    seen: dict[str, tuple[str, bool, dict[str, int]]] = {}
     for pid in (group / "cgroup.procs").read_text().split():
         try:
             status = dict(x.split(":", 1) for x in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in x)
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = b" ".join(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
         except (OSError, ValueError):
             continue
-        rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
-        role = f"rank {rank}" if rank is not None else ("forkserver" if b"forkserver" in b" ".join(cmd) else "launcher")
         kib = {k: int(status.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssShmem")}
-        out[f"{role} ({pid})"] = {"anon": kib["RssAnon"], "shmem": kib["RssShmem"]}
+        seen[pid] = (status.get("PPid", "").strip(), b"forkserver" in cmd, {"anon": kib["RssAnon"], "shmem": kib["RssShmem"]})
+    out = {}
+    for pid, (ppid, forkserver, sizes) in seen.items():
+        role = "worker" if forkserver and seen.get(ppid, ("", False))[1] else "forkserver" if forkserver else "launcher"
+        out[f"{role} ({pid})"] = sizes
     return out
 
 
