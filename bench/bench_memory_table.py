@@ -79,6 +79,56 @@ def app_mode(argv: list[str]) -> None:
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
+# put on every process of a row by PYTHONPATH: once torch is imported, each backward writes its start and end
+# (CLOCK_MONOTONIC, the sampler's clock) to DEEPSHARD_MEMTABLE_EVENTS, so the peak is split by phase
+SITECUSTOMIZE = """
+import os, sys, threading, time
+def _watch():
+    while "torch" not in sys.modules or not hasattr(sys.modules["torch"], "Tensor"):
+        time.sleep(0.2)
+    time.sleep(1.0)  # torch's import finished
+    import torch
+    path, inner = os.environ["DEEPSHARD_MEMTABLE_EVENTS"], torch.autograd.backward
+    def backward(*a, **k):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} start {time.monotonic()}\\n")
+        try:
+            return inner(*a, **k)
+        finally:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} end {time.monotonic()}\\n")
+    torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward by this name
+if os.environ.get("DEEPSHARD_MEMTABLE_EVENTS"):
+    threading.Thread(target=_watch, daemon=True).start()
+"""
+
+
+def _by_phase(series: list[tuple[float, int]], events: Path) -> dict[str, int]:
+    """The largest usage (less page cache) sampled while some rank was in backward, and while none was."""
+    spans, open_ = [], {}
+    for line in (events.read_text().splitlines() if events.exists() else []):
+        pid, what, t = line.split()
+        if what == "start":
+            open_[pid] = float(t)
+        elif pid in open_:
+            spans.append((open_.pop(pid), float(t)))
+    inside = [u for t, u in series if any(a <= t <= b for a, b in spans)]
+    outside = [u for t, u in series if not any(a <= t <= b for a, b in spans)]
+    return {"backward": max(inside, default=0), "not_backward": max(outside, default=0), "backwards": len(spans)}
+
+
+def _beats(beat_dir: Path) -> dict[str, str]:
+    """Each rank's step and phase from its heartbeat (the loop's phases: forward covers the backward)."""
+    out = {}
+    for f in beat_dir.glob("rank*.json"):
+        try:
+            b = json.loads(f.read_text())
+            out[f.stem] = f"step {b['step']} {b['phase']}"
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
 def _usage(group: Path) -> dict[str, int]:
     """The group's usage, its page cache and their difference (bytes)."""
     usage = int((group / "memory.usage_in_bytes").read_text())
@@ -87,12 +137,37 @@ def _usage(group: Path) -> dict[str, int]:
     return {"usage": usage, "cache": cache, "less_cache": usage - cache}
 
 
+def _processes(group: Path) -> dict[str, dict[str, int]]:
+    """Each process of the group: its role (``launcher``, ``forkserver``, ``worker``: a child of the
+    forkserver, or the launcher itself at world 1), anonymous and shared resident bytes (``/proc/PID/status``;
+    a worker's count includes the forkserver's pages it shares), so a peak is split by who holds it."""
+    seen: dict[str, tuple[str, bool, dict[str, int]]] = {}
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            status = dict(x.split(":", 1) for x in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in x)
+            cmd = b" ".join(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+        kib = {k: int(status.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssShmem")}
+        seen[pid] = (status.get("PPid", "").strip(), b"forkserver" in cmd, {"anon": kib["RssAnon"], "shmem": kib["RssShmem"]})
+    out = {}
+    for pid, (ppid, forkserver, sizes) in seen.items():
+        role = "worker" if forkserver and seen.get(ppid, ("", False))[1] else "forkserver" if forkserver else "launcher"
+        out[f"{role} ({pid})"] = sizes
+    return out
+
+
 def run_row(name: str, *, nvme: str, steps: int, timeout_s: float) -> dict:
     from bench.bench_infinity import memory_cgroup
     from bench.bench_infinity_app import SHAPES
 
     shape_name, world, limit_gib, extra = ROWS[name]
     run_dir = Path(tempfile.mkdtemp(prefix="memtable-", dir=nvme))
+    beat_dir = run_dir / "beats"  # each rank's step and phase, read at the peak
+    site = run_dir / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    events, series = run_dir / "backward-events", []
     args = [f"model.{k}={v}" for k, v in {**SHAPES, "tiny": TINY}[shape_name].items()] + [
         f"launcher.nproc_per_node={world}", f"train.max_steps={steps}", "+zero=stage3", "+offload=nvme",
         "offload.params=nvme", f"offload.nvme_path={run_dir}", f"hydra.run.dir={run_dir}",
@@ -110,15 +185,21 @@ def run_row(name: str, *, nvme: str, steps: int, timeout_s: float) -> dict:
                         u = _usage(group)
                     except (OSError, ValueError):
                         u = {"less_cache": 0}
+                    series.append((time.monotonic(), u["less_cache"]))
                     if u["less_cache"] > peak["less_cache"]:
-                        peak.update(u)
+                        peak.update(u, t=time.monotonic() - t0)
+                        if u["less_cache"] > peak.get("split_at", 0) + 4 * 2**20:  # who holds it (a few reads)
+                            peak.update(split_at=u["less_cache"], procs=_processes(group), beats=_beats(beat_dir))
                     time.sleep(0.02)
 
+            t0 = time.monotonic()
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            t0 = time.monotonic()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=run_dir,
+                                      env={**os.environ, "DEEPSHARD_HEARTBEAT_DIR": str(beat_dir),
+                                           "DEEPSHARD_MEMTABLE_EVENTS": str(events),
+                                           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])},
                                       preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
             finally:
                 done.set()
@@ -135,6 +216,10 @@ def run_row(name: str, *, nvme: str, steps: int, timeout_s: float) -> dict:
             out["stderr_tail"] = proc.stderr[-600:]
         out["passed_preflight"] = bool(table) and not any("memory: this run needs about" in x for x in said)
         out["peak_gib"] = round(peak["less_cache"] / GiB, 3)
+        out["peak_at_s"] = round(peak.get("t", 0.0), 1)
+        out["peak_by_process_mib"] = {k: {n: round(v / 2**20, 1) for n, v in x.items()}
+                                      for k, x in peak.get("procs", {}).items()}
+        out["peak_beats"] = peak.get("beats", {})
         if table:
             t = table[0]
             gib = {k: round(v / GiB, 3) for k, v in t["parts"].items()}
@@ -146,6 +231,9 @@ def run_row(name: str, *, nvme: str, steps: int, timeout_s: float) -> dict:
                 out["at_check_gib"] = round(at / GiB, 3)
                 out["grown_gib"] = round((peak["less_cache"] - at) / GiB, 3)
                 out["ratio"] = round(t["estimate"] / max(peak["less_cache"] - at, 1), 3)
+                phases = _by_phase(series, events)
+                out["grown_by_phase_gib"] = {k: round((v - at) / GiB, 3) for k, v in phases.items() if k != "backwards"}
+                out["backwards_seen"] = phases["backwards"]
     except subprocess.TimeoutExpired:
         out["rc"] = "timeout"
     finally:

@@ -204,7 +204,7 @@ def test_forwarded_names_cannot_run_commands_in_a_nodes_shell(capsys, script, tm
     (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     lines: dict[str, str] = {}
     monkeypatch.setattr(remote, "node_command", lambda *a, **k: ["printenv", "PYTHON_OK"])
-    monkeypatch.setattr(remote, "run_over_ssh", lambda got, port: (lines.update(got), (0, None))[1])
+    monkeypatch.setattr(remote, "run_over_ssh", lambda got, port, **_: (lines.update(got), (0, None))[1])
     assert cli.run(["-H", "hosts", "--no_ssh_check", script]) == 0
     assert list(lines) == ["127.0.0.1", "127.0.0.2"]
     for line in lines.values():

@@ -12,6 +12,13 @@ step trained again is printed.
 The same launch checks the torchrun path of the job lock: global rank 0 holds the run dir, so a plain
 app job started on it is refused naming rank 0's pid, and the restarted rank 0 (a new process of the
 same run id) takes the directory again.
+
+The same through ``deepshard --hostfile`` over the loopback sshd (two "hosts", 127.0.0.1 and 127.0.0.2, one
+worker each, ``--max_restarts=1``): node 1's agent and worker are SIGKILLed at step 6.  Who relaunches
+what: node 0's agent restarts its own worker into a new rendezvous round (node 0 hosts the rendezvous);
+the ``deepshard`` launcher, which started node 1 over ssh, sees that session end without an ``error:``
+line of its own and starts node 1's command again over ssh (``launch/remote.py``, the cluster manager's
+part under torchrun).  The job resumes from step 4 and ends with the clean run's losses, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from deepshard.core.mesh import free_port
+from tests.launch.loopback_sshd import loopback_sshd
 from tests.launch.test_cli_restart import MAIN, RUN, losses
 
 pytestmark = pytest.mark.slow
@@ -134,3 +142,50 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_the_clean_run(tmp_pat
     assert sorted(cut) == list(range(1, 9))
     assert [cut[s] for s in range(1, 9)] == [whole_app_losses[s] for s in range(1, 9)]  # fp32: bit for bit
     assert not (run_dir / ".deepshard.lock").exists()  # the restarted rank 0 held it and released it
+
+
+def _node_of(pid: int) -> str:
+    """The ``--node_rank=N`` of the agent that started worker ``pid`` (its parent: the guard execs)."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return next((a for a in Path(f"/proc/{ppid}/cmdline").read_text().split("\0") if a.startswith("--node_rank=")),
+                "?")
+
+
+def test_a_node_killed_under_deepshard_hostfile_is_relaunched_and_ends_as_the_clean_run(tmp_path, whole_app_losses):
+    run_dir, beat_dir = tmp_path / "run", tmp_path / "beats"
+    beat_dir.mkdir()
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    with loopback_sshd(tmp_path / "sshd") as sshd:
+        env = {**os.environ, **sshd, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "DEEPSHARD_HEARTBEAT_DIR": str(beat_dir)}  # forwarded to both nodes (the DEEPSHARD prefix)
+        launcher = subprocess.Popen([sys.executable, "-m", "deepshard.launch.cli", "--hostfile=hosts",
+                                     "--max_restarts=1", f"--master_port={free_port()}", str(MAIN), *RUN,
+                                     f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out = _Lines(launcher)
+            # node 1's worker: the rendezvous, not the hostfile, decides its global rank
+            victim = _wait(lambda: next((b for r in (0, 1) if (b := _beat(beat_dir, r)) and b["step"] >= 6
+                                         and b["phase"] != "startup" and _node_of(b["pid"]) == "--node_rank=1"), None))
+            agent = int(Path(f"/proc/{victim['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            os.kill(agent, signal.SIGKILL)  # node 1 goes away: its agent and its worker
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            resumed = _wait(lambda: out.first(r"resumed from", after=killed_at), timeout=120)
+            back = _wait(lambda: out.first(r"step\s+\d+\s+loss", after=resumed[0]), timeout=60)
+            assert launcher.wait(timeout=120) == 0, out.text()[-3000:]
+            out.thread.join(timeout=10)
+        finally:
+            if launcher.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    print(f"node 1 killed at step {victim['step']}; training again {back[0] - killed_at:.1f} s after the kill")
+    text = out.text()
+    assert "deepshard: node 1 (127.0.0.2) ended without a word" in text and "(node restart 1 of 1)" in text, text[-3000:]
+    assert "restarting the workers (restart 1 of 1)" in text, text[-3000:]  # node 0's agent restarted its worker
+    assert "step-00000004 at step 4" in resumed[1], resumed  # resumed from the last verified checkpoint
+    assert re.search(r"step\s+5\s+loss", back[1]), back
+    cut = losses(run_dir)
+    assert sorted(cut) == list(range(1, 9))
+    assert [cut[s] for s in range(1, 9)] == [whole_app_losses[s] for s in range(1, 9)]  # fp32: bit for bit

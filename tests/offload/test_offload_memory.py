@@ -46,3 +46,15 @@ def test_infinity_buffers_by_the_old_formula():
 def test_unit_numel_pads_rows_to_the_world_and_starts_shards_on_16():
     # a [5, 3] weight at world 2: 3 rows x 3 a rank = 9 elements, then a [7] bias from 16: 4 -> 20
     assert unit_numel([(5, 15), (7, 7)], 2) == 16 + 4
+
+
+def test_deferred_buffers_are_forward_only_unless_they_outnumber_the_pieces():
+    """``DeferredStep`` frees its buffers at the backward's first gradient, unless ``buffer_count >= pieces``
+    (resident: kept through the run); the working set weighs only the former against backward's units."""
+    units = [3 * 2**20, 3 * 2**20]
+    cfg = OffloadConfig(device="nvme", params="nvme", sub_group_size=2**20, buffer_size=2**20, buffer_count=2)
+    freed = host_buffers(cfg, state_numel=0, units=units, gathered=units)  # 6 pieces, 2 buffers
+    assert not freed.resident and freed.forward_only == freed.deferred == 2 * 4 * _align(2**20 * 4)
+    kept = host_buffers(OffloadConfig(device="nvme", params="nvme", sub_group_size=2**20, buffer_size=2**20,
+                                      buffer_count=6), state_numel=0, units=units, gathered=units)
+    assert kept.resident and kept.forward_only == 0 and kept.deferred == 6 * 4 * _align(2**20 * 4)

@@ -134,3 +134,36 @@ def test_ac_auto_picks_full_where_only_it_fits(tmp_path):
     assert got["auto"][0] == "full", got
     assert got["auto"][1].startswith("memory: picked ac=full"), got
     assert got["none"] == ["none", None], got
+
+
+def test_the_larger_phase_not_the_sum():
+    """ZeRO-Infinity's deferred update holds its buffers in forward only; backward holds FSDP2's units: the
+    unit in use and one ahead, its fp32 gradient and the previous unit's reduce-scatter input (4 units of
+    4 B at fp32), where forward holds 2 (the unit and its all-gather buffer).  The working set adds the
+    deferred buffers only beyond backward's 2 extra units (the 450M row of bench/bench_memory_table.py in
+    2.25 GiB was 1.16x its peak with the sum)."""
+    from deepshard.finetune.models.llama import LlamaConfig
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.working_set import RunShape, working_set
+    from deepshard.offload import OffloadConfig
+
+    cfg = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=512)
+    counts = model_counts(cfg, world=1)
+    unit = counts.largest_unit
+
+    def total(sub_group: int) -> tuple[int, dict]:
+        o = OffloadConfig(device="nvme", params="nvme", sub_group_size=sub_group, buffer_size=sub_group,
+                          buffer_count=2, param_buffer_count=3)
+        ws = working_set(cfg, counts, RunShape(stage=3, dp=1, offload=o, prefetch=0, ac="full"), baseline=0)
+        parts = {**ws.host, **ws.device}
+        assert parts["page tables"] == -(-(ws.ram(False) - parts["page tables"]) // 4096) * 8  # 8 B per 4 KiB page
+        return ws.ram(False) - parts["page tables"], parts
+
+    assert total(4096)[1]["gathered units"] == 4 * 4 * unit  # backward: in use, one ahead, gradient, RS input
+    small_ram, small = total(4096)  # 2 x 16 B x 4096 = 128 KiB of pieces: backward is the larger phase
+    assert small["deferred update (forward, beyond backward's units)"] == 0
+    big_ram, big = total(2**20)  # 2 x 16 MiB: the forward is
+    deferred = 2 * 16 * min(2**20, unit)  # a piece is at most the largest unit (its four regions 4 KiB-aligned)
+    extra = big["deferred update (forward, beyond backward's units)"]
+    assert 0 <= extra - (deferred - 2 * 4 * unit) < 2 * 4 * 4096
+    assert big_ram - small_ram == extra + (big["swap buffers"] - small["swap buffers"])

@@ -181,16 +181,28 @@ def residence(num_params: int, *, stage: int, dp: int, dtype: str, offload: str 
     return Residence(stage, offload, offload_params, device, host, nvme)
 
 
-def gathered_unit_bytes(unit_numel: int, *, prefetch: int, dtype: str) -> int:
-    """ZeRO-3's all-gathered units at their peak, in backward: the units gathered ahead in the compute
-    dtype, the unit's unsharded fp32 gradient, and either the unit itself (before its reshard) or FSDP2's
-    reduce-scatter input (the gradient copied in, the unit resharded), whichever is larger.
-    ``prefetch`` (``zero.prefetch``) units are gathered ahead explicitly; with 0, ``apply_fsdp`` sets no
-    prefetch and FSDP2 gathers the next unit of backward itself (its default), so backward still holds
-    one ahead (bench/bench_memory_table.py: the 450M row at zero.prefetch=0 in 1.75 GiB peaks in backward,
-    0.96x its peak without this unit, 1.06x with it)."""
+def gathered_unit_bytes(unit_numel: int, *, prefetch: int, dtype: str, phase: str = "backward") -> int:
+    """ZeRO-3's all-gathered units at their peak in ``phase``, as FSDP2 allocates them (torch 2.13's
+    ``_fully_shard``; bench/bench_memory_table.py measures them).
+
+    An unshard all-gathers into one buffer of the whole unit and copies out into the parameters' own
+    unsharded storage: both exist at the copy-out.  ``prefetch`` (``zero.prefetch``) units are
+    all-gathered ahead explicitly; with 0, ``apply_fsdp`` sets none and FSDP2 still gathers the next unit
+    of backward itself (its default), so backward holds one ahead either way.
+
+    - forward: the unit in use, and the prefetched units' all-gather buffers or, at 0, the unit's own
+      (at its copy-out): ``(1 + max(prefetch, 1))`` units in the compute dtype;
+    - backward: the unit in use and ``max(prefetch, 1)`` ahead in the compute dtype, the unit's unsharded
+      fp32 gradient, and the previous unit's fp32 reduce-scatter input, which FSDP2 holds until this
+      unit's reduce-scatter starts (``reduce_scatter_max_input_buffers=1``, for overlap).
+
+    What a working set holds only in forward (ZeRO-Infinity's deferred update) meets the forward's
+    figure, not the backward's."""
+    assert phase in ("forward", "backward"), phase
     gathered, grad = unit_numel * DTYPE_BYTES[dtype], unit_numel * 4
-    return max(prefetch, 1) * gathered + grad + max(gathered, grad)
+    if phase == "forward":
+        return (1 + max(prefetch, 1)) * gathered
+    return (1 + max(prefetch, 1)) * gathered + 2 * grad
 
 
 def grads_in_flight_bytes(num_params: int, *, stage: int, dp: int, reduce_bucket_size: int) -> int:

@@ -13,7 +13,8 @@ Each worker gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MA
 ``.deepspeed_env`` (``DS_ENV_FILE``).  Differences from DeepSpeed: on a CPU-only host
 ``--num_gpus``/``--num_accelerators`` counts worker processes (any positive number; default 2); a
 one-node job without ``--master_port`` takes a free port; ``--max_restarts`` (default 0) restarts the
-workers after a failure; ``--hang_s`` (default 300; 0: off) ends a job whose rank reports progress
+workers after a failure, and over ssh starts again a node other than node 0 that went away (its session
+ended without an ``error:`` line: ``remote.run_over_ssh``); ``--hang_s`` (default 300; 0: off) ends a job whose rank reports progress
 (``deepshard.launch.heartbeat``) and makes none for that long.
 
 Exit codes: 0 every worker succeeded; 2 bad input, refused before anything started; the failed
@@ -319,7 +320,7 @@ def _run_nodes(args: argparse.Namespace, world: Resources) -> Failure | None:
     env, cwd = job_env(), os.getcwd()
     lines = {h: remote.remote_shell_line(remote.node_command(i, over_ssh=True, **common), env=env, cwd=cwd,
                                          venv_script=args.venv_script) for i, h in enumerate(hosts)}
-    code, line = remote.run_over_ssh(lines, port=args.ssh_port)
+    code, line = remote.run_over_ssh(lines, port=args.ssh_port, max_restarts=args.max_restarts)
     return None if code == 0 else Failure(line or f"exit {code}", code)
 
 

@@ -144,6 +144,19 @@ def job_baseline(nproc: int, sizes: ProcessSizes, *, forked: bool = True, image:
                                            "other local ranks' images": others * image})
 
 
+PAGE = 4096
+PTE_BYTES = 8  # x86-64 and arm64: one 8-byte entry per 4 KiB page in the last level of the page tables
+
+
+def page_table_bytes(resident: int) -> int:
+    """The kernel's page tables for ``resident`` bytes a process maps in 4 KiB pages: 1/512 of them (the
+    upper levels add a 512th of that).  A memory cgroup v1 with kernel accounting charges them to the
+    group, so they count against its limit (bench/bench_memory_table.py: 2.7 MiB for a TinyLlama-shape
+    rank's 1.3 GiB, the gap between its estimate and its peak); the per-worker baseline, measured on a
+    tiny run, holds only its own."""
+    return -(-resident // PAGE) * PTE_BYTES
+
+
 OOM_SCORE_ADJ = 500  # added to each worker's: the kernel's OOM killer takes a worker, never the launcher
 
 

@@ -6,7 +6,9 @@ id, so each node's elastic agent joins the same c10d rendezvous.  Over ssh the l
 every node; when one fails it stops the others (closing their ssh sessions ends the remote
 commands) and its last line is that node's own ``error:`` line, which names host, rank and cause.
 A node started over ssh ends when its session closes (``--end_with_stdin``), and the ssh clients
-die with the launcher, so a SIGKILLed launcher leaves no node running.
+die with the launcher, so a SIGKILLed launcher leaves no node running.  With ``--max_restarts`` the
+launcher also plays the cluster manager's part for a node that goes away (its agent killed, its host
+lost): it starts that node's command again, and the job resumes in a new rendezvous round.
 """
 
 from __future__ import annotations
@@ -149,26 +151,55 @@ def _pump(proc: subprocess.Popen, sink, last: dict[int, str], key: int) -> None:
             sink.flush()
 
 
-def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2,
-                 settle_s: float = 3.0) -> tuple[int, str | None]:
-    """Start one ssh per host; wait for all.  Returns (exit code, the first failed node's error line)."""
-    procs: list[tuple[str, subprocess.Popen]] = []
+def _start_node(host: str, line: str, *, port: int | None, last: dict[int, str], key: int
+                ) -> tuple[subprocess.Popen, threading.Thread]:
+    """One node's ssh session and the thread that copies its stderr through."""
+    # stdin stays open, unwritten: when this launcher ends, the session's end reaches the node
+    ssh = ssh_command(host, line, port=port)  # dies with this launcher, even by SIGKILL
+    exe, args = guarded(ssh[0], ssh[1:], os.getpid())
+    proc = subprocess.Popen([exe, *args], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pump = threading.Thread(target=_pump, args=(proc, sys.stderr, last, key), daemon=True)
+    pump.start()
+    return proc, pump
+
+
+def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2, settle_s: float = 3.0,
+                 max_restarts: int = 0) -> tuple[int, str | None]:
+    """Start one ssh per host; wait for all.  Returns (exit code, the first failed node's error line).
+
+    A node other than node 0 whose session ends without a word of its own (no ``error:`` line: its
+    agent was killed, its host went away) is started again, up to ``max_restarts`` times, as a
+    cluster manager would restart it: the surviving agents restart their workers into a new
+    rendezvous round and wait there for it (torch's agent never restarts a dead agent).  Node 0
+    hosts the rendezvous: its loss ends the job (the others' rendezvous fails, and they say so)."""
+    hosts = list(lines)
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
     last: dict[int, str] = {}
-    pumps = []
+    restarts = [0] * len(hosts)
     order: list[int] = []  # failed nodes, in the order they were seen to fail
     try:
-        for i, (host, line) in enumerate(lines.items()):
-            # stdin stays open, unwritten: when this launcher ends, the session's end reaches the node
-            ssh = ssh_command(host, line, port=port)  # dies with this launcher, even by SIGKILL
-            exe, args = guarded(ssh[0], ssh[1:], os.getpid())
-            proc = subprocess.Popen([exe, *args], stdin=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-            procs.append((host, proc))
-            pumps.append(threading.Thread(target=_pump, args=(proc, sys.stderr, last, i), daemon=True))
-            pumps[-1].start()
+        for i, host in enumerate(hosts):
+            proc, pump = _start_node(host, lines[host], port=port, last=last, key=i)
+            procs.append(proc)
+            pumps.append(pump)
         settle_until = None
         while True:
-            codes = [p.poll() for _, p in procs]
+            codes = [p.poll() for p in procs]
+            for i, code in enumerate(codes):
+                if code in (None, 0) or i in order or i == 0 or order or restarts[i] >= max_restarts:
+                    continue
+                pumps[i].join(timeout=5)  # the session's last line, if it said one
+                if i in last:  # its agent's own verdict (restarts used up, a bad script): not a lost node
+                    continue
+                restarts[i] += 1
+                print(f"deepshard: node {i} ({hosts[i]}) ended without a word (ssh exit {code}); starting it "
+                      f"again (node restart {restarts[i]} of {max_restarts})", file=sys.stderr, flush=True)
+                if procs[i].stdin:
+                    procs[i].stdin.close()
+                procs[i], pumps[i] = _start_node(hosts[i], lines[hosts[i]], port=port, last=last, key=i)
+                codes[i] = None
             order += [i for i, c in enumerate(codes) if c not in (None, 0) and i not in order]
             if all(c == 0 for c in codes) or (order and all(c is not None for c in codes)):
                 break
@@ -178,16 +209,16 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
                 break
             time.sleep(poll_s)
     finally:
-        for _, proc in procs:  # a failed node: the others' sessions close (SIGTERM reaches their agents)
+        for proc in procs:  # a failed node: the others' sessions close (SIGTERM reaches their agents)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    for _, proc in procs:
+    for proc in procs:
         if proc.stdin:
             proc.stdin.close()
     for t in pumps:
@@ -195,8 +226,8 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
     if not order:
         return 0, None
     # the cause: a node whose line is not a lost peer's, one whose rank died of a signal, the first seen
-    bad = min(order, key=lambda i: (_lost_peer(last.get(i, "")), (procs[i][1].returncode or 0) <= 128,
+    bad = min(order, key=lambda i: (_lost_peer(last.get(i, "")), (procs[i].returncode or 0) <= 128,
                                     order.index(i)))
-    host, proc = procs[bad]
-    line = last.get(bad) or f"node {host} failed (ssh exit {proc.returncode})"
+    proc = procs[bad]
+    line = last.get(bad) or f"node {hosts[bad]} failed (ssh exit {proc.returncode})"
     return proc.returncode or 1, line

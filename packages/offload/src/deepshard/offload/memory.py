@@ -34,6 +34,13 @@ class HostBuffers:
     deferred: int = 0  # the deferred AdamW step's piece buffers
     tiles: int = 0  # a tiled embedding/head's row buffers
     store: int = 0  # the NVMe optimizer store's sub-group buffers (optimizer state offload alone)
+    resident: bool = False  # buffer_count >= pieces: the deferred buffers are kept through backward too
+
+    @property
+    def forward_only(self) -> int:
+        """What only the forward holds: the deferred step's buffers, unless they are resident
+        (``DeferredStep`` frees them at the backward's first gradient)."""
+        return 0 if self.resident else self.deferred
 
     @property
     def peak(self) -> int:
@@ -61,7 +68,8 @@ def host_buffers(config: OffloadConfig, *, state_numel: int, units: Sequence[int
         pieces = sum(-(-n // piece) for n in units)
         tiles = 2 * (align_up(4 * -(-tile_rows // world) * tile_width) + ALIGN) if tile_rows else 0
         return HostBuffers(pool=config.param_buffer_count * align_up(max(gathered, default=1) * 4),
-                           deferred=min(config.buffer_count, pieces) * buffer_bytes(piece), tiles=tiles)
+                           deferred=min(config.buffer_count, pieces) * buffer_bytes(piece), tiles=tiles,
+                           resident=config.buffer_count >= pieces)
     if config.device == "nvme":
         n = max(state_numel, 1)
         group = min(config.sub_group_size, n)

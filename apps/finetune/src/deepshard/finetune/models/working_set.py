@@ -14,7 +14,8 @@ a CPU-only host is the same RAM):
   ``activation_memory``), and the loss's logits chunk and gradient accumulators (a vocabulary tile
   under tiling),
 - a worker's own pages before training (launch's ``memory.job_baseline``: what the host's processes
-  hold once, the forkserver's image among them, is counted by the caller, once per host),
+  hold once, the forkserver's image among them, is counted by the caller, once per host), and the
+  kernel's page tables for the rest (launch's ``memory.page_table_bytes``),
 - ``model=hf``: the checkpoint read (``load_peak``), beyond the activations it never meets.
 """
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from deepshard.core.memory import DTYPE_BYTES, gathered_unit_bytes, grads_in_flight_bytes, residence
 from deepshard.finetune.models.memory_plan import ModelCounts, model_counts
 from deepshard.finetune.models.registry import spec_of
+from deepshard.launch.memory import page_table_bytes
 from deepshard.offload import OffloadConfig
 from deepshard.offload.memory import host_buffers
 
@@ -91,8 +93,9 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
     worker's own pages."""
     ws = WorkingSet()
     o, num = s.offload, counts.num_params
-    buffers = host_buffers(o, state_numel=num // s.dp, units=counts.units, gathered=counts.gathered,
-                           tile_rows=s.tile_rows, tile_width=cfg.dim, world=s.dp).peak
+    hb = host_buffers(o, state_numel=num // s.dp, units=counts.units, gathered=counts.gathered,
+                      tile_rows=s.tile_rows, tile_width=cfg.dim, world=s.dp)
+    buffers = hb.peak
     e = residence(num, stage=s.stage, dp=s.dp, dtype=s.dtype, offload=o.device,
                   offload_params={"cpu": True, "nvme": "nvme"}.get(o.params, False),
                   nvme_buffer_bytes=buffers if o.params != "nvme" else 0, frozen_params=counts.frozen,
@@ -103,14 +106,20 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
         from deepshard.finetune.models.qlora import nf4_bytes
 
         ws.device["model states"] += nf4_bytes(counts.nf4) // s.dp
-    if o.params == "nvme":
-        ws.host["swap buffers"] = buffers
+    if o.params == "nvme":  # the deferred step's forward-only buffers: below, against backward's units
+        ws.host["swap buffers"] = buffers - hb.forward_only
     else:
         if o.device == "nvme":
             ws.host["swap buffers"] = buffers
         ws.host["model states (offloaded)"] = e.host - (buffers if o.device == "nvme" else 0)
     if s.stage == 3:
-        ws.device["gathered units"] = gathered_unit_bytes(counts.largest_unit, prefetch=s.prefetch, dtype=s.dtype)
+        backward = gathered_unit_bytes(counts.largest_unit, prefetch=s.prefetch, dtype=s.dtype)
+        ws.device["gathered units"] = backward
+        # the larger phase, not the sum: the forward holds the deferred step's buffers beside its own units,
+        # the backward its units and gradient (bench/bench_memory_table.py)
+        forward = gathered_unit_bytes(counts.largest_unit, prefetch=s.prefetch, dtype=s.dtype, phase="forward")
+        if o.params == "nvme" and hb.forward_only:
+            ws.host["deferred update (forward, beyond backward's units)"] = max(0, hb.forward_only - (backward - forward))
     else:
         ws.device["gradients in flight"] = grads_in_flight_bytes(num, stage=s.stage, dp=s.dp,
                                                                  reduce_bucket_size=s.reduce_bucket_size)
@@ -122,6 +131,7 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
         _, read = load_peak(counts, s)
         ws.host["checkpoint read"] = read if s.on_device else max(0, read - ws.device["activations"] - ws.device["loss"])
     ws.host["process baseline"] = baseline
+    ws.host["page tables"] = page_table_bytes(ws.ram(s.on_device) - baseline)  # the kernel's, for what it maps
     return ws
 
 
