@@ -9,8 +9,9 @@
   under ``from_pretrained`` at ZeRO-3) at ZeRO-3 with offload, world 2, against TRL's own SFTTrainer without
   DeepSpeed in one process on the same rows per step (token-weighted, so exact), and at ZeRO-2 and ZeRO-3 +
   offload against real DeepSpeed 0.19.8's recorded runs (fixtures/hf_stack_ds.json, bench/record_hf_stack_ds.py);
-  at both layouts checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved model
-  loads in transformers with the engine's logits.
+  at ZeRO-2 checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved model loads
+  in transformers with the engine's logits (at ZeRO-3 the same script's LoRA run in test_hf_stack_peft.py and the
+  plain Trainer's run above check resume and save: one resumed trainer less in the suite's budget).
 
 One launch per run (~20-40 s each here; a layout is a launch); docs/compat/hf-stack.md lists what each exercises.
 """
@@ -47,9 +48,9 @@ def _run(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             stage = 2 if name == "trainer_zero2" else 3
             argv = [str(HERE / "hf_stack_trainer_script.py"), "--ds_config", write_ds_config(tmp / "ds.json", stage),
                     "--out", str(tmp / "out")]
-        else:  # SFTTrainer, full fine-tune, with checkpoints, save_model and checkpoint-2 resumed (--save)
-            stage = 2 if name == "sft_zero2" else 3
-            argv = [str(HERE / "hf_stack_sft_script.py"), "--model", make_model_dir(tmp / "model"), "--save",
+        else:  # SFTTrainer, full fine-tune; at ZeRO-2 with checkpoints, save_model and checkpoint-2 resumed (--save)
+            stage, save = (2, ["--save"]) if name == "sft_zero2" else (3, [])
+            argv = [str(HERE / "hf_stack_sft_script.py"), "--model", make_model_dir(tmp / "model"), *save,
                     "--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False), "--out", str(tmp / "out")]
         done = _deepshard([*argv, "--result", str(tmp / "result.json")], tmp)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -132,7 +133,6 @@ def test_sft_trainer_zero3_chat_completion_only(tmp_path_factory):
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=2e-4)
     _close_to_deepspeed(out["logs"], _recorded("sft_zero3_offload")["logs"], "sft_zero3_offload")
-    _sft_resumes_and_saves(out, "sft_zero3_offload")
 
 
 @pytest.mark.slow
