@@ -10,6 +10,8 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
 - ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
   completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
   tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW);
+- ``sft_zero2``: the same script (full fine-tune) with ``--save`` and the ZeRO-2 ds_config (no optimizer
+  section): checkpoint-2/-4, the model saved, checkpoint-2 resumed by a fresh trainer;
 - ``sft_lora_zero3_offload``: the same script with ``--lora --save`` (``peft_config=LoraConfig(...)``, PEFT 0.21;
   checkpoint-2/-4 with ``exclude_frozen_parameters``, the adapter saved, checkpoint-2 resumed by a fresh trainer);
 - ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
@@ -46,11 +48,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
+        "sft_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
         "sft_lora_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
         "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
-FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"]}  # the script's own flags, per run
+FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_zero2": ["--save"]}  # the script's own flags, per run
 KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 

@@ -5,12 +5,15 @@
   0.19.8 + transformers' own Trainer on the same script, model and rows (recorded by
   bench/record_hf_trainer_ds.py into fixtures/hf_trainer_ds.json); checkpoint-2 resumed gives the
   uninterrupted losses; the saved model loads in transformers with the engine's logits;
-- TRL's ``SFTTrainer`` (chat data, loss on completions only, the model by path: ``zero.Init`` under
-  ``from_pretrained``) at ZeRO-3 with offload, world 2, against TRL's own SFTTrainer without DeepSpeed in one
-  process on the same rows per step (token-weighted, so exact), and against real DeepSpeed where
-  bench/record_hf_stack_ds.py recorded it (fixtures/hf_stack_ds.json).
+- TRL's ``SFTTrainer`` (full fine-tune, chat data, loss on completions only, the model by path: ``zero.Init``
+  under ``from_pretrained`` at ZeRO-3) at ZeRO-3 with offload, world 2, against TRL's own SFTTrainer without
+  DeepSpeed in one process on the same rows per step (token-weighted, so exact), and at ZeRO-2 and ZeRO-3 +
+  offload against real DeepSpeed 0.19.8's recorded runs (fixtures/hf_stack_ds.json, bench/record_hf_stack_ds.py);
+  at ZeRO-2 checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved model loads
+  in transformers with the engine's logits (at ZeRO-3 the same script's LoRA run in test_hf_stack_peft.py and the
+  plain Trainer's run above check resume and save: one resumed trainer less in the suite's budget).
 
-One launch per run (~20-40 s each here); docs/compat/hf-stack.md lists what each one exercises.
+One launch per run (~20-40 s each here; a layout is a launch); docs/compat/hf-stack.md lists what each exercises.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ def _run(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             stage = 2 if name == "trainer_zero2" else 3
             argv = [str(HERE / "hf_stack_trainer_script.py"), "--ds_config", write_ds_config(tmp / "ds.json", stage),
                     "--out", str(tmp / "out")]
-        else:
-            argv = [str(HERE / "hf_stack_sft_script.py"), "--model", make_model_dir(tmp / "model"),
-                    "--ds_config", write_ds_config(tmp / "ds.json", 3, optimizer=False), "--out", str(tmp / "out")]
+        else:  # SFTTrainer, full fine-tune; at ZeRO-2 with checkpoints, save_model and checkpoint-2 resumed (--save)
+            stage, save = (2, ["--save"]) if name == "sft_zero2" else (3, [])
+            argv = [str(HERE / "hf_stack_sft_script.py"), "--model", make_model_dir(tmp / "model"), *save,
+                    "--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False), "--out", str(tmp / "out")]
         done = _deepshard([*argv, "--result", str(tmp / "result.json")], tmp)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         _RUNS[name] = {**json.loads((tmp / "result.json").read_text()), "stderr": done.stderr, "tmp": str(tmp)}
@@ -128,6 +132,44 @@ def test_sft_trainer_zero3_chat_completion_only(tmp_path_factory):
         assert mine["step"] == theirs["step"]
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=2e-4)
-    if DS_STACK.exists():
-        recorded = json.loads(DS_STACK.read_text())["runs"]["sft_zero3_offload"]["logs"]
-        _close_to_deepspeed(out["logs"], recorded, "sft_zero3_offload")
+    _close_to_deepspeed(out["logs"], _recorded("sft_zero3_offload")["logs"], "sft_zero3_offload")
+
+
+@pytest.mark.slow
+def test_sft_trainer_zero2_full_matches_deepspeed_resumes_and_saves(tmp_path_factory):
+    out, theirs = _run("sft_zero2", tmp_path_factory), _recorded("sft_zero2")
+    assert out["engine"] == "deepshard.compat.deepspeed.engine" and out["world_size"] == 2
+    assert theirs["zero_stage"] == 2 and out["trainable"] == theirs["trainable"]
+    _close_to_deepspeed(out["logs"], theirs["logs"], "sft_zero2")
+    _sft_resumes_and_saves(out, "sft_zero2")
+    # DeepSpeed's own resume of checkpoint-2 logged its uninterrupted losses; ours logs DeepSpeed's
+    assert [h["loss"] for h in out["resumed"] if h["step"] > 2] == pytest.approx(
+        [h["loss"] for h in theirs["resumed"] if h["step"] > 2], abs=1e-5)
+    assert set(out["final_files"]) == set(theirs["final_files"])
+
+
+def _recorded(name: str) -> dict:
+    fixture = json.loads(DS_STACK.read_text())
+    assert fixture["versions"]["deepspeed"] == "0.19.8" and fixture["versions"]["trl"] == "1.16.0"
+    return fixture["runs"][name]
+
+
+def _sft_resumes_and_saves(out: dict, name: str) -> None:
+    """The SFT script's ``--save``: checkpoint-2 resumed by a fresh SFTTrainer logs the uninterrupted steps
+    3-4; ``save_model``'s folder loads with ``from_pretrained`` (no DeepSpeed) and gives the engine's logits."""
+    resumed = [h for h in out["resumed"] if h["step"] > 2]
+    assert [h["step"] for h in resumed] == [3.0, 4.0], name
+    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in out["logs"][2:]], abs=1e-6), name
+    assert {"latest", "trainer_state.json"} <= set(out["checkpoint_files"]), name
+    assert any(f.startswith("global_step2/") for f in out["checkpoint_files"]), name
+    assert {"model.safetensors", "config.json"} <= set(out["final_files"]), name
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.compat.hf_stack_sft_script import probe
+
+    tmp = Path(out["tmp"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp / "out" / "final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        gap = (loaded(**probe(str(tmp / "model"))).logits - torch.tensor(out["logits"])).abs().max().item()
+    assert gap < 1e-5, f"{name}: the saved model's logits differ from the engine's by {gap}"

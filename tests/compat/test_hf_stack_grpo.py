@@ -121,3 +121,37 @@ def test_training_arguments_stock_and_speed_only_configs_pass_the_check(tmp_path
     with pytest.raises(ValueError) as err:
         check_trainer_ds_config({**stock, "optimizer": {"type": "Lamb"}})
     assert str(err.value) == f"TrainingArguments(deepspeed={{...}}): optimizer.type=Lamb: {WHY}"
+
+
+# the keys of each stock ds_config deepshard names as ignored (a warning line; none changes the results)
+STOCK_IGNORED = {"axolotl/deepspeed_configs/zero2.json": [],
+                 "axolotl/deepspeed_configs/zero3_bf16_cpuoffload_all.json": [],
+                 "LLaMA-Factory/examples/deepspeed/ds_z2_config.json": ["comms_config", "monitor_config"],
+                 "LLaMA-Factory/examples/deepspeed/ds_z3_offload_config.json": ["comms_config", "monitor_config"]}
+
+
+def test_stock_ds_configs_of_axolotl_and_llama_factory_load():
+    """axolotl's and LLaMA-Factory's stock ds_configs (fixtures/stock_ds_configs.json, copied from their
+    repositories): TrainingArguments' check refuses none, each keeps its stage and offload, the keys named as
+    ignored are the table's, and a ZeRO-3 config asking for 16-bit weights on save gets them, whether it uses
+    DeepSpeed's field name (axolotl) or its stage3_ alias (LLaMA-Factory), as DeepSpeed's config reads both."""
+    from types import SimpleNamespace
+
+    from deepshard.compat.deepspeed.engine import DeepSpeedEngine
+    from deepshard.compat.deepspeed.result_keys import check_trainer_ds_config
+    from deepshard.compat.ds_config import translate
+
+    stock = json.loads((HERE / "fixtures" / "stock_ds_configs.json").read_text())["configs"]
+    assert set(stock) == set(STOCK_IGNORED)
+    for name, entry in stock.items():
+        ds = entry["ds_config"]
+        check_trainer_ds_config(ds)
+        t = translate(ds)
+        assert t.unsupported == STOCK_IGNORED[name], name
+        stage = ds["zero_optimization"]["stage"]
+        assert t.entries["zero"] == ("group", f"stage{stage}"), name
+        offload = ds["zero_optimization"].get("offload_optimizer", {}).get("device")
+        assert t.entries.get("offload") == (("group", offload) if offload else None), name
+        if stage == 3:
+            assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in " ".join(t.notes), name
+            assert DeepSpeedEngine.zero_gather_16bit_weights_on_model_save(SimpleNamespace(config=ds)), name

@@ -161,6 +161,27 @@ def test_accelerate_config_bad_key_stops_the_launcher(tmp_path, capsys, change, 
     assert not (tmp_path / "started").exists()
 
 
+@pytest.mark.parametrize(("top", "flags", "named"), [
+    ({"distributed_type": "MULTI_GPU"}, [], "{path}: distributed_type=MULTI_GPU: "),
+    ({"num_machines": 2}, [], "{path}: num_machines=2: "),
+    ({}, ["--num_gpus", "4"], "--num_gpus=4 and {path}'s num_processes=2 differ"),
+    ({}, ["--hostfile", "hosts"], "--accelerate_config={path}: starts one node"),
+])
+def test_accelerate_config_bad_top_level_key_or_flag_stops_the_launcher(tmp_path, capsys, top, flags, named):
+    """The yaml's own keys and the launcher's flags beside it: rc 2, one line naming them, no worker started."""
+    from deepshard.launch.cli import run
+
+    path = zero3_yaml(tmp_path)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **top}))
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    assert run([*flags, "--accelerate_config", str(path), str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named.format(path=path) in err[0], err
+    assert not (tmp_path / "started").exists()
+
+
 def test_lora_adapters_survive_zero_init():
     """PEFT moves new adapters onto the base layer's device, the meta device under our zero.Init: the provider's
     patch keeps them real, and initialize shards rank 0's values (without it B was re-drawn, not zero)."""

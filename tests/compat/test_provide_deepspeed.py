@@ -51,6 +51,24 @@ out["lr_schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
 out["zero_init"] = partition_parameters.Init is zero.Init
 import os
 out["hub_kernels"] = os.environ.get("USE_HUB_KERNELS")
+import importlib, torch
+missing = {}  # what accelerate imports only for paths deepshard does not provide: the import fails naming it
+for name in ("deepspeed.ops.adagrad", "deepspeed.ops.lion"):  # map_pytorch_optim_to_deepspeed, offload + Adagrad/Lion
+    try:
+        importlib.import_module(name)
+        missing[name] = ""
+    except ImportError as err:
+        missing[name] = str(err)
+try:  # accelerate's set_moe_leaf_modules (ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES)
+    from deepspeed.utils import set_z3_leaf_modules
+    missing["set_z3_leaf_modules"] = ""
+except ImportError as err:
+    missing["set_z3_leaf_modules"] = str(err)
+out["missing"] = missing
+weight = torch.nn.Linear(2, 2).weight  # PEFT's gather_params_ctx and accelerate's GatheredParameters call shapes
+with zero.GatheredParameters(weight, modifier_rank=0, fwd_module=None):
+    with zero.GatheredParameters([weight], modifier_rank=None, fwd_module=torch.nn.Linear(2, 2), enabled=False):
+        out["gathered_calls"] = True
 """
 
 
@@ -100,6 +118,8 @@ def test_asked_for_the_hf_stack_finds_our_engine(tmp_path):
     assert out["same_module"] and out["spec_kept"] and out["zero_init"]
     assert out["hf_available"] == [True, True]
     assert "WarmupLR" in out["lr_schedules"]
+    assert all(name.rpartition(".")[2] in why for name, why in out["missing"].items()), out["missing"]
+    assert out["gathered_calls"]
     assert out["hub_kernels"] == "NO"  # kernels refuse zero.Init's meta parameters (from_pretrained at ZeRO-3)
     assert err.count(f"deepspeed: deepshard {VERSION} engine") == 1
 

@@ -416,6 +416,14 @@ def _batch(ds: dict, tr: _Translator) -> None:
         tr.set("train.grad_accum", a if given[2] else 1, keys[2])
 
 
+# DeepSpeed's ZeRO config (pydantic, populate_by_name) takes its field names beside their stage3_ aliases: axolotl's
+# zero3_bf16_cpuoffload_all.json says gather_16bit_weights_on_model_save, max_live_parameters, max_reuse_distance
+STAGE3_ALIASES = {name: f"stage3_{name}" for name in (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "allgather_sequential")}
+
+
 def _zero(z: dict, tr: _Translator) -> None:
     t = tr.t
     stage = z.get("stage", 0)
@@ -423,7 +431,7 @@ def _zero(z: dict, tr: _Translator) -> None:
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage={stage!r}: valid values are 0, 1, 2, 3 (or \"auto\")")
         t.pick("zero", f"stage{int(stage)}")
-    z = {k: v for k, v in z.items() if k != "stage"}
+    z = {STAGE3_ALIASES.get(k, k): v for k, v in z.items() if k != "stage"}
     prefetch = z.pop("stage3_prefetch_bucket_size", AUTO)
     if prefetch != AUTO:  # a bucket of elements ahead: 0 turns prefetching off, anything else is one block
         tr.set("zero.prefetch", 0 if prefetch == 0 else 1, "zero_optimization.stage3_prefetch_bucket_size")

@@ -288,8 +288,9 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module, DeepSpeedQueries):
         """DeepSpeed's query of ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (accelerate
         and transformers save the consolidated weights only when it is set, as with DeepSpeed)."""
         zero = self.config.get("zero_optimization") or {}
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
-                             zero.get("stage3_gather_fp16_weights_on_model_save", False)))
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", zero.get(
+            "gather_16bit_weights_on_model_save",  # DeepSpeed's field name, which its config takes too
+            zero.get("stage3_gather_fp16_weights_on_model_save", False))))
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """DeepSpeed's: the full state dict in the compute dtype on rank 0 (ZeRO-3 shards gathered; every
