@@ -82,6 +82,8 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
            **(extra or {})}  # e.g. a client lr_scheduler's state (engine.py)
     if axis_size(engine.mesh, "ep") > 1:  # deepspeed.moe experts as ep ranks' rows (ds_moe_export reads it)
         app["ep_size"] = axis_size(engine.mesh, "ep")
+        # the module's order (a DCP checkpoint's is not), which DeepSpeed's files and optimizer ids follow
+        app["state_dict_order"] = list(engine.model.state_dict().keys())
     request = save_request(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
                            model=None if exclude_frozen else engine.model, app_state=app,
                            meta={FROZEN_EXCLUDED: True} if exclude_frozen else None)

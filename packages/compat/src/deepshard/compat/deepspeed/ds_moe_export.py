@@ -65,7 +65,7 @@ def export_moe_checkpoint(ckpt: str | Path, out_dir: str | Path, *, ep_size: int
     steps = int(trainer["num_updates"])
     counters = app.get("counters", {})
     tag = tag or f"global_step{counters.get('global_steps', steps)}"
-    infos = list(tensor_infos(path, "model."))
+    infos = _module_order(list(tensor_infos(path, "model.")), app)
     moments = {j.key[len("optim.exp_avg."):] for j in tensor_infos(path, "optim.exp_avg.")}
     heads = list(OrderedDict.fromkeys(i.key[6:].partition(EXPERTS)[0] for i in infos if EXPERTS in i.key))
     local = {h: 1 + max(int(i.key[6:].partition(EXPERTS)[2].split(".", 1)[0]) for i in infos
@@ -118,6 +118,15 @@ def export_moe_checkpoint(ckpt: str | Path, out_dir: str | Path, *, ep_size: int
     torch.save(state, out / "mp_rank_00_model_states.pt")
     write_text(Path(out_dir) / "latest", tag)
     return out
+
+
+def _module_order(infos: list[TensorInfo], app: dict) -> list[TensorInfo]:
+    """``infos`` in the module's order where the save recorded it (a DCP checkpoint lists tensors in its own
+    order); an imported checkpoint was written in DeepSpeed's order already."""
+    order = {name: i for i, name in enumerate(app.get("state_dict_order") or [])}
+    if not order:
+        return infos
+    return sorted(infos, key=lambda i: order.get(i.key[6:], len(order)))
 
 
 def _optim_state(path: Path, trainer: dict, dense_groups: list[list[TensorInfo]], moe_groups: list[list[TensorInfo]],
