@@ -78,7 +78,7 @@ class Counter:
         return counted
 
 
-def _layout(name: str, steps: int, warmup: int, counter: Counter) -> dict:
+def _layout(name: str, steps: int, warmup: int, counter: Counter, profile: bool = False) -> dict:
     import torch.distributed as dist
 
     from deepshard.core import (
@@ -125,17 +125,26 @@ def _layout(name: str, steps: int, warmup: int, counter: Counter) -> dict:
             times.append(time.perf_counter() - t0)
             sent.append(counter.total)
     step_s = statistics.median(times)
-    return {"step_s": step_s, "tokens_per_s": WORLD * ROWS * SEQ / step_s, "bytes_sent_per_step": statistics.median(sent)}
+    out = {"step_s": step_s, "tokens_per_s": WORLD * ROWS * SEQ / step_s, "bytes_sent_per_step": statistics.median(sent)}
+    if profile:  # one more step under torch's profiler (not timed): where this layout's time goes
+        ids = torch.randint(0, cfg.vocab_size, (ROWS, SEQ + 1), generator=g).to(local_device())
+        with torch.profiler.profile() as prof:
+            loss = engine(ids[:, :-1], ids[:, 1:], reduction="sum")
+            engine.backward(loss, num_items=engine.global_num_items(ROWS * SEQ))
+            engine.step()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        out["profile_self_ms"] = {e.key: round(e.self_cpu_time_total / 1e3, 1) for e in ops}
+    return out
 
 
-def _worker(layouts: list[str], steps: int, warmup: int) -> dict:
+def _worker(layouts: list[str], steps: int, warmup: int, profile: bool = False) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
     counter = Counter()
     out = {}
     for name in layouts:
-        out[name] = _layout(name, steps, warmup, counter)
+        out[name] = _layout(name, steps, warmup, counter, profile)
         import gc
 
         gc.collect()
@@ -150,17 +159,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--separate", action="store_true", help="one launch per layout (peak RSS per layout)")
+    ap.add_argument("--profile", action="store_true", help="one more step per layout under torch's profiler: "
+                                                          "rank 0's 15 ops of most self time")
     args = ap.parse_args()
     runs = ([[n] for n in args.layouts] if args.separate else [args.layouts])
     result: dict = {"shape": {"world": WORLD, "experts": EXPERTS, "top_k": TOP_K, "hidden": DIM, "expert_ffn": FFN,
                               "layers": LAYERS, "tokens_per_step_per_rank": ROWS * SEQ}, "layouts": {}}
     for names in runs:
-        ranks = launch_local(_worker, WORLD, names, args.steps, args.warmup)
+        ranks = launch_local(_worker, WORLD, names, args.steps, args.warmup, args.profile)
         for name in names:
             result["layouts"][name] = {
                 "tokens_per_s": ranks[0][name]["tokens_per_s"], "step_s": ranks[0][name]["step_s"],
                 "bytes_sent_per_step_per_rank": [r[name]["bytes_sent_per_step"] for r in ranks],
-                "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks]}
+                "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+                **({"profile_self_ms_rank0": ranks[0][name]["profile_self_ms"]} if args.profile else {})}
     lay = result["layouts"]
     if "ep4" in lay and "zero3" in lay:
         result["ep4_vs_zero3"] = {

@@ -30,14 +30,20 @@ FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "ds_moe_cifar.json").
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[dict]:
+def ours(tmp_path_factory) -> Path:
+    """Where the checkpointed variant saves our engine's checkpoint after the epoch DeepSpeed saved its own at."""
+    return tmp_path_factory.mktemp("ours")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ours) -> list[dict]:
     """One pool call for every case; the checkpointed variant also resumes DeepSpeed's own checkpoint after
     its epoch (fixtures/ds_moe_ckpt, imported by ``ds_import``) and trains one more epoch."""
     from deepshard.compat.deepspeed.ds_import import import_checkpoint
 
     imported = tmp_path_factory.mktemp("imported")
     import_checkpoint(Path(__file__).parent / "fixtures" / "ds_moe_ckpt", imported)
-    variants = {name: [*argv, "--load_dir", str(imported)] if name == CKPT_VARIANT else argv
+    variants = {name: [*argv, "--load_dir", str(imported), "--ckpt_dir", str(ours)] if name == CKPT_VARIANT else argv
                 for name, argv in FIXTURE["variants"].items()}
     return pool(WORLD).run(_run_all, variants)
 
@@ -154,3 +160,33 @@ def test_deepspeed_moe_cifar_script_equals_deepspeed(runs, variant):
             want, got = want["losses"], got["losses"]
         assert len(got) == len(want) == 4
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5, (rank, got, want)
+
+
+def test_our_moe_checkpoint_exports_as_deepspeed_saved_it(runs, ours, tmp_path):
+    """Our engine's checkpoint of the script after its epoch (ep_size 2), exported (``ds_moe_export``), against the
+    files real DeepSpeed saved after the same epoch (fixtures/ds_moe_ckpt): the same files, names, expert ids,
+    optimizer groups and step counts, every tensor within 1e-5 (the two trainings agree that far)."""
+    from deepshard.compat.deepspeed.ds_export import export_checkpoint
+
+    fixture = Path(__file__).parent / "fixtures" / "ds_moe_ckpt" / "global_step4"
+    out = export_checkpoint(ours / "global_step4", tmp_path / "ds", num_groups=1)  # the script's one group
+    assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in fixture.iterdir())
+
+    def close(want, got, where: str) -> None:
+        if isinstance(want, torch.Tensor):
+            assert want.shape == got.shape and (want.float() - got.float()).abs().max() < 1e-5, where
+        elif isinstance(want, dict):
+            assert set(want) == set(got), (where, sorted(map(str, want)), sorted(map(str, got)))
+            for k in want:
+                close(want[k], got[k], f"{where}.{k}")
+        elif isinstance(want, float):
+            assert abs(want - got) <= 1e-6 * abs(want), (where, want, got)
+        else:
+            assert want == got, (where, want, got)
+
+    for f in fixture.glob("*.pt"):
+        want, got = (torch.load(p / f.name, weights_only=True) for p in (fixture, out))
+        keys = ("module", "num_experts", "global_steps", "lr_scheduler", "dp_world_size") \
+            if f.name.startswith("mp_rank") else list(want)
+        for key in keys:
+            close(want[key], got[key], f"{f.name}:{key}")

@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from tests.models.hf_refs import COMMON, VOCAB
+from tests.models.moe_census import saved_census
 
 STEPS, WORLD, ACCUM, ROWS, SEQ = 3, 4, 2, 16, 20
 NUM_EXPERTS, TOP_K, COEF = 8, 2, 0.02
 LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-5, 0.1
 # name -> (ep, zero stage)
+CENSUS = ("ep2_zero1", "ep4_zero1")  # cases whose sparse layers' saved tensors are counted (plain params)
 CASES = {"ep2_zero1": (2, 1), "ep4_zero1": (4, 1), "ep2_zero3": (2, 3), "ep4_zero3": (4, 3), "ep2_zero2": (2, 2),
          "ep4_zero0": (4, 0)}
 
@@ -101,18 +103,26 @@ def _case(name: str, hf_dir: str) -> dict:
                         parallelize_fn=partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none"))
     rank = mesh["dp"].get_local_rank()
     ids, labels = rows()
-    losses, norms, routes, ops = [], [], [], set()
+    out: list[torch.Tensor] = []
+    losses, norms, routes, ops, census, states = [], [], [], set(), [], {}
     for step in range(STEPS):
         count = engine.global_num_items(sum((labels[step, micro(rank, m)] != -100).sum() for m in range(ACCUM)))
         total = torch.zeros(())
         for m in range(ACCUM):
             with torch.profiler.profile() if step == 0 and m == 0 else contextlib.nullcontext() as prof:
-                loss = engine(ids[step, micro(rank, m)], labels[step, micro(rank, m)], reduction="sum")
+                if step == 0 and m == 0 and name in CENSUS:  # what the estimator's sparse_layer_bytes states
+                    x, y = ids[step, micro(rank, m)], labels[step, micro(rank, m)]
+                    census = saved_census(model, partial(lambda x, y: out.append(engine(x, y, reduction="sum")), x, y))
+                    loss = out.pop()
+                else:
+                    loss = engine(ids[step, micro(rank, m)], labels[step, micro(rank, m)], reduction="sum")
                 engine.backward(loss, num_items=count)
             if prof is not None:
                 ops = {e.key for e in prof.key_averages()}
             routes.append({k: v.clone() for k, v in model.router_stats.routes.items()})
             total += loss.detach()
+        if step == STEPS - 1:  # the model states the estimator counts (grads live: before the step)
+            states = {k: v for k, v in engine.memory()["measured"].as_dict().items() if k in ("params", "grads", "optimizer")}
         norms.append(engine.step().grad_norm)
         dist.all_reduce(total)
         losses.append(total.item() / count.item())
@@ -122,7 +132,7 @@ def _case(name: str, hf_dir: str) -> dict:
         params[n] = full
     firsts = {n: m.first for n, m in engine.model.named_modules() if hasattr(m, "first")}
     return {"losses": losses, "norms": norms, "routes": routes, "params": params, "firsts": firsts,
-            "grouped": "aten::_grouped_mm" in ops, "all_to_all": any("all_to_all" in k or "alltoall" in k for k in ops)}
+            "census": census, "states": states, "grouped": "aten::_grouped_mm" in ops, "all_to_all": any("all_to_all" in k or "alltoall" in k for k in ops)}
 
 
 def _worker(hf_dir: str) -> dict:
@@ -217,6 +227,51 @@ def test_expert_parallel_trains_as_one_process_with_every_expert(runs, name):
 def test_the_tokens_went_by_all_to_all_to_one_grouped_gemm(runs):
     ranks, _ = runs
     assert all(rank[name]["grouped"] and rank[name]["all_to_all"] for rank in ranks for name in CASES)
+
+
+@pytest.mark.slow  # a multi-rank launch: the full suite (tests/models/test_moe_estimate.py keeps world 1)
+def test_the_estimator_counts_expert_states_and_what_dispatch_keeps(runs, tmp_path):
+    """core's ``residence`` with the experts 1/ep per rank over dp/ep against the live model states each case
+    measured (before a step, grads live), and ``sparse_layer_bytes`` against the census of the tensors each
+    sparse layer saved for backward, summed over the ranks (a rank keeps the rows it received); both against
+    plain formulas written here."""
+    from deepshard.core.memory import residence
+    from deepshard.finetune.models import registry
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.moe_memory import sparse_layer_bytes
+
+    ranks, _ = runs
+    hf = hf_moe()
+    hf.config.save_pretrained(tmp_path)
+    cfg = registry.for_hf(str(tmp_path)).hf.config_from_hf(str(tmp_path))
+    h, i, e, k = cfg.dim, cfg.moe_hidden, NUM_EXPERTS, TOP_K
+    experts = 2 * e * 3 * h * i  # both layers' gate_up [E, 2I, H] and down [E, H, I]
+    dense = sum(p.numel() for p in hf.parameters()) - experts
+    for name, (ep, stage) in CASES.items():
+        counts = model_counts(cfg, world=WORLD, ep=ep)
+        assert (counts.num_params, counts.experts) == (dense + experts // ep, experts // ep)
+        est = residence(counts.num_params, stage=stage, dp=WORLD, dtype="fp32", experts=counts.experts, ep=ep).device
+        x, edp = experts // ep, WORLD // ep  # fp32 Adam: params 4, grads 4, moments 8 bytes, sharded by stage
+        plain = {0: 16 * (dense + x), 1: 8 * (dense + x) + 8 * dense // WORLD + 8 * x // edp,
+                 2: 4 * (dense + x) + 12 * dense // WORLD + 12 * x // edp, 3: 16 * dense // WORLD + 16 * x // edp}[stage]
+        assert est == plain, (name, est, plain)
+        for r, rank in enumerate(ranks):
+            measured = sum(rank[name]["states"].values())
+            assert abs(measured / est - 1) < 0.02, (name, r, rank[name]["states"], est)
+    for name in CENSUS:
+        ep = CASES[name][0]
+        for layer in range(2):
+            tokens = [rank[name]["census"][layer]["tokens"] for rank in ranks]
+            got = sum(rank[name]["census"][layer]["saved"] for rank in ranks)
+            est = sum(sparse_layer_bytes(tokens=t, top_k=k, num_experts=e, dim=h, hidden=i, dtype="fp32", ep=ep,
+                                         norm_topk_prob=True).saved for t in tokens)
+            # per token: two [E] fp32 softmaxes, k int64 ids, its mask, k renormalized weights and their sum;
+            # per row: three [H] and four [I] fp32 rows, four int64 indices (two under ep alone), a weight
+            plain = sum(t * (8 * e + 8 * k + 4 + 4 * (k + 1)) + t * k * (4 * (3 * h + 4 * i) + 8 * 4 + 4) + e // ep * 4
+                        for t in tokens)
+            assert est == plain, (name, layer, est, plain)
+            aux = 0 if layer == 0 else 64 * WORLD  # the last layer also keeps the aux loss's few scalars
+            assert 0 <= got - est <= aux, (name, layer, got, est)
 
 
 @pytest.mark.parametrize(("dims", "key"), [(dict(dp=4, ep=3), "parallel.ep=3 does not divide"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepshard.compat.ds_autoep import translate_autoep, translate_expert_data_order
 from deepshard.compat.ds_compile import translate_compile
 
 AUTO = "auto"
@@ -393,6 +394,12 @@ def translate(ds: dict) -> Translation:
     if "compile" in ds:  # torch.compile / DeepCompile: ds_compile.py
         handled.add("compile")
         translate_compile(_section(ds["compile"], "compile"), tr)
+    if "expert_parallel" in ds:  # AutoEP (HF MoE models): ds_autoep.py
+        handled.add("expert_parallel")
+        translate_autoep(_section(ds["expert_parallel"], "expert_parallel"), tr)
+    if "use_data_before_expert_parallelism" in ds:
+        handled.add("use_data_before_expert_parallelism")
+        translate_expert_data_order(ds["use_data_before_expert_parallelism"], tr)
     t.notes += [f"{k}: {BUILT_IN[k]}" for k in ds if k not in handled and k in BUILT_IN]
     t.unsupported += [k for k in ds if k not in handled and k not in BUILT_IN]
     return t

@@ -155,13 +155,28 @@ class Residence:
 def residence(num_params: int, *, stage: int, dp: int, dtype: str, offload: str = "none",
               offload_params: bool | str = False, nvme_buffer_bytes: int = 0, frozen_params: int = 0,
               param_buffer_bytes: int = 0, states: int | None = None,
-              params_are_masters: bool = False) -> Residence:
+              params_are_masters: bool = False, experts: int = 0, ep: int = 1,
+              expert_states: int | None = None) -> Residence:
     """Where a rank's params, grads and optimizer state live for this choice (``num_params`` trainable
     per rank before data-parallel sharding, i.e. already divided by tp and pp).  ``nvme_buffer_bytes``
     and ``param_buffer_bytes``: the offload stores' host buffers (``deepshard.offload.memory``), which
     the offloaded states stream through.  ``frozen_params`` (a LoRA base): params only, in the compute
     dtype at stages 0-2, fp32 shards at stage 3 (FSDP2).  ``states``, ``params_are_masters``: the update
-    rule's (:func:`expected_bytes`; the offloaded figure is AdamW's, the only rule offload runs)."""
+    rule's (:func:`expected_bytes`; the offloaded figure is AdamW's, the only rule offload runs).
+
+    Expert parallelism (``ep`` > 1): ``experts`` of the ``num_params`` are this rank's experts (already
+    1/ep of the model's), ZeRO-sharded over the ``dp / ep`` ranks left after ep (``zero.split``), the rest
+    over all ``dp``; ``expert_states`` is the update rule's bytes for the experts (``states`` then covers
+    the rest)."""
+    if experts:
+        assert ep >= 1 and dp % ep == 0 and 0 < experts <= num_params, (experts, ep, dp, num_params)
+        kw = dict(stage=stage, dtype=dtype, offload=offload, offload_params=offload_params,
+                  params_are_masters=params_are_masters)
+        dense = residence(num_params - experts, dp=dp, nvme_buffer_bytes=nvme_buffer_bytes,
+                          frozen_params=frozen_params, param_buffer_bytes=param_buffer_bytes, states=states, **kw)
+        local = residence(experts, dp=dp // ep, states=expert_states, **kw)
+        return Residence(stage, offload, offload_params, dense.device + local.device, dense.host + local.host,
+                         dense.nvme + local.nvme)
     e = expected_bytes(stage, num_params, dp, dtype, states=states, params_are_masters=params_are_masters)
     frozen = 4 * frozen_params // dp if stage == 3 else (4 if dtype == "fp32" else 2) * frozen_params
     e.params += frozen

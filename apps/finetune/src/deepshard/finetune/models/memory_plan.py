@@ -29,12 +29,15 @@ class ModelCounts:
     gathered: tuple[int, ...] = ()  # the units gathered whole (not a tiled embedding or head)
     largest_tensor: int = 0  # the largest parameter's elements (a checkpoint load reads its slice of it)
     optimizer_states: int | None = None  # the update rule's state bytes (/ tp x pp); None: AdamW's fp32 moments
+    experts: int = 0  # parallel.ep > 1: this rank's expert parameters (1/ep of the model's, in num_params)
+    expert_states: int | None = None  # the update rule's bytes for those experts (then not in optimizer_states)
 
 
-def optimizer_state_bytes(model: nn.Module, optim: Any, lora: Any = None) -> int:
+def optimizer_state_bytes(model: nn.Module, optim: Any, lora: Any = None, *, only: set[int] | None = None) -> int:
     """Bytes of the states ``optim`` (an OptimConfig) keeps for ``model``'s trainable parameters: core's
     rule over their names and shapes (Muon: one momentum per hidden matrix; bf16 states: half).  Under
-    LoRA the trainable factors (and modules to save) all take AdamW, as Muon's split says."""
+    LoRA the trainable factors (and modules to save) all take AdamW, as Muon's split says.  ``only``:
+    count just the parameters of these ids (the rule still sees every name: Muon's split is the model's)."""
     from deepshard.core.memory import rule_state_bytes
     from deepshard.core.optim import rule_for
 
@@ -46,14 +49,28 @@ def optimizer_state_bytes(model: nn.Module, optim: Any, lora: Any = None) -> int
         return rule_state_bytes(rule_for(replace(optim, name="adamw"), [], []), [count_lora_params(model, lora)])
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     rule = rule_for(optim, [n for n, _ in named], [tuple(p.shape) for _, p in named])
-    return rule_state_bytes(rule, [p.numel() for _, p in named])
+    return rule_state_bytes(rule, [p.numel() if only is None or id(p) in only else 0 for _, p in named])
+
+
+def shard_experts(model: nn.Module, ep: int) -> list[nn.Module]:
+    """Keep expert group 0 of ``ep`` in every sparse layer of a (meta) model, as ``parallel.ep`` does on
+    each rank (``models/moe_ep.py``); returns the expert modules (none: a dense model)."""
+    experts = [m.experts for m in model.modules() if hasattr(m, "ep_group")]  # models/moe.py's SparseMoe
+    for module in experts:
+        if ep > 1:
+            module.shard(0, ep)
+    return experts
 
 
 def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, world: int = 1,
-                 tiled: bool = False, optim: Any = None) -> ModelCounts:
+                 tiled: bool = False, optim: Any = None, ep: int = 1) -> ModelCounts:
     """The counts of ``model_cfg`` (``lora``: a LoraConfig) for a run at ``world`` data-parallel ranks
-    (``optim``: an OptimConfig, whose update rule's states are counted)."""
+    (``optim``: an OptimConfig, whose update rule's states are counted).  ``ep`` > 1: one rank's model
+    under expert parallelism (its ``num_experts / ep`` experts; ZeRO-3's units as they gather: the
+    experts over ``world / ep`` ranks, the rest over ``world``)."""
     model = build_meta(model_cfg)
+    if ep > 1 and lora is None:  # (LoRA on experts is refused; under LoRA they are frozen, counted whole)
+        return _ep_counts(model, model_cfg, tiled=tiled, optim=optim, ep=ep, world=world)
     states = None if optim is None else optimizer_state_bytes(model, optim, lora) // (tp * pp)
     nf4 = 0
     if lora is not None and getattr(lora, "base_quant", "none") == "nf4":
@@ -66,6 +83,35 @@ def model_counts(model_cfg: Any, lora: Any = None, *, tp: int = 1, pp: int = 1, 
                        gathered=tuple(_unit_shards(model, world, tiled, gathered=True)),
                        largest_tensor=max((p.numel() for p in model.parameters()), default=0),
                        optimizer_states=states)
+
+
+def _ep_counts(model: nn.Module, model_cfg: Any, *, tiled: bool, optim: Any, ep: int, world: int) -> ModelCounts:
+    """:func:`model_counts` of one rank's model under ``parallel.ep`` (tp = pp = 1: MoE refuses them)."""
+    ids = {id(p) for m in shard_experts(model, ep) for p in m.parameters()}
+    experts = sum(p.numel() for p in model.parameters() if id(p) in ids)
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    states = expert_states = None
+    if optim is not None:
+        expert_states = optimizer_state_bytes(model, optim, only=ids)
+        states = optimizer_state_bytes(model, optim, only={id(p) for p in dense})
+    shards = _expert_shards(model, world // ep, ids)
+
+    def with_experts(units: list[int]) -> tuple[int, ...]:  # the blocks are the last units
+        head = units[:len(units) - len(shards)]
+        return tuple(head + [u + e for u, e in zip(units[len(head):], shards, strict=True)])
+
+    return ModelCounts(num_params=sum(p.numel() for p in model.parameters()), experts=experts,
+                       largest_unit=_largest_unit(model, tiled),
+                       units=with_experts(_unit_shards(model, world, tiled, skip=ids)),
+                       gathered=with_experts(_unit_shards(model, world, tiled, gathered=True, skip=ids)),
+                       largest_tensor=max((p.numel() for p in model.parameters()), default=0),
+                       optimizer_states=states, expert_states=expert_states)
+
+
+def _expert_shards(model: nn.Module, edp: int, ids: set[int]) -> list[int]:
+    """Per block: its experts' shard over the ``edp`` ranks left after ep."""
+    blocks = [[p for p in b.parameters() if id(p) in ids] for b in model.layers]
+    return [unit_numel(((p.shape[0], p.numel()) for p in ps), edp) if ps else 0 for ps in blocks]
 
 
 def count_params(model_cfg: Any, lora: Any = None) -> int:
@@ -99,11 +145,12 @@ def unit_shards(model_cfg: Any, world: int, *, tiled: bool = False, gathered: bo
     return _unit_shards(build_meta(model_cfg), world, tiled, gathered=gathered)
 
 
-def _unit_shards(model: nn.Module, world: int, tiled: bool, *, gathered: bool = False) -> list[int]:
+def _unit_shards(model: nn.Module, world: int, tiled: bool, *, gathered: bool = False,
+                 skip: set[int] = frozenset()) -> list[int]:
     own = [list(m.parameters()) for m in (model.embed_tokens, model.lm_head)] if tiled else []
     in_blocks = {id(p) for block in model.layers for p in block.parameters()} | {id(p) for u in own for p in u}
     units = [[p for p in model.parameters() if id(p) not in in_blocks]] + ([] if gathered else own) + [
-        list(b.parameters()) for b in model.layers]
+        [p for p in b.parameters() if id(p) not in skip] for b in model.layers]
     out = []
     for params in units:
         pos = unit_numel(((p.shape[0] if p.dim() else 1, p.numel()) for p in params), world)

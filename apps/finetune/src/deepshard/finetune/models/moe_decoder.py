@@ -139,7 +139,7 @@ def _stage_init(seed: int = 0, **kwargs: Any) -> Any:
 def moe_spec(name: str, config: type, hf: HFAdapter) -> ModelSpec:
     """Register the MoE family ``name``: :class:`MoeDecoder` built from ``config``, Llama's recipe at
     tp=sp=pp=1 (refused otherwise), read and written by ``hf`` (its loaders: ``models/moe_hf.py``)."""
-    from deepshard.finetune.models.llama.memory import activation_memory
+    from deepshard.finetune.models.moe_memory import activation_memory
 
     hf = dataclasses.replace(hf, load_weights=load_moe_weights, check_dir=check_moe_dir)
     return register(ModelSpec(name=name, config=config, build=MoeDecoder, parallelize=_parallelize,

@@ -55,6 +55,7 @@ class RunShape:
     ac_offload: bool = False  # checkpointed block inputs in host memory (the host column)
     loads_checkpoint: bool = False  # model=hf: the weights are read from safetensors at start
     params_are_masters: bool = False  # optim.state_dtype=bf16 with bf16 params: no fp32 master copy
+    ep: int = 1  # parallel.ep: experts 1/ep per rank, ZeRO over dp / ep; the dispatch's buffers
 
 
 @dataclass
@@ -100,7 +101,8 @@ def working_set(cfg: Any, counts: ModelCounts, s: RunShape, *, baseline: int) ->
                   offload_params={"cpu": True, "nvme": "nvme"}.get(o.params, False),
                   nvme_buffer_bytes=buffers if o.params != "nvme" else 0, frozen_params=counts.frozen,
                   param_buffer_bytes=buffers if o.params == "nvme" else 0, states=counts.optimizer_states,
-                  params_are_masters=s.params_are_masters)
+                  params_are_masters=s.params_are_masters, experts=counts.experts, ep=s.ep,
+                  expert_states=counts.expert_states)
     ws.device["model states"] = e.device
     if counts.nf4:  # QLoRA's NF4 base, ZeRO-3 shards: 0.5 B/param + scales (models/qlora.py)
         from deepshard.finetune.models.qlora import nf4_bytes
@@ -159,14 +161,15 @@ def run_shape(s: Settings) -> RunShape:
                     tile_rows=tile_rows(s.model, zero_stage=e.zero.stage, tp=par.tp, pp=par.pp, sp=sp),
                     on_device=torch.cuda.is_available(), sp=sp, mlp_tiles=s.model.mlp_tiles,
                     ac_offload=e.ac_offload, loads_checkpoint=s.model_name == "hf",
-                    params_are_masters=e.optim.state_dtype == "bf16" and e.precision.dtype != "fp32")
+                    params_are_masters=e.optim.state_dtype == "bf16" and e.precision.dtype != "fp32",
+                    ep=getattr(par, "ep", 1))
 
 
 def counts_of(s: Settings, shape: RunShape) -> ModelCounts:
     """The model's counts for this run's layout (the meta model built once)."""
     par = s.parallel
     return model_counts(s.model, s.peft, tp=par.tp, pp=par.pp, world=shape.dp, tiled=bool(shape.tile_rows),
-                        optim=s.engine.optim)
+                        optim=s.engine.optim, ep=shape.ep)
 
 
 def working_set_of(s: Settings, *, baseline: int, shape: RunShape | None = None,

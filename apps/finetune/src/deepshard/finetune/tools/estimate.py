@@ -32,8 +32,9 @@ def options(r: Residence) -> str:
 
 
 def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: int = 0,
-                  frozen_params: int = 0, param_buffer_bytes: int = 0) -> list[Residence]:
-    """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3)."""
+                  frozen_params: int = 0, param_buffer_bytes: int = 0, experts: int = 0, ep: int = 1) -> list[Residence]:
+    """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3);
+    ``experts``: this rank's expert parameters under ``parallel.ep`` (in ``num_params``, sharded over dp / ep)."""
     out = []
     for stage in range(4):
         for offload in OFFLOADS:
@@ -43,7 +44,8 @@ def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: in
             for params in choices + (("nvme",) if stage == 3 and offload == "nvme" else ()):
                 out.append(residence(num_params, stage=stage, dp=dp, dtype=dtype, offload=offload,
                                      offload_params=params, nvme_buffer_bytes=nvme_buffer_bytes,
-                                     frozen_params=frozen_params, param_buffer_bytes=param_buffer_bytes))
+                                     frozen_params=frozen_params, param_buffer_bytes=param_buffer_bytes,
+                                     experts=experts, ep=ep))
     return out
 
 
@@ -91,11 +93,17 @@ def report(cfg: dict) -> tuple[str, list[Residence], int, int]:
     buffers = settings.offload.buffer_count * settings.offload.buffer_size * 16
     off = settings.offload  # params=nvme: the pools are sized by the largest unit (a block or the root)
     param_buffers = offload_buffers(settings.model, dataclasses.replace(off, params="nvme"), world=dims.dp).peak
+    experts, ep = 0, getattr(dims, "ep", 1)
+    if ep > 1:  # one rank's num_experts / ep experts, ZeRO over the dp / ep ranks left
+        from deepshard.finetune.models.memory_plan import model_counts
+
+        counts = model_counts(settings.model, world=dims.dp, ep=ep)
+        per_rank, experts = counts.num_params, counts.experts
     rows = all_estimates(per_rank, dp=dims.dp, dtype=dtype, nvme_buffer_bytes=buffers, frozen_params=frozen,
-                         param_buffer_bytes=param_buffers)
+                         param_buffer_bytes=param_buffers, experts=experts, ep=ep)
     lines = [f"Estimated memory for model states (params, grads, fp32 master + Adam) per rank: "
              f"{(total + frozen) / 1e6:.2f}M params ({settings.model_name}), world size {world} "
-             f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}), {dtype}"
+             f"(dp={dims.dp}, tp={dims.tp}, pp={dims.pp}{f', ep={ep}' if ep > 1 else ''}), {dtype}"
              + (f"; LoRA r={settings.peft.r}: {total / 1e6:.3f}M trainable (grads + Adam state), "
                 f"{frozen / 1e6:.2f}M frozen base (params only)" if settings.peft else ""),
              f"{'device':>10} {'host':>10} {'nvme':>10}   options"]

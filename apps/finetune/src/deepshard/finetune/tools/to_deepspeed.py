@@ -2,7 +2,8 @@
 
 One of our checkpoints (a ``step-*`` directory, or a folder of them: the newest good one) as a
 DeepSpeed ZeRO-1/2/3 checkpoint that DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` resumes at
-data-parallel size W (default: the size it was saved at).  The conversion (DeepSpeed's flat ZeRO
+data-parallel size W (default: the size it was saved at); a ``deepspeed.moe`` model's checkpoint becomes
+DeepSpeed's expert files (``layer_N_expert_M_...``, ``expp_rank_R_...``; ``--ep-size``, stage 0).  The conversion (DeepSpeed's flat ZeRO
 layouts, parameter groups, counters) is ``deepshard.compat.deepspeed.ds_export``; this is its
 command line.
 """
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.fine
     ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
     ap.add_argument("ckpt")
     ap.add_argument("out_dir")
-    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage of the DeepSpeed run that resumes (1, 2 or 3)")
+    ap.add_argument("--stage", type=int, default=None, help="ZeRO stage of the DeepSpeed run that resumes (1, 2 or 3; "
+                    "default 2; a deepspeed.moe model's expert files: 0, the default there)")
+    ap.add_argument("--ep-size", type=int, default=None, help="deepspeed.moe: the experts' ep_size (default: as saved)")
     ap.add_argument("--sub-group-size", type=int, default=DS_SUB_GROUP_SIZE,
                     help="ZeRO-3: the resuming run's zero_optimization.stage3_sub_group_size (DeepSpeed's default)")
     ap.add_argument("--world", type=int, default=None, help="its data-parallel size (default: as saved)")
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.fine
     try:
         print(export_checkpoint(args.ckpt, args.out_dir, stage=args.stage, world=args.world, tag=args.tag,
                                 sub_group_size=args.sub_group_size, num_groups=args.groups, bf16=args.bf16,
-                                parameter_alignment=args.parameter_alignment, fp16=args.fp16))
+                                parameter_alignment=args.parameter_alignment, fp16=args.fp16, ep_size=args.ep_size))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

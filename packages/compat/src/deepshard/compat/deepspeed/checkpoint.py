@@ -28,6 +28,7 @@ from deepshard.core.checkpoint.state import (
     step_dir_name,
     write_checkpoint,
 )
+from deepshard.core.mesh import axis_size
 
 from .ds_files import check_tag, no_tag_dir, read_latest
 
@@ -79,6 +80,10 @@ def save_ds_style(engine: Engine, save_dir: Path, tag: str, *, client_state: dic
                  "weight_decay": oc.weight_decay}
     app = {"client_state": _json(client_state), "counters": counters, "tag": tag, "optimizer": optimizer,
            **(extra or {})}  # e.g. a client lr_scheduler's state (engine.py)
+    if axis_size(engine.mesh, "ep") > 1:  # deepspeed.moe experts as ep ranks' rows (ds_moe_export reads it)
+        app["ep_size"] = axis_size(engine.mesh, "ep")
+        # the module's order (a DCP checkpoint's is not), which DeepSpeed's files and optimizer ids follow
+        app["state_dict_order"] = list(engine.model.state_dict().keys())
     request = save_request(save_dir / tag, counters["global_steps"], engine.optimizer, engine.mesh["dp"],
                            model=None if exclude_frozen else engine.model, app_state=app,
                            meta={FROZEN_EXCLUDED: True} if exclude_frozen else None)

@@ -142,6 +142,12 @@ def compat_config(config: dict | str | Path | None, *, dp: int, cuda: bool, opti
         raise ValueError(f"{source}: sequence_parallel_size={sp}: deepshard.compat.deepspeed trains your model as it "
                          "is and does not split its sequences; Ulysses sequence parallelism runs in the app "
                          "(python apps/finetune/main.py parallel.sp=N, or +deepspeed= with this file)")
+    ep = s["app"].get("parallel.ep", 1)
+    if ep != 1:  # AutoEP swaps a HF model's MoE blocks for its own layer; ours are the app's native families
+        raise ValueError(f"{source}: expert_parallel.autoep_size={ep}: deepshard.compat.deepspeed trains your model "
+                         "as it is and does not replace its MoE blocks; expert parallelism runs in the app "
+                         "(python apps/finetune/main.py model=hf parallel.ep=N, or +deepspeed= with this file) or "
+                         "with deepspeed.moe.layer.MoE(ep_size=N) in your model")
     train = {"global_batch_size": 0, "micro_batch_size": 1, "grad_accum": 1, **s["train"]}
     try:
         resolve_batch(train, dp, keys=DS_BATCH_KEYS)

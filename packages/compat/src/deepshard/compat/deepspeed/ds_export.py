@@ -67,14 +67,26 @@ def default_num_groups(trainer: dict) -> int:
     return len(saved) if saved else 2
 
 
-def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int = 2, world: int | None = None,
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, stage: int | None = None, world: int | None = None,
                       tag: str | None = None, sub_group_size: int = DS_SUB_GROUP_SIZE, num_groups: int | None = None,
-                      bf16: bool | None = None, parameter_alignment: bool | None = None, fp16: bool = False) -> Path:
-    """``num_groups``: the resuming script's parameter groups (1: ``model.parameters()``; 2: decayed
+                      bf16: bool | None = None, parameter_alignment: bool | None = None, fp16: bool = False,
+                      ep_size: int | None = None) -> Path:
+    """``stage``: the resuming run's ZeRO stage (default 2; a ``deepspeed.moe`` model's checkpoint: 0, the
+    expert files of ``ds_moe_export``, at ``ep_size``: default as saved).  ``num_groups``: the resuming script's parameter groups (1: ``model.parameters()``; 2: decayed
     matrices then the rest; default: an imported run's own count, else 2).  ``bf16``: DeepSpeed's
     bf16 file names (``bf16_zero_pp_rank_*``; default: as the imported run's files were named).
     ``parameter_alignment``: the resuming run's ``zero_optimization.parameter_alignment`` (ZeRO-1/2: each
     parameter padded to 16 bytes of its bit16 dtype, bf16 or ``fp16``, else fp32; default: as imported)."""
+    from .ds_moe_export import export_moe_checkpoint, is_moe_export
+
+    if is_moe_export(ckpt):
+        if stage not in (None, 0):
+            raise ValueError(f"--stage {stage}: a deepspeed.moe checkpoint is written as DeepSpeed's expert files "
+                             f"without ZeRO partitions (valid: 0, resumed at zero_optimization.stage 0)")
+        return export_moe_checkpoint(ckpt, out_dir, ep_size=ep_size, tag=tag, num_groups=num_groups)
+    stage = 2 if stage is None else stage
+    if ep_size is not None:
+        raise ValueError(f"--ep-size {ep_size}: the checkpoint has no deepspeed.moe experts")
     if stage not in (1, 2, 3):
         raise ValueError(f"--stage {stage}: the exporter writes ZeRO-1, -2 or -3 checkpoints (valid: 1, 2, 3)")
     if num_groups not in (None, 1, 2):

@@ -101,8 +101,11 @@ def read_moe_checkpoint(tag_dir: str | Path) -> dict[str, Any]:
                 t = s.get(kind)
                 state[kind][name] = (torch.zeros_like(state["master"][name]) if t is None
                                      else t.detach().float().reshape(state["master"][name].shape))
+    first = load_ds_file(optim[(0,)])["optimizer"]["param_groups"]  # the dense groups' hyper-parameters
+    dense_groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, list))}
+                    for g in first if not g.get("moe")]
     return {"state": state, "ep": ep, "num_experts": list(ms.get("num_experts") or []), "model_states": ms,
-            "layers": {layer: len(v) for layer, v in layers.items()}}
+            "layers": {layer: len(v) for layer, v in layers.items()}, "param_groups": dense_groups}
 
 
 def local_layout(names: list[str], per_layer: dict[str, int], ep: int) -> dict[str, list[str]]:
@@ -152,6 +155,7 @@ def import_moe_checkpoint(tag_dir: str | Path, out_dir: str | Path) -> Path:
     app = {"counters": counters, "client_state": {},
            "deepspeed": {"tag": tag_dir.name, "version": str(ms.get("ds_version", "?")), "zero_stage": 0,
                          "dp_world_size": int(ms.get("dp_world_size", ep)), "ep_size": ep,
+                         "param_groups": ck["param_groups"],  # (ds_moe_export writes them back)
                          "lr_scheduler": {k: v for k, v in sched.items() if isinstance(v, (int, float, str))}}}
     scaler = {"scale": 1.0, "cur_hysteresis": 2, "iteration": step, "last_overflow": -1, "num_overflows": 0}
     note = (f"imported from DeepSpeed {app['deepspeed']['version']} MoE (ep {ep}, tag {tag_dir.name}): experts "
