@@ -4,7 +4,10 @@ ZeRO-3 launch against plain torch.
 - The codes and scales torchao's NF4Tensor holds equal, bit for bit, a reference quantizer written
   below from QLoRA's definition (the 16-value NormalFloat table, absmax blocks of 64, nearest code,
   two codes per byte high nibble first; the scales double-quantized to int8 around their mean in
-  blocks of 256, an fp32 factor each), and its dequantization equals the reference's.
+  blocks of 256, an fp32 factor each), and its dequantization equals the reference's; so do our own
+  quantizer and dequantizer (models/qlora.py's fast paths).
+- World 1, in process: QLoRA's loss and adapter gradients bit-equal to LoRA on plain fp32 weights that are
+  the reference's round trip, and to torchao's own ``F.linear`` path.
 - World 2, ZeRO-3 (the family's own recipe): a tiny Llama's and a tiny Qwen3's block weights as NF4 shards, LoRA on
   every projection, 3 AdamW steps on masked chat-like rows.  The oracle: transformers' own model of
   the same weights, its block weights replaced by the reference's dequantization of the reference's
