@@ -4,7 +4,10 @@ ZeRO-3 launch against plain torch.
 - The codes and scales torchao's NF4Tensor holds equal, bit for bit, a reference quantizer written
   below from QLoRA's definition (the 16-value NormalFloat table, absmax blocks of 64, nearest code,
   two codes per byte high nibble first; the scales double-quantized to int8 around their mean in
-  blocks of 256, an fp32 factor each), and its dequantization equals the reference's.
+  blocks of 256, an fp32 factor each), and its dequantization equals the reference's; so do our own
+  quantizer and dequantizer (models/qlora.py's fast paths).
+- World 1, in process: QLoRA's loss and adapter gradients bit-equal to LoRA on plain fp32 weights that are
+  the reference's round trip, and to torchao's own ``F.linear`` path.
 - World 2, ZeRO-3 (the family's own recipe): a tiny Llama's and a tiny Qwen3's block weights as NF4 shards, LoRA on
   every projection, 3 AdamW steps on masked chat-like rows.  The oracle: transformers' own model of
   the same weights, its block weights replaced by the reference's dequantization of the reference's
@@ -53,7 +56,13 @@ def ref_quantize(w: torch.Tensor, sblock: int) -> tuple[torch.Tensor, torch.Tens
     """(packed codes uint8, scales int8, factors fp32, mean of the scales): QLoRA's NF4 with double quantization."""
     blocks = w.float().flatten().view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1)
-    codes = ((blocks / absmax[:, None]).flatten()[:, None] - NF4).abs().argmin(dim=1).to(torch.uint8)
+    x = (blocks / absmax[:, None]).flatten()
+    # the nearest of the 16 values, the lower on a tie (argmin over all 16, which the test below holds torchao
+    # to, picks the same: |x - v| grows away from x on both sides); a zero block's NaNs get code 0 as there
+    above = torch.bucketize(x, NF4).clamp(max=15)  # the first value >= x
+    below = (above - 1).clamp(min=0)
+    codes = torch.where((x - NF4[above]).abs() < (x - NF4[below]).abs(), above, below)
+    codes = torch.where(x.isnan(), 0, codes).to(torch.uint8)
     packed = (codes[0::2] << 4) | codes[1::2]
     mean = absmax.mean()
     centered = (absmax - mean).view(-1, sblock)
@@ -75,26 +84,76 @@ def ref_roundtrip(w: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def test_nf4_codes_and_scales_equal_the_reference_quantizer():
-    from deepshard.finetune.models.qlora import _torchao
+    from deepshard.finetune.models.qlora import NF4_VALUES, _torchao, dequantize_nf4, quantize_nf4
 
     assert torch.allclose(NF4, torch.tensor(BNB_NF4), atol=5e-5)  # the same table as bitsandbytes'
+    assert torch.equal(NF4, torch.tensor(NF4_VALUES))
     g = torch.Generator().manual_seed(0)
     # rows of very different magnitudes, an outlier, a block of zeros but one: what absmax blocks turn on
     w = torch.randn(96, 256, generator=g) * torch.exp(torch.randn(96, 1, generator=g))
-    w[3, 7], w[5, :64], w[5, 9] = 40.0, 0.0, -1e-3
+    w[3, 7], w[5, :64], w[5, 9], w[7, 64:128] = 40.0, 0.0, -1e-3, 0.0  # the last: a block of zeros (0/0)
+    w[9, :15] = (NF4[1:] + NF4[:-1]) / 2 * w[9].abs().max()  # near the midpoints between two codes
     for world, sblock in ((1, 128), (2, 64), (3, 128)):  # 384 blocks: 256 does not divide, world 2 halves
         assert ref_scaler_block(96, 256, world) == sblock
         from deepshard.finetune.models.qlora import scaler_block_size
 
         assert scaler_block_size(96, 256, world) == sblock
-        q = _torchao().to_nf4(w, block_size=BLOCK, scaler_block_size=sblock)
         packed, scales, factor, mean = ref_quantize(w, sblock)
-        assert torch.equal(q.quantized_data, packed)
-        assert torch.equal(q.quantized_scalers, scales)
-        assert torch.equal(q.quantization_factor, factor)
-        assert torch.equal(q.scaler_mean, mean)
-        assert torch.equal(q.get_original_weight(), ref_dequantize(packed, scales, factor, mean, (96, 256), sblock))
+        want = ref_dequantize(packed, scales, factor, mean, (96, 256), sblock)
+        # torchao's to_nf4 (its argmin over all 16 values) and ours (from the two bracketing values)
+        for q in (_torchao().to_nf4(w, block_size=BLOCK, scaler_block_size=sblock),
+                  quantize_nf4(w, scaler_block_size=sblock)):
+            assert isinstance(q, _torchao().NF4Tensor)
+            assert torch.equal(q.quantized_data, packed)
+            assert torch.equal(q.quantized_scalers, scales)
+            assert torch.equal(q.quantization_factor, factor)
+            assert torch.equal(q.scaler_mean, mean)
+            assert torch.equal(q.get_original_weight(), want)
+            assert torch.equal(dequantize_nf4(q), want) and torch.equal(dequantize_nf4(q.t()), want.t())
     assert (ref_roundtrip(w, 1) - w).abs().max() < 0.1 * w.abs().max()  # 4 bits: coarse, not wrong
+
+
+def test_qlora_loss_and_grads_are_bit_equal_to_lora_on_the_dequantized_base():
+    """World 1, no ZeRO: the NF4 layers (our dequantization in forward and backward, adapters or none,
+    biases) against the same model on plain fp32 weights, the reference's round trip; torchao's own
+    ``F.linear`` path (the one before ``nf4_linear``) gives the same bits too."""
+    from torch import nn
+
+    from deepshard.finetune.models.llama.model import Llama, LlamaConfig
+    from deepshard.finetune.models.lora import LoraLinear, apply_lora
+    from deepshard.finetune.models.qlora import apply_nf4
+
+    cfg = LlamaConfig(vocab_size=VOCAB, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256,
+                      qkv_bias=True, loss_chunk_size=0)
+    ids, labels = chat_rows(1, seed=3)
+
+    def loss_and_grads(kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = Llama(cfg)
+        model.init_weights(0)
+        apply_lora(model, r=RANK, alpha=ALPHA, target_modules=("q_proj", "v_proj", "down_proj"), seed=None)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n or n.endswith("proj.bias"):  # B too (PEFT's zeros leave A no gradient), biases
+                    p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
+            for n, m in model.layers.named_modules():
+                if kind == "plain" and isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B"):
+                    m.weight.copy_(ref_roundtrip(m.weight, 1))
+        if kind != "plain":
+            assert apply_nf4(model) == 2 * (128 * 128 * 2 + 64 * 128 * 2 + 3 * 128 * 256)
+            if kind == "torchao":  # back to the plain classes: F.linear dispatches to torchao's LinearNF4
+                for m in model.layers.modules():
+                    if isinstance(m, nn.Linear) and type(m) not in (nn.Linear, LoraLinear):
+                        m.__class__ = LoraLinear if isinstance(m, LoraLinear) else nn.Linear
+        loss = model(ids[0], labels[0], reduction="sum")
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    want_loss, want = loss_and_grads("plain")
+    assert len(want) == 2 * 2 * 3
+    for kind in ("nf4", "torchao"):
+        loss, grads = loss_and_grads(kind)
+        assert torch.equal(loss, want_loss), kind
+        assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in want), kind
 
 
 def _inner_bytes(p: torch.Tensor) -> int:

@@ -32,22 +32,23 @@ from tests.models.smollm2 import eval_loss_on_app_rows
 from tests.models.test_qlora import ref_roundtrip
 
 SYSTEM = {"role": "system", "content": "Be brief."}
-SEQ = 56  # the longest chat row below (51 tokens), whole (padding is compute too)
+SEQ = 48  # the longest chat row below (43 tokens), whole (padding is compute too)
 STEPS = 30
 WORLD = 2
 LR = 1e-3  # LoRA's usual order (r=8, alpha=16: peft's defaults in conf/peft/lora.yaml)
 
 
 def _chats(path: Path, num: int, seed: int) -> Path:
-    """Chat rows: the user gives a story's first sentence, the assistant continues with the next two
+    """Chat rows: the user gives a story's first sentence, the assistant continues with the next one
     (the app's generated stories: counting, giving, colours, places; names and numbers drawn at
-    random, so the loss keeps a floor that both bases share)."""
+    random, so the loss keeps a floor that both bases share).  One sentence, not two: 43 tokens at most
+    instead of 51, a sixth of each step's compute."""
     from deepshard.finetune.data.corpus import generate
 
     rows = []
     for story in generate(num, seed=seed):
         first, *rest = story.split(". ")
-        answer = ". ".join(rest[:2]).rstrip(".") + "."
+        answer = rest[0].rstrip(".") + "."
         rows.append({"messages": [SYSTEM, {"role": "user", "content": f"Continue the story: {first}."},
                                   {"role": "assistant", "content": answer}]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

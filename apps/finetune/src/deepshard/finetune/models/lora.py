@@ -102,7 +102,11 @@ class LoraLinear(nn.Linear):
         self.r, self.scaling = r, alpha / r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return self.base(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's output (QLoRA's subclass dequantizes its NF4 weight here: models/qlora.py)."""
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
