@@ -33,7 +33,7 @@ def test_compile_key_reaches_the_engine_and_defaults_off():
 
 @pytest.mark.parametrize(("overrides", "line"), [
     (["parallel.pp=2"], r"^compile=true with parallel.pp=2: "),
-    (["parallel.tp=2"], r"^compile=true with parallel.tp=2: a compiled block with DTensor"),
+    (["parallel.tp=2"], r"^compile=true with parallel.tp=2: a compiled block with DTensor weights trains at one"),
     (["model.mlp_tiles=2"], r"^compile=true with model.mlp_tiles=2: "),
     (["+zero=stage3", "+offload=nvme", "offload.params=nvme", "offload.nvme_path=/tmp"], r"^compile=true with offload.params=nvme: "),
     (["compile=2"], r"^compile=2: must be true or false"),
