@@ -8,7 +8,10 @@ block code (automatic dynamic shapes: the first length static, then one symbolic
 Cases: ZeRO-0 and ZeRO-3 (FSDP2's hooks around the compiled blocks) on variable lengths; ZeRO-3 with
 AC (the checkpoint traced into the graph) and LoRA (frozen base, adapters trained) on one length;
 sp=2 at ZeRO-3 (Ulysses' all-to-alls inside the block as functional collectives, the ZeRO shards over
-the sp ranks) on variable lengths.  (TP is refused with compile=true: config/compile_check.py.)
+the sp ranks) on variable lengths; TP=2 on one length (its first block's input, the embedding's async
+all-reduce, must get its gradient; a changed length fails to recompile over DTensor on torch 2.13, so
+the app refuses compile=true with tp: config/compile_check.py).  TP runs first: dynamo's automatic
+dynamic shapes remember per code which dims changed, and a dynamic graph is what fails under TP.
 Under LoRA the first block's input needs no grad (the embedding is frozen) and the second's does:
 two graphs per length kind.  Dynamo's caches are kept across the cases (ZeRO-3 reuses ZeRO-0's
 graphs where its guards pass), as one process of a run would: each compile costs 10-30 s here.
@@ -27,7 +30,8 @@ STEPS = 5
 LENGTHS = (16, 16, 24, 20, 12)  # one per step: variable-length data
 ROWS = 4
 # name -> (zero stage, ac, lora, variable lengths, layout: dp, tp, sp over the 2 ranks)
-CASES = {"zero0": (0, "none", False, True, (2, 1, 1)), "zero3": (3, "none", False, True, (2, 1, 1)),
+CASES = {"tp2_one_length": (0, "none", False, False, (1, 2, 1)),  # first: before any length turns dynamic
+         "zero0": (0, "none", False, True, (2, 1, 1)), "zero3": (3, "none", False, True, (2, 1, 1)),
          "zero3_ac_lora": (3, "full", True, False, (2, 1, 1)),
          "sp2_zero3": (3, "none", False, True, (1, 1, 2))}
 
