@@ -6,7 +6,12 @@ least one graph and broke none (fullgraph), and that 4 sequence lengths cost at 
 block code (automatic dynamic shapes: the first length static, then one symbolic graph).
 
 Cases: ZeRO-0 and ZeRO-3 (FSDP2's hooks around the compiled blocks) on variable lengths; ZeRO-3 with
-AC (the checkpoint traced into the graph) and LoRA (frozen base, adapters trained) on one length.
+AC (the checkpoint traced into the graph) and LoRA (frozen base, adapters trained) on one length;
+sp=2 at ZeRO-3 (Ulysses' all-to-alls inside the block as functional collectives, the ZeRO shards over
+the sp ranks) on variable lengths; TP=2 on one length (its first block's input, the embedding's async
+all-reduce, must get its gradient; a changed length fails to recompile over DTensor on torch 2.13, so
+the app refuses compile=true with tp: config/compile_check.py).  TP runs first: dynamo's automatic
+dynamic shapes remember per code which dims changed, and a dynamic graph is what fails under TP.
 Under LoRA the first block's input needs no grad (the embedding is frozen) and the second's does:
 two graphs per length kind.  Dynamo's caches are kept across the cases (ZeRO-3 reuses ZeRO-0's
 graphs where its guards pass), as one process of a run would: each compile costs 10-30 s here.
@@ -24,9 +29,11 @@ pytestmark = pytest.mark.slow  # one world-2 launch compiling every case (~60 s)
 STEPS = 5
 LENGTHS = (16, 16, 24, 20, 12)  # one per step: variable-length data
 ROWS = 4
-# name -> (zero stage, ac, lora, variable lengths)
-CASES = {"zero0": (0, "none", False, True), "zero3": (3, "none", False, True),
-         "zero3_ac_lora": (3, "full", True, False)}
+# name -> (zero stage, ac, lora, variable lengths, layout: dp, tp, sp over the 2 ranks)
+CASES = {"tp2_one_length": (0, "none", False, False, (1, 2, 1)),  # first: before any length turns dynamic
+         "zero0": (0, "none", False, True, (2, 1, 1)), "zero3": (3, "none", False, True, (2, 1, 1)),
+         "zero3_ac_lora": (3, "full", True, False, (2, 1, 1)),
+         "sp2_zero3": (3, "none", False, True, (1, 1, 2))}
 
 
 def _batches(variable: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,7 +49,7 @@ def _batches(variable: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train(stage: int, ac: str, lora: bool, variable: bool, compile: bool) -> dict:
+def _train(stage: int, ac: str, lora: bool, variable: bool, layout: tuple[int, int, int], compile: bool) -> dict:
     import torch.distributed as dist
 
     from deepshard.core import (
@@ -54,6 +61,8 @@ def _train(stage: int, ac: str, lora: bool, variable: bool, compile: bool) -> di
         build_mesh,
         initialize,
     )
+    from deepshard.core.mesh import zero_mesh
+    from deepshard.core.sequence_parallel import shard_sequence
     from deepshard.finetune.models.llama.model import Llama, LlamaConfig
     from deepshard.finetune.models.llama.parallelize import parallelize_llama
     from deepshard.finetune.models.lora import apply_lora
@@ -69,19 +78,23 @@ def _train(stage: int, ac: str, lora: bool, variable: bool, compile: bool) -> di
                     p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     config = EngineConfig(zero=ZeroConfig(stage=stage), precision=PrecisionConfig(dtype="fp32"),
                           optim=OptimConfig(lr=3e-3, weight_decay=0.1), ac=ac, compile=compile)
-    mesh = build_mesh(ParallelDims(dp=2))
+    dp, tp, sp = layout
+    mesh = build_mesh(ParallelDims(dp=dp, tp=tp, sp=sp))
     recipe = partial(parallelize_llama, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac, compile=compile)
     engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
-    rank = dist.get_rank()
+    dp_rank, rows = mesh["dp"].get_local_rank(), ROWS // dp
+    loss_group = zero_mesh(mesh).get_group()  # dp x sp: each rank's part of the loss once (tp ranks share theirs)
     losses = []
     for ids, labels in _batches(variable):
-        x, y = ids[rank * 2:(rank + 1) * 2], labels[rank * 2:(rank + 1) * 2]
+        x, y = ids[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
+        if sp > 1:  # this sp rank's consecutive slice of every row (labels aligned on the whole row)
+            x, y = (shard_sequence(t, mesh["sp"].get_local_rank(), sp) for t in (x, y))
         num_items = engine.global_num_items((y != -100).sum())
         loss = engine(x, y, reduction="sum")
         engine.backward(loss, num_items=num_items)
         engine.step()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=loss_group)
         losses.append(total.item() / num_items.item())
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in engine.model.named_parameters()}
@@ -145,6 +158,6 @@ def test_every_block_ran_compiled_in_one_graph_each_length_bounded(results, case
         assert r["breaks"] == 0
         # 2 blocks share one code: per input kind (LoRA: two), one static graph, then one symbolic one
         # for every later length (ZeRO-3 may reuse ZeRO-0's)
-        stage, _, lora, variable = CASES[case]
+        stage, _, lora, variable, _ = CASES[case]
         assert r["graphs"] <= (2 if lora else 1) * (2 if variable else 1), r["graphs"]
         assert r["graphs"] >= 1 or case == "zero3", r["graphs"]

@@ -28,12 +28,12 @@ def test_compile_key_reaches_the_engine_and_defaults_off():
     assert _settings([]).engine.compile is False
     s = _settings(["compile=true", "+zero=stage3", "ac=full", "+peft=lora"])
     assert s.engine.compile is True
+    assert _settings(["compile=true", "parallel.sp=2"]).engine.compile is True  # tests/app/test_compile.py
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
     (["parallel.pp=2"], r"^compile=true with parallel.pp=2: "),
-    (["parallel.sp=2"], r"^compile=true with parallel.sp=2: Ulysses"),
-    (["parallel.tp=2"], r"^compile=true with parallel.tp=2: a compiled block with DTensor"),
+    (["parallel.tp=2"], r"^compile=true with parallel.tp=2: a compiled block with DTensor weights trains at one"),
     (["model.mlp_tiles=2"], r"^compile=true with model.mlp_tiles=2: "),
     (["+zero=stage3", "+offload=nvme", "offload.params=nvme", "offload.nvme_path=/tmp"], r"^compile=true with offload.params=nvme: "),
     (["compile=2"], r"^compile=2: must be true or false"),

@@ -102,6 +102,19 @@ def _storm_line(name: str, seen: list[str], now: str) -> str:
             f"batch sizes steady, or set compile=false")
 
 
+def _settled(a: Any) -> Any:
+    """A block input still waiting on an async collective as a plain tensor.
+
+    Tensor parallelism hands the first block the embedding's all-reduced output as an
+    ``AsyncCollectiveTensor`` (torch's Rowwise style redistributes with ``async_op=True``).  Fed to a
+    compiled graph as it is, the graph's backward returns no gradient for it (torch 2.13), so the
+    embedding would stop training; ``clone`` waits for the collective and gives autograd a plain
+    node (one copy of the first block's input)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return a.clone() if isinstance(a, AsyncCollectiveTensor) else a
+
+
 def _compiled_forward(forward: Callable[..., Any], name: str) -> Callable[..., Any]:
     compiled = torch.compile(forward, fullgraph=True, backend=_counting_inductor)
     seen: list[str] = []  # distinct input signatures, for the storm's one line
@@ -109,6 +122,7 @@ def _compiled_forward(forward: Callable[..., Any], name: str) -> Callable[..., A
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         run.calls += 1  # type: ignore[attr-defined]
+        args = tuple(_settled(a) for a in args)
         try:
             return compiled(*args, **kwargs)
         except Exception as e:  # dynamo's limit error types moved between releases: match on the name

@@ -8,12 +8,19 @@ sequence), and after it the inverse all-to-all turns the output back.  Each is a
 function whose backward is the other all-to-all, so gradients flow to the tokens' own ranks.
 
 Every tensor handed to a collective lives where its input lives: the compute device.
+
+Inside a compiled block (``compile=true``, ``fullgraph``) dynamo cannot trace ``dist.all_to_all_single``
+(an in-place op on a process group) nor the autograd functions around it: there the all-to-all is
+torch's functional collective with its own autograd (``all_to_all_single_autograd``, whose backward
+is the inverse all-to-all), and the reshapes around it are differentiated as ordinary ops.  Same
+chunks, same order, so the compiled block computes what the eager one does.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 __all__ = ["expand_kv_heads", "gather_sequence", "heads_to_seq", "seq_to_heads", "shard_sequence"]
@@ -22,6 +29,8 @@ __all__ = ["expand_kv_heads", "gather_sequence", "heads_to_seq", "seq_to_heads",
 def _all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i."""
     x = x.contiguous()  # before empty_like, which would copy a permuted input's strides
+    if torch.compiler.is_compiling():  # traced into the block's graph; differentiable by itself
+        return funcol.all_to_all_single_autograd(x, None, None, group)
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
@@ -70,11 +79,15 @@ def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[b, h, s/N, d] sequence-sharded -> [b, h/N, s, d] head-sharded (``h`` divisible by N)."""
     n = dist.get_world_size(group)
     assert x.shape[1] % n == 0, f"{x.shape[1]} heads over {n} sequence-parallel ranks"
+    if torch.compiler.is_compiling():
+        return _seq_to_heads(x, group)
     return _SeqToHeads.apply(x, group)
 
 
 def heads_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: [b, h/N, s, d] -> [b, h, s/N, d]."""
+    if torch.compiler.is_compiling():
+        return _heads_to_seq(x, group)
     return _HeadsToSeq.apply(x, group)
 
 
