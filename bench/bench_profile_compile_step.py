@@ -8,7 +8,7 @@ BLAS as eager), attention (SDPA and its backward, an extern kernel in both), the
 inductor-generated C++ kernels (the compiled graphs' own time), the other aten ops (elementwise,
 copies, the loss) and what no op accounts for (Python, autograd, dispatch).  JSON on stdout.
 
-    python bench/profile_compile_step.py [--steps 5] [--warmup 3] [--threads 1]
+    python bench/bench_profile_compile_step.py [--steps 5] [--warmup 3] [--threads 1]
 
 No collectives: the world-2 run adds ZeRO's (eager around the blocks, the same in both modes).
 """
