@@ -1,6 +1,6 @@
 """``python apps/finetune/main.py ARGS`` for the tests, without a new interpreter per run.
 
-Each app run of the suite used to cost ~14 s of CPU before its first step: the launcher's imports
+Each app run of the suite used to cost ~9 s of CPU before its first step: the launcher's imports
 (torch, Hydra, transformers' tokenizer: ~3 s), and its forkserver's (torch, dynamo, deepshard: ~6 s),
 which the workers fork from.  Here one runner process per pytest worker holds both: it imports what
 the launcher imports and starts the forkserver once, then forks a child per run that executes
@@ -9,7 +9,7 @@ workers fork from the runner's server.  What a run computes is the same code on 
 what differs is only where the imports came from.
 
 What the process itself is checked for (signals to the launcher, a SIGKILLed launcher's workers, memory
-of the launcher) stays a real subprocess (:func:`run_subprocess`, or ``Popen`` in the test), and so does
+of the launcher) stays a real subprocess (``Popen`` in the test), and so does
 a run whose ``env`` changes more than what the app reads while it runs (:data:`RUN_TIME_KEYS`: torch,
 glibc, Python and our own ``DEEPSHARD_HOST_ADAM`` read theirs at import, in the runner).
 ``DEEPSHARD_TEST_RUNNER=0`` sends every run to a subprocess.
@@ -156,9 +156,10 @@ def _serve() -> None:
     from deepshard.finetune.config import ds_config  # noqa: F401
     from deepshard.finetune.data.tokenizer import tokenizer_modules
     from deepshard.launch.local import start_worker_server
+    from deepshard.launch.worker_server import server_pid
 
     start_worker_server(app.train_worker, preload=tokenizer_modules("any"))
-    _say(answers, server=_server_pid())
+    _say(answers, server=server_pid())
     for line in requests:
         request = json.loads(line)
         _pump({out_r: None, err_r: None}, until=None)  # what a leftover wrote belongs to no run
@@ -262,12 +263,6 @@ def _reuse_server() -> None:
 
     server.ensure_running = ensure_running
     forkserver.ensure_running = ensure_running
-
-
-def _server_pid() -> int:
-    import multiprocessing.forkserver as forkserver
-
-    return forkserver._forkserver._forkserver_pid
 
 
 def _say(stream, **answer) -> None:

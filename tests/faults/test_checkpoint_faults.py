@@ -32,12 +32,16 @@ pytestmark = pytest.mark.slow
 PAUSED = "pausing this save for a fault-injection test"
 
 
+def _args(run_dir: Path, *overrides: str) -> list[str]:
+    return [*TINY, "train.log_every=1", *overrides, f"hydra.run.dir={run_dir}"]
+
+
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, str(MAIN), *TINY, "train.log_every=1", *overrides, f"hydra.run.dir={run_dir}"]
+    return [sys.executable, str(MAIN), *_args(run_dir, *overrides)]
 
 
 def _run(cwd: Path, run_dir: Path, *overrides: str, timeout: int = 180) -> tuple[int, str]:
-    proc = run_main(_cmd(run_dir, *overrides)[2:], cwd=cwd, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = run_main(_args(run_dir, *overrides), cwd=cwd, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return proc.returncode, proc.stdout + proc.stderr
 
 

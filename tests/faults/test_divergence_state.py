@@ -40,15 +40,19 @@ INIT_MAX = 1.0
 pytestmark = pytest.mark.slow
 
 
+def _args(run_dir: Path, *overrides: str) -> list[str]:
+    return [*TINY, *overrides, f"hydra.run.dir={run_dir}"]
+
+
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, str(MAIN), *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    return [sys.executable, str(MAIN), *_args(run_dir, *overrides)]
 
 
 def _run(run_dir: Path, *overrides: str, fault: str | None = None, timeout: int = 180) -> tuple[int, str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if fault:
         env["DEEPSHARD_TEST_FAULT"] = fault
-    proc = run_main(_cmd(run_dir, *overrides)[2:], cwd=run_dir.parent, timeout=timeout, env=env)
+    proc = run_main(_args(run_dir, *overrides), cwd=run_dir.parent, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
