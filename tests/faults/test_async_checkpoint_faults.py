@@ -69,7 +69,7 @@ def test_sigterm_with_an_async_save_in_flight_seals_it_then_saves_the_final_one(
     assert f"saved {root / f'step-{steps[0]:08d}'}; exiting" in out
 
 
-@pytest.mark.alone  # ends within 30 s
+@pytest.mark.alone  # timed: ends within the launcher's grace
 def test_sigkill_of_a_worker_mid_shard_keeps_the_previous_and_the_next_run_resumes_from_it(tmp_path):
     """Both writers pause inside their shard file of step 4 (DEEPSHARD_FAULT_SAVE_STALL=4:120:shard: the
     file open, its first tensor written), training goes on; rank 1 is then killed with SIGKILL.  The job
@@ -87,7 +87,10 @@ def test_sigkill_of_a_worker_mid_shard_keeps_the_previous_and_the_next_run_resum
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     code, out = app.finish(timeout=60)
-    assert code == 1 and time.monotonic() - start < 30, out[-3000:]
+    # the job ends at once when rank 0 is in a collective with the dead rank; when the kill comes late
+    # (a busy host) rank 0 already waits for its own paused writer (120 s) and the launcher's 30-s grace
+    # ends it: either way long before the writer would have finished
+    assert code == 1 and time.monotonic() - start < 45, out[-3000:]
     assert out.strip().splitlines()[-1].startswith("error: rank 1 died with SIGKILL"), out[-3000:]
     # what the kill left: step 2 sealed and good, step 4 a temp dir with a shard begun and no DCP metadata
     assert [c.step for c in step_dirs(root)] == [2]
