@@ -18,8 +18,10 @@ from deepshard.launch.local import launch_local
 from tests.core.zero_harness import MICRO, build_model, engine_config
 
 
-def _storages() -> dict[int, int]:
-    """data_ptr -> bytes of every tensor storage reachable from Python (DTensors: their local tensor)."""
+def _storages() -> dict[int, torch.UntypedStorage]:
+    """data_ptr -> every tensor storage reachable from Python (DTensors: their local tensor).  The dict
+    holds the storages: while it lives, none of their addresses can be reused by a later allocation
+    (a census by address would miss a new buffer placed where a tensor freed after this walk lived)."""
     from torch.distributed.tensor import DTensor
 
     gc.collect()
@@ -32,7 +34,7 @@ def _storages() -> dict[int, int]:
             continue
         t = obj._local_tensor if isinstance(obj, DTensor) else obj
         if t.device.type != "meta" and t.untyped_storage().nbytes():
-            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            out[t.untyped_storage().data_ptr()] = t.untyped_storage()
     return out
 
 
@@ -51,7 +53,8 @@ def _worker(root):
                 engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
                 engine.step()
             after = _storages()
-            census = sum(n for ptr, n in after.items() if ptr not in before)
+            census = sum(s.nbytes() for ptr, s in after.items() if ptr not in before)
+            del before, after
             memory = engine.memory()
             out[(dtype, stage)] = (census, memory["measured"].as_dict(), memory["expected"].total)
             del engine
