@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.alone import pytest_runtest_protocol  # noqa: F401  (the `alone` marker's lock, a hook)
+from tests.alone import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the `alone` marker's lock, hooks)
 from tests.checkpoint.tmpfs import tmpfs_mounter
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
