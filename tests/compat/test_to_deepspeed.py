@@ -104,3 +104,45 @@ def test_bad_stage_is_one_line(imported, tmp_path, capsys):
     assert main([str(imported), str(tmp_path / "x"), "--stage", "4"]) == 2
     assert capsys.readouterr().err.strip() == "error: --stage 4: the exporter writes ZeRO-1, -2 or -3 checkpoints " \
                                               "(valid: 1, 2, 3)"
+
+
+
+def _zero0_save(save_dir: str) -> list[str]:
+    """On a pool rank: one step of a DeepSpeed-API script at ZeRO-0, saved; the module's parameter order."""
+    import deepshard.compat.deepspeed as deepspeed
+    from tests.compat.compat_harness import batches, tiny_llama, tokenizer
+
+    deepspeed.init_distributed()
+    model = tiny_llama(len(tokenizer()))
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    inputs = next(iter(batches(engine.global_rank, engine.world_size, 2, 1, engine.device)))
+    engine.backward(engine(**inputs).loss)
+    engine.step()
+    engine.save_checkpoint(save_dir)
+    return [n for n, _ in model.named_parameters()]
+
+
+def test_a_world_2_zero0_save_exports_in_the_modules_order(tmp_path, gloo_pool):
+    """ZeRO-0 replicates every tensor: DCP's save lets one rank write each and lists them plan by plan.
+    The export lays DeepSpeed's flat partitions out in the checkpoint's order, so that order must be the
+    module's (load-balanced plans listed ``layers.1`` before ``layers.0``); the partitions' values are
+    checked against torch's own DCP-to-torch.save conversion."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from deepshard.core.checkpoint import tensor_infos
+
+    order = gloo_pool(2).run(_zero0_save, str(tmp_path / "ck"))[0]
+    (ckpt,) = (tmp_path / "ck").glob("*/step-*")
+    assert [i.key[6:] for i in tensor_infos(ckpt, "model.")][:len(order)] == order
+
+    out = export_checkpoint(ckpt, tmp_path / "ds", stage=2)
+    module = load_ds_file(out / "mp_rank_00_model_states.pt")["module"]
+    assert list(module)[:len(order)] == order
+    dcp_to_torch_save(ckpt, tmp_path / "torch.pt")
+    saved = torch.load(tmp_path / "torch.pt", weights_only=True)
+    matrices = torch.cat([saved[f"model.{n}"].reshape(-1) for n in order if saved[f"model.{n}"].dim() >= 2])
+    parts = [load_ds_file(out / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+             ["single_partition_of_fp32_groups"][0] for r in (0, 1)]
+    assert torch.equal(torch.cat(parts)[:matrices.numel()], matrices)

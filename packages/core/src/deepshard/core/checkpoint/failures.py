@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from deepshard.core.checkpoint.manifest import CheckpointError
+from deepshard.core.checkpoint.planner import ModuleOrderPlanner
 
 log = logging.getLogger("deepshard.checkpoint")
 
@@ -155,8 +156,8 @@ def slow_write_seconds(step: int) -> float | None:
     return _stall_seconds(step, "slow")
 
 
-class MidShardStall(DefaultSavePlanner):
-    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS:shard``): DCP's own planner, which pauses
+class MidShardStall(ModuleOrderPlanner):
+    """Fault injection (``DEEPSHARD_FAULT_SAVE_STALL=STEP:SECONDS:shard``): the save planner, which pauses
     once this rank's first tensor is in its shard file and the next is due (the file open, half written)."""
 
     def __init__(self, step: int, seconds: float) -> None:
@@ -172,10 +173,11 @@ class MidShardStall(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-def save_planner(step: int) -> DefaultSavePlanner | None:
-    """DCP's default planner (None), or the fault-injection one when a mid-shard pause is asked for."""
+def save_planner(step: int) -> DefaultSavePlanner:
+    """The save's planner (:class:`ModuleOrderPlanner`), or the fault-injection one when a mid-shard pause is
+    asked for."""
     seconds = _stall_seconds(step, "shard", now=False)
-    return None if seconds is None else MidShardStall(step, seconds)
+    return ModuleOrderPlanner() if seconds is None else MidShardStall(step, seconds)
 
 
 def _mb(n: int) -> str:
