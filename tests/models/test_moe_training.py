@@ -2,7 +2,9 @@
 every rank, the stacked expert weights sharded like any parameter) equal transformers' own model
 trained by plain torch in one process: 3 steps of AdamW on masked variable-length chat rows (one
 row empty), losses and every parameter within 1e-5; the checkpoints export to folders transformers
-loads with our trained logits.  One launch serves every case.
+loads with our trained logits.  Qwen3-MoE once more with its parameters and optimizer state in host
+memory (``offload.params=cpu offload.device=cpu``), the same check, and the estimator's offloaded
+model-state figure held against the bytes its ranks held.  One launch serves every case.
 
 The load-balancing loss is not linear in tokens: its statistics are per rank and per micro-batch (as
 DeepSpeed's and Megatron's), so the reference computes it the same way, on each rank's rows apart,
@@ -23,7 +25,7 @@ from deepshard.finetune.models import registry
 from deepshard.launch.local import launch_local
 from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows
 from tests.models.moe_refs import COEF, FAMILIES, moe_hf_model
-from tests.models.train_harness import train_steps
+from tests.models.train_harness import check_offloaded_figure, measure_after_backward, train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +33,19 @@ STEPS, DP = 3, 2
 # eps 1e-5: Adam's first step is lr * g / (|g| + eps); some attention gradients here are ~1e-6, where a
 # 3e-8 rounding difference (grads agree to that) moved a parameter 1.05e-5 with eps 1e-6.
 LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-5, 0.1
+# ZeRO-3 with the params (FSDP2's CPU offload) and the optimizer state in host memory, once for the MoE families
+OFFLOADED_FAMILY = "qwen3_moe"
+OFFLOADED = f"offload_{OFFLOADED_FAMILY}"
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
-def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
+def _run(family: str, hf_dir: str, ckpt_root: str, offload: bool = False) -> dict:
 
     from deepshard.core import (
+        DeviceStateStore,
         EngineConfig,
         OptimConfig,
         ParallelDims,
@@ -49,6 +55,8 @@ def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
         initialize,
     )
     from deepshard.core.checkpoint.state import save_checkpoint
+    from deepshard.core.zero import CpuParamOffload
+    from deepshard.offload import CpuStateStore
 
     spec = registry.for_hf(hf_dir)
     cfg = spec.hf.config_from_hf(hf_dir)
@@ -59,12 +67,17 @@ def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
                           precision=PrecisionConfig(dtype="fp32"),
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
     mesh = build_mesh(ParallelDims(dp=DP))
-    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
-    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
+    params = CpuParamOffload() if offload else None
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none", offload_params=params)
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, offload_params=params,
+                        store_factory=CpuStateStore if offload else DeviceStateStore)
     ids, labels = chat_rows(STEPS)
     rank = mesh["dp"].get_local_rank()
     rows = slice(rank * ROWS // DP, (rank + 1) * ROWS // DP)
     losses = train_steps(engine, ids, labels, rows, mesh["dp"].get_group())
+    if offload:  # no checkpoint: what the estimator's figure is held against instead
+        return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()},
+                "memory": measure_after_backward(engine, ids[0, rows], labels[0, rows])}
     meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
     ckpt = save_checkpoint(Path(ckpt_root) / family, STEPS, engine.optimizer, mesh["dp"], model=engine.model,
                            app_state={"step": STEPS}, meta=meta)
@@ -76,7 +89,8 @@ def worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {family: _run(family, hf_dirs[family], ckpt_root) for family in FAMILIES}
+    out = {family: _run(family, hf_dirs[family], ckpt_root) for family in FAMILIES}
+    return {**out, OFFLOADED: _run(OFFLOADED_FAMILY, hf_dirs[OFFLOADED_FAMILY], ckpt_root, offload=True)}
 
 
 def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -122,13 +136,14 @@ def _merged(ranks: list[dict], family: str) -> dict[str, torch.Tensor]:
     return params
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_zero3_trains_as_transformers_does_with_per_rank_aux(runs, family):
+@pytest.mark.parametrize("name", [*FAMILIES, OFFLOADED])
+def test_zero3_trains_as_transformers_does_with_per_rank_aux(runs, name):
     ranks, _ = runs
+    family = name.removeprefix("offload_")
     ref_losses, ref_params = reference(family)
-    losses = ranks[0][family]["losses"]
+    losses = ranks[0][name]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
-    ours = _merged(ranks, family)
+    ours = _merged(ranks, name)
     to_hf = registry.get(family).hf.to_hf_name
     assert {to_hf(n) for n in ours} == set(ref_params)
     worst = max(((ours[n] - ref_params[to_hf(n)]).abs().max().item(), n) for n in ours)
@@ -154,3 +169,22 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path, family):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (hf(ids).logits - ours.eval()(ids)).abs().max().item() < 1e-5
+
+
+def test_the_estimators_offloaded_model_states_are_what_the_run_holds(runs):
+    """The estimator's host figure for the offloaded case, its parameter count from the family's
+    config (the stacked experts and the dense layer included), against the bytes the ranks held
+    (``train_harness.check_offloaded_figure``)."""
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.working_set import RunShape, working_set
+    from deepshard.offload import OffloadConfig
+
+    ranks, dirs = runs
+    cfg = registry.get(OFFLOADED_FAMILY).hf.config_from_hf(dirs[OFFLOADED_FAMILY])
+    theirs = moe_hf_model(OFFLOADED_FAMILY)
+    num_params = sum(p.numel() for p in theirs.parameters())  # transformers' count (tied: once)
+    counts = model_counts(cfg, world=DP)
+    assert counts.num_params == num_params
+    shape = RunShape(stage=3, dp=DP, offload=OffloadConfig(device="cpu", params="cpu"), seq_len=SEQ)
+    figure = working_set(cfg, counts, shape, baseline=0).host["model states (offloaded)"]
+    check_offloaded_figure(figure, [rank[OFFLOADED]["memory"] for rank in ranks], theirs)

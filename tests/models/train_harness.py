@@ -10,8 +10,10 @@ holding half of every row) for Gemma 3 (a sliding and a global layer, rows longe
 Gemma 2 (attention scores soft-capped), Qwen2, Qwen3, Mistral and Phi-3 (longrope: the whole row's
 length picks the factors); Qwen2 and Mistral at tp=2, Qwen2 and Qwen3 at pp=2; ZeRO-3 with the
 parameters and the optimizer state in host memory (``offload.params=cpu``, ``offload.device=cpu``)
-for Qwen2, Qwen3 and Mistral.  The tp layouts run last.  Each family's ``zero3_<family>`` case
-saves a checkpoint the export test reads.
+for Qwen2, Qwen3, Mistral, Phi-3 and Gemma 3 (each records its measured model-state bytes); LoRA on
+every projection at ZeRO-3 for Qwen2, Qwen3 and Mistral.  The tp layouts run last.  Each family's
+``zero3_<family>`` case saves a checkpoint the export test reads, each LoRA case an adapters-only one
+(as ``+peft=lora`` saves) that ``export --adapter`` reads.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "offload_qwen2": ("qwen2", 1, 2, 1, 3, {}),
          "offload_qwen3": ("qwen3", 1, 2, 1, 3, {}),
          "offload_mistral": ("mistral", 1, 2, 1, 3, {}),
+         "offload_phi3": ("phi3", 1, 2, 1, 3, {}),
+         "offload_gemma3": ("gemma3", 1, 2, 1, 3, {}),  # tied head: one host copy for embedding and head
+         "zero3_qwen3_lora": ("qwen3", 1, 2, 1, 3, {}),
+         "zero3_mistral_lora": ("mistral", 1, 2, 1, 3, {}),
          "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {}),
          "tp2_gemma3": ("gemma3", 1, 1, 2, 0, {}),
          "tp2_phi3": ("phi3", 1, 1, 2, 0, {}),
@@ -57,7 +63,8 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "tp2_mistral": ("mistral", 1, 1, 2, 0, {})}
 SP = {name: 2 for name in CASES if name.startswith("sp2_")}  # Ulysses: the sp axis takes the world
 OFFLOAD = {name for name in CASES if name.startswith("offload_")}  # CPU params (FSDP2's) + CPU optimizer state
-LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
+# adapters on every projection (Qwen2's q/k/v carry their frozen biases, Qwen3's q/k feed its norms), base frozen
+LORA = {"zero3_qwen2_lora", "zero3_qwen3_lora", "zero3_mistral_lora"}
 TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
 
 
@@ -97,6 +104,35 @@ def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, gr
         dist.all_reduce(total, group=group)
         losses.append(total.item() / num_items.item())
     return losses
+
+
+def measure_after_backward(engine, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, int]:
+    """This rank's measured model-state bytes with the gradients alive: one more forward and backward
+    (no step; the case's results are taken before it)."""
+    engine.backward(engine(ids, labels, reduction="sum"), num_items=engine.global_num_items((labels != -100).sum()))
+    return engine.memory()["measured"].as_dict()
+
+
+def check_offloaded_figure(figure: int, held: list[dict[str, int]], reference: torch.nn.Module) -> None:
+    """The estimator's host figure for ZeRO-3 with ``offload.params=cpu offload.device=cpu`` over
+    ``len(held)`` ranks (in rank order) against what each rank held after a backward (``reference``:
+    transformers' model of the case).  The figure is 20 B per parameter / dp: fp32 params and grads
+    (8 B) and the host store's fp32 master + Adam moments (12 B).  Rank r holds rows [r*c, (r+1)*c) of
+    dim 0 of every tensor (c = ceil(rows / dp): 5 experts over 2 ranks are 3 + 2) as params, as grads
+    and twice as moments; on a CPU-only host the master is the param itself, so the run holds 16 B
+    per parameter in all: the figure bounds the ranks' mean from above by the aliased master."""
+    dp = len(held)
+    num_params = sum(p.numel() for p in reference.parameters())  # a tied head once
+    assert figure == 20 * num_params // dp, (figure, num_params)
+
+    def shard(rank: int) -> int:  # fp32 bytes of this rank's rows of every tensor
+        rows = [(p.shape[0], -(-p.shape[0] // dp), p.numel() // p.shape[0]) for p in reference.parameters()]
+        return sum(max(0, min(n, (rank + 1) * c) - rank * c) * rest * 4 for n, c, rest in rows)
+
+    for rank, h in enumerate(held):
+        mine = shard(rank)
+        assert (h["params"], h["grads"], h["host"], h["optimizer"]) == (mine, mine, 2 * mine, 0), (rank, h, mine)
+    assert sum(h["params"] + h["grads"] + h["host"] for h in held) == 16 * num_params <= dp * figure
 
 
 def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
@@ -144,10 +180,17 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
                         store_factory=CpuStateStore if name in OFFLOAD else DeviceStateStore)
     losses += train_steps(engine, ids, labels, rows, zero_mesh(mesh).get_group(), cols)
     out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
-    if name == f"zero3_{family}":
+    if name in OFFLOAD:  # what the estimator's model-states figure is held against: the bytes after a backward
+        out["memory"] = measure_after_backward(engine, ids[0, rows, cols], labels[0, rows, cols])
+    if name == f"zero3_{family}" or name in LORA:
         meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+        if name in LORA:  # as the app saves a +peft=lora run: the adapters only, the base by reference
+            meta["peft"] = {"r": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": list(TARGETS),
+                            "modules_to_save": []}
+            meta["base"] = {"model": "hf", "path": hf_dir, "seed": 0}
         out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
-                                                model=engine.model, app_state={"step": STEPS}, meta=meta))
+                                                model=None if name in LORA else engine.model,
+                                                app_state={"step": STEPS}, meta=meta))
     return out
 
 
