@@ -3,8 +3,13 @@ by plain torch (3 steps of AdamW on masked chat-like rows, fp32): ZeRO-3 for eve
 embedding and head in vocabulary tiles), tp=2 (Qwen2, Qwen3, Mistral, Phi-3, Gemma 3), pp=2 (Mistral
 with rows longer than its window, Qwen2, Qwen3, Phi-3), Ulysses sp=2 (Gemma 2 and 3 with sliding and
 global layers, Qwen2, Qwen3, Mistral, Phi-3), CPU offload of parameters and optimizer state (Qwen2,
-Qwen3, Mistral): losses and every parameter within 1e-5 (``train_harness.CASES``; one launch).  The
-ZeRO-3 checkpoints export to HF folders that transformers loads with our trained model's logits."""
+Qwen3, Mistral, Phi-3, Gemma 3), LoRA at ZeRO-3 on every projection against PEFT's (Qwen2, Qwen3,
+Mistral) and against plain-torch LoRA on the rows of Phi-3's fused projections: losses and every
+parameter within 1e-5 (``train_harness.CASES``; one launch).  The ZeRO-3 checkpoints export to HF
+folders that transformers loads with our trained model's logits, the LoRA ones (``export --adapter``)
+to adapter folders that PEFT loads onto transformers' model with our logits (Phi-3's: ``--merge``,
+``--adapter`` refused); the estimator's offloaded model-state figure is held against the bytes each
+offloaded case's ranks held."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 from deepshard.finetune.models import registry
 from deepshard.launch.local import launch_local
 from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, hf_model, save_hf
-from tests.models.train_harness import CASES, LORA, reference, worker
+from tests.models.train_harness import CASES, LORA, OFFLOAD, check_offloaded_figure, reference, worker
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +84,85 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path, family):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (hf(ids).logits - ours.eval()(ids)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(LORA - {"zero3_phi3_lora"}))
+def test_lora_adapter_export_loads_in_peft_with_our_logits(runs, tmp_path, name):
+    """``export --adapter`` of the adapters-only checkpoint: PEFT's ``PeftModel.from_pretrained`` on
+    transformers' base gives the logits of the base with ``alpha / r * B @ A`` of our trained factors
+    added to each target weight (merged here, in plain torch)."""
+    from peft import PeftModel
+
+    from deepshard.finetune.tools.adapter_export import export_adapter
+    from tests.models.train_harness import ALPHA, RANK, TARGETS
+
+    ranks, _ = runs
+    family = CASES[name][0]
+    info = export_adapter(ranks[0][name]["checkpoint"], tmp_path / "adapter")
+    assert info["tensors"] == 2 * len(TARGETS) * 2  # A and B per target per layer (2 layers)
+    loaded = PeftModel.from_pretrained(hf_model(family), str(tmp_path / "adapter")).eval()
+    ours, merged = _merged(ranks, name), hf_model(family)
+    weights = dict(merged.named_parameters())
+    with torch.no_grad():
+        for n in [n for n in ours if n.endswith(".lora_A.weight")]:
+            stem = n.removesuffix(".lora_A.weight")
+            weights[f"model.{stem}.weight"] += ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n]
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        want = merged(ids).logits
+        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
+        assert (hf_model(family)(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
+
+
+def test_phi3_lora_on_fused_pieces_exports_merged_and_refuses_the_adapter_format(runs, tmp_path):
+    """Phi-3's adapters on q/k/v and gate/up (pieces of its fused projections): ``export --merge`` writes
+    a folder transformers loads with the logits of the base plus ``alpha / r * B @ A`` of our trained
+    factors on each piece's rows (merged here, in plain torch); ``export --adapter`` refuses, naming them."""
+    from transformers import AutoModelForCausalLM
+
+    from deepshard.finetune.tools.adapter_export import export_adapter, export_merged
+    from tests.models.train_harness import ALPHA, RANK
+
+    ranks, _ = runs
+    name = "zero3_phi3_lora"
+    with pytest.raises(ValueError, match="q_proj"):
+        export_adapter(ranks[0][name]["checkpoint"], tmp_path / "adapter")
+    export_merged(ranks[0][name]["checkpoint"], tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    ours, merged = _merged(ranks, name), hf_model("phi3")
+    weights = dict(merged.named_parameters())
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
+    with torch.no_grad():
+        deltas: dict[str, list[torch.Tensor]] = {}
+        for n in [n for n in ours if n.endswith(".lora_A.weight")]:  # our order: q, k, v and gate, up (HF's rows)
+            stem = n.removesuffix(".lora_A.weight")
+            module, leaf = stem.rsplit(".", 1)
+            target = f"model.{module}.{fused.get(leaf, leaf)}.weight"
+            deltas.setdefault(target, []).append(ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n])
+        for target, pieces in deltas.items():
+            weights[target] += torch.cat(pieces)
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        want = merged(ids).logits
+        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
+        assert (hf_model("phi3")(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
+
+
+@pytest.mark.parametrize("name", sorted(OFFLOAD))
+def test_the_estimators_offloaded_model_states_are_what_the_run_holds(runs, name):
+    """The estimator's host figure (``tools/estimate``'s "model states (offloaded)") for the case's
+    layout, its parameter count from the family's config (Phi-3's split q/k/v and gate/up, Gemma 3's
+    tied head once), against the bytes the ranks held (``train_harness.check_offloaded_figure``)."""
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.working_set import RunShape, working_set
+    from deepshard.offload import OffloadConfig
+
+    ranks, dirs = runs
+    family = CASES[name][0]
+    cfg = registry.get(family).hf.config_from_hf(dirs[family])
+    theirs = hf_model(family)
+    num_params = sum(p.numel() for p in theirs.parameters())  # transformers' count (tied: once)
+    counts = model_counts(cfg, world=len(ranks))
+    assert counts.num_params == num_params
+    shape = RunShape(stage=3, dp=len(ranks), offload=OffloadConfig(device="cpu", params="cpu"), seq_len=SEQ)
+    figure = working_set(cfg, counts, shape, baseline=0).host["model states (offloaded)"]
+    check_offloaded_figure(figure, [rank[name]["memory"] for rank in ranks], theirs)

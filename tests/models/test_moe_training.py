@@ -2,7 +2,11 @@
 every rank, the stacked expert weights sharded like any parameter) equal transformers' own model
 trained by plain torch in one process: 3 steps of AdamW on masked variable-length chat rows (one
 row empty), losses and every parameter within 1e-5; the checkpoints export to folders transformers
-loads with our trained logits.  One launch serves every case.
+loads with our trained logits.  Qwen3-MoE once more with its parameters and optimizer state in host
+memory (``offload.params=cpu offload.device=cpu``), the same check, and the estimator's offloaded
+model-state figure held against the bytes its ranks held; Mixtral with LoRA on the attention
+projections against PEFT's (the base, router and experts frozen), its ``export --adapter`` loaded by
+PEFT with our logits.  One launch serves every case.
 
 The load-balancing loss is not linear in tokens: its statistics are per rank and per micro-batch (as
 DeepSpeed's and Megatron's), so the reference computes it the same way, on each rank's rows apart,
@@ -23,7 +27,15 @@ from deepshard.finetune.models import registry
 from deepshard.launch.local import launch_local
 from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows
 from tests.models.moe_refs import COEF, FAMILIES, moe_hf_model
-from tests.models.train_harness import train_steps
+from tests.models.train_harness import (
+    ALPHA,
+    RANK,
+    adapter_value,
+    check_offloaded_figure,
+    hf_name,
+    measure_after_backward,
+    train_steps,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +43,22 @@ STEPS, DP = 3, 2
 # eps 1e-5: Adam's first step is lr * g / (|g| + eps); some attention gradients here are ~1e-6, where a
 # 3e-8 rounding difference (grads agree to that) moved a parameter 1.05e-5 with eps 1e-6.
 LR, BETAS, EPS, WD = 2e-3, (0.9, 0.95), 1e-5, 0.1
+# ZeRO-3 with the params (FSDP2's CPU offload) and the optimizer state in host memory, once for the MoE families
+OFFLOADED_FAMILY = "qwen3_moe"
+OFFLOADED = f"offload_{OFFLOADED_FAMILY}"
+# LoRA on the attention projections (on the experts it is refused), once: against PEFT's, and its --adapter export
+LORA_FAMILY, ATTENTION = "mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_CASE = f"lora_{LORA_FAMILY}"
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
-def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
+def _run(family: str, hf_dir: str, ckpt_root: str, offload: bool = False, lora: bool = False) -> dict:
 
     from deepshard.core import (
+        DeviceStateStore,
         EngineConfig,
         OptimConfig,
         ParallelDims,
@@ -49,25 +68,44 @@ def _run(family: str, hf_dir: str, ckpt_root: str) -> dict:
         initialize,
     )
     from deepshard.core.checkpoint.state import save_checkpoint
+    from deepshard.core.zero import CpuParamOffload
+    from deepshard.offload import CpuStateStore
 
     spec = registry.for_hf(hf_dir)
     cfg = spec.hf.config_from_hf(hf_dir)
     model = spec.build(cfg)
     model.init_weights(0)
     spec.hf.load_weights(model, hf_dir)
+    if lora:
+        from deepshard.finetune.models.lora import apply_lora
+
+        apply_lora(model, r=RANK, alpha=ALPHA, target_modules=ATTENTION, seed=None)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(adapter_value(n.replace(".weight", ""), tuple(p.shape)))
     config = EngineConfig(zero=ZeroConfig(stage=3, reduce_bucket_size=3000, allgather_bucket_size=3000),
                           precision=PrecisionConfig(dtype="fp32"),
                           optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
     mesh = build_mesh(ParallelDims(dp=DP))
-    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none")
-    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe)
+    params = CpuParamOffload() if offload else None
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none", offload_params=params)
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, offload_params=params,
+                        store_factory=CpuStateStore if offload else DeviceStateStore)
     ids, labels = chat_rows(STEPS)
     rank = mesh["dp"].get_local_rank()
     rows = slice(rank * ROWS // DP, (rank + 1) * ROWS // DP)
     losses = train_steps(engine, ids, labels, rows, mesh["dp"].get_group())
+    if offload:  # no checkpoint: what the estimator's figure is held against instead
+        return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()},
+                "memory": measure_after_backward(engine, ids[0, rows], labels[0, rows])}
     meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
-    ckpt = save_checkpoint(Path(ckpt_root) / family, STEPS, engine.optimizer, mesh["dp"], model=engine.model,
-                           app_state={"step": STEPS}, meta=meta)
+    if lora:  # as the app saves a +peft=lora run: the adapters only, the base by reference
+        meta["peft"] = {"r": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": list(ATTENTION),
+                        "modules_to_save": []}
+        meta["base"] = {"model": "hf", "path": hf_dir, "seed": 0}
+    ckpt = save_checkpoint(Path(ckpt_root) / (LORA_CASE if lora else family), STEPS, engine.optimizer, mesh["dp"],
+                           model=None if lora else engine.model, app_state={"step": STEPS}, meta=meta)
     return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()},
             "checkpoint": str(ckpt)}
 
@@ -76,14 +114,27 @@ def worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {family: _run(family, hf_dirs[family], ckpt_root) for family in FAMILIES}
+    out = {family: _run(family, hf_dirs[family], ckpt_root) for family in FAMILIES}
+    out[OFFLOADED] = _run(OFFLOADED_FAMILY, hf_dirs[OFFLOADED_FAMILY], ckpt_root, offload=True)
+    return {**out, LORA_CASE: _run(LORA_FAMILY, hf_dirs[LORA_FAMILY], ckpt_root, lora=True)}
 
 
-def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' model, 3 steps of torch.optim.AdamW on the whole batch: summed token loss over
-    the global valid count + coef * the mean over the dp ranks' row halves of each half's aux loss."""
+    the global valid count + coef * the mean over the dp ranks' row halves of each half's aux loss.
+    ``lora``: PEFT's adapters on the attention projections, the only parameters trained."""
     model = moe_hf_model(family).train()
-    params = list(model.parameters())
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(ATTENTION),
+                                                 lora_dropout=0.0))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    ours = n.removeprefix("base_model.model.model.").replace(".default.weight", "")
+                    p.copy_(adapter_value(ours, tuple(p.shape)))
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
@@ -102,7 +153,7 @@ def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append((ce / count).item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -122,19 +173,21 @@ def _merged(ranks: list[dict], family: str) -> dict[str, torch.Tensor]:
     return params
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_zero3_trains_as_transformers_does_with_per_rank_aux(runs, family):
+@pytest.mark.parametrize("name", [*FAMILIES, OFFLOADED, LORA_CASE])
+def test_zero3_trains_as_transformers_does_with_per_rank_aux(runs, name):
     ranks, _ = runs
-    ref_losses, ref_params = reference(family)
-    losses = ranks[0][family]["losses"]
+    family = name.removeprefix("offload_").removeprefix("lora_")
+    ref_losses, ref_params = reference(family, lora=name == LORA_CASE)
+    losses = ranks[0][name]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
-    ours = _merged(ranks, family)
+    ours = _merged(ranks, name)
     to_hf = registry.get(family).hf.to_hf_name
     assert {to_hf(n) for n in ours} == set(ref_params)
     worst = max(((ours[n] - ref_params[to_hf(n)]).abs().max().item(), n) for n in ours)
     assert worst[0] < 1e-5, worst
     start = dict(moe_hf_model(family).named_parameters())
-    assert all((p - start[n]).abs().max() > 1e-4 for n, p in ref_params.items())  # every parameter trained
+    moved = {n for n, p in ref_params.items() if n not in start or (p - start[n]).abs().max() > 1e-4}
+    assert moved == ({n for n in ref_params if ".lora_" in n} if name == LORA_CASE else set(ref_params))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -154,3 +207,46 @@ def test_export_loads_in_transformers_with_our_logits(runs, tmp_path, family):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (hf(ids).logits - ours.eval()(ids)).abs().max().item() < 1e-5
+
+
+def test_the_estimators_offloaded_model_states_are_what_the_run_holds(runs):
+    """The estimator's host figure for the offloaded case, its parameter count from the family's
+    config (the stacked experts and the dense layer included), against the bytes the ranks held
+    (``train_harness.check_offloaded_figure``)."""
+    from deepshard.finetune.models.memory_plan import model_counts
+    from deepshard.finetune.models.working_set import RunShape, working_set
+    from deepshard.offload import OffloadConfig
+
+    ranks, dirs = runs
+    cfg = registry.get(OFFLOADED_FAMILY).hf.config_from_hf(dirs[OFFLOADED_FAMILY])
+    theirs = moe_hf_model(OFFLOADED_FAMILY)
+    num_params = sum(p.numel() for p in theirs.parameters())  # transformers' count (tied: once)
+    counts = model_counts(cfg, world=DP)
+    assert counts.num_params == num_params
+    shape = RunShape(stage=3, dp=DP, offload=OffloadConfig(device="cpu", params="cpu"), seq_len=SEQ)
+    figure = working_set(cfg, counts, shape, baseline=0).host["model states (offloaded)"]
+    check_offloaded_figure(figure, [rank[OFFLOADED]["memory"] for rank in ranks], theirs)
+
+
+def test_lora_adapter_export_loads_in_peft_with_our_logits(runs, tmp_path):
+    """``export --adapter`` of the attention-LoRA checkpoint: PEFT's ``PeftModel.from_pretrained`` on
+    transformers' MoE model gives the logits of the base with ``alpha / r * B @ A`` of our trained
+    factors added to each target weight (merged here, in plain torch)."""
+    from peft import PeftModel
+
+    from deepshard.finetune.tools.adapter_export import export_adapter
+
+    ranks, _ = runs
+    info = export_adapter(ranks[0][LORA_CASE]["checkpoint"], tmp_path / "adapter")
+    assert info["tensors"] == 2 * len(ATTENTION) * 3  # A and B per target per layer (3 layers)
+    loaded = PeftModel.from_pretrained(moe_hf_model(LORA_FAMILY), str(tmp_path / "adapter")).eval()
+    ours, merged = _merged(ranks, LORA_CASE), moe_hf_model(LORA_FAMILY)
+    weights = dict(merged.named_parameters())
+    with torch.no_grad():
+        for n in [n for n in ours if n.endswith(".lora_A.weight")]:
+            stem = n.removesuffix(".lora_A.weight")
+            weights[f"model.{stem}.weight"] += ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n]
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        want = merged(ids).logits
+        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
+        assert (moe_hf_model(LORA_FAMILY)(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it

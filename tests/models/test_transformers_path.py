@@ -335,3 +335,30 @@ def test_the_estimator_and_the_flop_count_take_it(dirs):
     assert step_flops(s) >= 6 * tokens * matmul * s.train.grad_accum  # 6 FLOPs per weight per token, at least
     ws = working_set_of(s, baseline=0)
     assert ws.device["activations"] >= tokens * (c.n_layers * c.dim + c.vocab_size) * 4
+
+
+def test_peft_init_from_loads_a_peft_folder_into_the_transformers_path(dirs, tmp_path):
+    """``peft.init_from``: an adapter folder that PEFT itself saved from transformers' OLMo2 (factors
+    away from PEFT's init) passes the settings' check and loads into our transformers-path model with
+    LoRA (PEFT's keys are transformers' names, not the decoder's); our logits equal PeftModel's."""
+    from peft import LoraConfig, get_peft_model
+
+    from deepshard.finetune.models.lora import apply_lora
+    from deepshard.finetune.models.peft_adapter import load_peft_adapter
+
+    theirs = get_peft_model(hf_model("olmo2"), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS)))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if ".lora_" in n:
+                p.copy_(adapter_value(_hf_name(n).replace(".weight", ""), tuple(p.shape)))
+    theirs.save_pretrained(str(tmp_path / "adapter"))
+    s = _settings(dirs["olmo2"], "+peft=lora", f"peft.r={RANK}", f"peft.alpha={ALPHA}",
+                  f"peft.target_modules=[{','.join(TARGETS)}]", f"peft.init_from={tmp_path / 'adapter'}")
+    assert s.peft.init_from
+    _, _, ours = _ours(dirs["olmo2"])
+    apply_lora(ours, r=RANK, alpha=ALPHA, target_modules=TARGETS, seed=0)
+    assert load_peft_adapter(ours, str(tmp_path / "adapter")) == 2 * len(TARGETS) * 2
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours.eval()(ids) - theirs.eval()(ids).logits).abs().max().item() < 1e-5
+        assert (ours(ids) - hf_model("olmo2")(ids).logits).abs().max().item() > 1e-3  # the adapters count

@@ -10,8 +10,11 @@ holding half of every row) for Gemma 3 (a sliding and a global layer, rows longe
 Gemma 2 (attention scores soft-capped), Qwen2, Qwen3, Mistral and Phi-3 (longrope: the whole row's
 length picks the factors); Qwen2 and Mistral at tp=2, Qwen2 and Qwen3 at pp=2; ZeRO-3 with the
 parameters and the optimizer state in host memory (``offload.params=cpu``, ``offload.device=cpu``)
-for Qwen2, Qwen3 and Mistral.  The tp layouts run last.  Each family's ``zero3_<family>`` case
-saves a checkpoint the export test reads.
+for Qwen2, Qwen3, Mistral, Phi-3 and Gemma 3 (each records its measured model-state bytes); LoRA on
+every projection at ZeRO-3 for Qwen2, Qwen3, Mistral (against PEFT) and Phi-3 (against plain-torch
+LoRA on the rows of its fused projections, which PEFT cannot adapt).  The tp layouts run last.  Each family's
+``zero3_<family>`` case saves a checkpoint the export test reads, each LoRA case an adapters-only one
+(as ``+peft=lora`` saves) that ``export --adapter`` reads.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "offload_qwen2": ("qwen2", 1, 2, 1, 3, {}),
          "offload_qwen3": ("qwen3", 1, 2, 1, 3, {}),
          "offload_mistral": ("mistral", 1, 2, 1, 3, {}),
+         "offload_phi3": ("phi3", 1, 2, 1, 3, {}),
+         "offload_gemma3": ("gemma3", 1, 2, 1, 3, {}),  # tied head: one host copy for embedding and head
+         "zero3_qwen3_lora": ("qwen3", 1, 2, 1, 3, {}),
+         "zero3_mistral_lora": ("mistral", 1, 2, 1, 3, {}),
+         "zero3_phi3_lora": ("phi3", 1, 2, 1, 3, {}),  # q/k/v and gate/up: pieces of fused HF projections
          "tp2_qwen3": ("qwen3", 1, 1, 2, 0, {}),
          "tp2_gemma3": ("gemma3", 1, 1, 2, 0, {}),
          "tp2_phi3": ("phi3", 1, 1, 2, 0, {}),
@@ -57,7 +65,8 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "tp2_mistral": ("mistral", 1, 1, 2, 0, {})}
 SP = {name: 2 for name in CASES if name.startswith("sp2_")}  # Ulysses: the sp axis takes the world
 OFFLOAD = {name for name in CASES if name.startswith("offload_")}  # CPU params (FSDP2's) + CPU optimizer state
-LORA = {"zero3_qwen2_lora"}  # adapters on every projection (q/k/v carry their frozen biases), base frozen
+# adapters on every projection (Qwen2's q/k/v carry their frozen biases, Qwen3's q/k feed its norms), base frozen
+LORA = {"zero3_qwen2_lora", "zero3_qwen3_lora", "zero3_mistral_lora", "zero3_phi3_lora"}
 TARGETS, RANK, ALPHA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4, 8.0
 
 
@@ -97,6 +106,35 @@ def train_steps(engine, ids: torch.Tensor, labels: torch.Tensor, rows: slice, gr
         dist.all_reduce(total, group=group)
         losses.append(total.item() / num_items.item())
     return losses
+
+
+def measure_after_backward(engine, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, int]:
+    """This rank's measured model-state bytes with the gradients alive: one more forward and backward
+    (no step; the case's results are taken before it)."""
+    engine.backward(engine(ids, labels, reduction="sum"), num_items=engine.global_num_items((labels != -100).sum()))
+    return engine.memory()["measured"].as_dict()
+
+
+def check_offloaded_figure(figure: int, held: list[dict[str, int]], reference: torch.nn.Module) -> None:
+    """The estimator's host figure for ZeRO-3 with ``offload.params=cpu offload.device=cpu`` over
+    ``len(held)`` ranks (in rank order) against what each rank held after a backward (``reference``:
+    transformers' model of the case).  The figure is 20 B per parameter / dp: fp32 params and grads
+    (8 B) and the host store's fp32 master + Adam moments (12 B).  Rank r holds rows [r*c, (r+1)*c) of
+    dim 0 of every tensor (c = ceil(rows / dp): 5 experts over 2 ranks are 3 + 2) as params, as grads
+    and twice as moments; on a CPU-only host the master is the param itself, so the run holds 16 B
+    per parameter in all: the figure bounds the ranks' mean from above by the aliased master."""
+    dp = len(held)
+    num_params = sum(p.numel() for p in reference.parameters())  # a tied head once
+    assert figure == 20 * num_params // dp, (figure, num_params)
+
+    def shard(rank: int) -> int:  # fp32 bytes of this rank's rows of every tensor
+        rows = [(p.shape[0], -(-p.shape[0] // dp), p.numel() // p.shape[0]) for p in reference.parameters()]
+        return sum(max(0, min(n, (rank + 1) * c) - rank * c) * rest * 4 for n, c, rest in rows)
+
+    for rank, h in enumerate(held):
+        mine = shard(rank)
+        assert (h["params"], h["grads"], h["host"], h["optimizer"]) == (mine, mine, 2 * mine, 0), (rank, h, mine)
+    assert sum(h["params"] + h["grads"] + h["host"] for h in held) == 16 * num_params <= dp * figure
 
 
 def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
@@ -144,10 +182,17 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
                         store_factory=CpuStateStore if name in OFFLOAD else DeviceStateStore)
     losses += train_steps(engine, ids, labels, rows, zero_mesh(mesh).get_group(), cols)
     out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
-    if name == f"zero3_{family}":
+    if name in OFFLOAD:  # what the estimator's model-states figure is held against: the bytes after a backward
+        out["memory"] = measure_after_backward(engine, ids[0, rows, cols], labels[0, rows, cols])
+    if name == f"zero3_{family}" or name in LORA:
         meta = {"family": spec.name, "model": dataclasses.asdict(cfg)}
+        if name in LORA:  # as the app saves a +peft=lora run: the adapters only, the base by reference
+            meta["peft"] = {"r": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": list(TARGETS),
+                            "modules_to_save": []}
+            meta["base"] = {"model": "hf", "path": hf_dir, "seed": 0}
         out["checkpoint"] = str(save_checkpoint(Path(ckpt_root) / name, STEPS, engine.optimizer, mesh["dp"],
-                                                model=engine.model, app_state={"step": STEPS}, meta=meta))
+                                                model=None if name in LORA else engine.model,
+                                                app_state={"step": STEPS}, meta=meta))
     return out
 
 
@@ -172,6 +217,38 @@ def _peft(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _add_lora(pairs: list[tuple[torch.Tensor, torch.Tensor]], module, args, out: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    return out + torch.cat([x @ a.T @ b.T for a, b in pairs], dim=-1) * (ALPHA / RANK)
+
+
+def _sliced_lora(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """LoRA in plain torch on transformers' Phi-3, where PEFT has no adapter on a slice of a fused
+    projection: q/k/v (rows of ``qkv_proj``) and gate/up (rows of ``gate_up_proj``) each get
+    ``alpha / r * B @ A`` of their own factors on their rows, o_proj and down_proj on all of theirs (a
+    forward hook per projection); the base frozen.  Returns the factors by our names with ``model.``."""
+    model.requires_grad_(False)
+    c = model.config
+    head = c.hidden_size // c.num_attention_heads
+    q, kv, ffn = c.num_attention_heads * head, c.num_key_value_heads * head, c.intermediate_size
+    factors: dict[str, torch.nn.Parameter] = {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, parts in ((attn.qkv_proj, (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv))),
+                              (attn.o_proj, (("self_attn.o_proj", attn.o_proj.out_features),)),
+                              (mlp.gate_up_proj, (("mlp.gate_proj", ffn), ("mlp.up_proj", ffn))),
+                              (mlp.down_proj, (("mlp.down_proj", mlp.down_proj.out_features),))):
+            pairs = []
+            for part, rows in parts:
+                stem = f"layers.{i}.{part}"
+                a = torch.nn.Parameter(adapter_value(stem + ".lora_A", (RANK, module.in_features)))
+                b = torch.nn.Parameter(adapter_value(stem + ".lora_B", (rows, RANK)))
+                factors[f"model.{stem}.lora_A.weight"], factors[f"model.{stem}.lora_B.weight"] = a, b
+                pairs.append((a, b))
+            module.register_forward_hook(partial(_add_lora, pairs))
+    return factors
+
+
 def hf_name(peft_name: str) -> str:
     """A PEFT parameter's name as transformers' (adapters keep their ``lora_A.weight`` leaf)."""
     return peft_name.removeprefix("base_model.model.").replace(".default.", ".").replace(".base_layer.", ".")
@@ -180,11 +257,12 @@ def hf_name(peft_name: str) -> str:
 def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' own model (the saved case), 3 steps of torch.optim.AdamW on the whole batch:
     the summed token loss over labels != -100 divided by their count; decay on matrices only.
-    ``lora``: PEFT's adapters on it, the only parameters trained."""
+    ``lora``: PEFT's adapters on it (Phi-3's: :func:`_sliced_lora`), the only parameters trained."""
     model = hf_model(family).train()
-    if lora:
+    factors = _sliced_lora(model) if lora and family == "phi3" else {}
+    if lora and not factors:
         model = _peft(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad] + list(factors.values())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
@@ -199,4 +277,5 @@ def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, t
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    named = {**dict(model.named_parameters()), **factors}
+    return losses, {hf_name(n): p.detach().clone() for n, p in named.items()}

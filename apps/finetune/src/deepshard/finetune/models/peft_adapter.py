@@ -43,17 +43,22 @@ def check_init_from(path: str, lora: LoraConfig) -> None:
 @torch.no_grad()
 def load_peft_adapter(model: nn.Module, path: str) -> int:
     """Copy a PEFT adapter folder's weights into ``model``'s adapters (plain or ZeRO-3 shards); returns
-    the number of tensors loaded."""
+    the number of tensors loaded.  PEFT's keys are transformers' names, read by ``model``'s family (the
+    transformers path's are not the decoder's ``model.`` + ours); AC's wrapper is not in them."""
     from peft.utils import load_peft_weights
 
+    from deepshard.finetune.models.registry import spec_of
+
+    cfg = getattr(model, "cfg", None)
+    to_ours = spec_of(cfg).hf.from_hf_name if cfg is not None else from_hf_name
     weights = load_peft_weights(str(Path(path).expanduser()), device="cpu")
-    params = dict(model.named_parameters())
+    params = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
     wanted = {n for n, p in params.items() if p.requires_grad}
     loaded = set()
     for key, t in weights.items():
         if not key.startswith(PEFT_PREFIX):
             raise ValueError(f"peft.init_from={path!r}: key {key!r} is not a PEFT causal-LM adapter key")
-        name = from_hf_name(key[len(PEFT_PREFIX):]).replace(".modules_to_save", "")
+        name = to_ours(key[len(PEFT_PREFIX):]).replace(".modules_to_save", "")
         if name not in wanted:
             raise ValueError(f"peft.init_from={path!r}: {key!r} has no trainable place in this run "
                              f"(check peft.target_modules / peft.modules_to_save)")

@@ -151,17 +151,28 @@ def _base_lookup(cfg: Any, base: dict[str, Any], base_dir: str | None) -> Callab
         from safetensors import safe_open
 
         hf = registry.spec_of(cfg).hf
-        where = {}
+        # a tensor the family's checkpoints fuse (Phi-3's qkv_proj, gate_up_proj): our pieces are its rows, in order
+        rows = {n: p.shape[0] for n, p in registry.build_meta(cfg).named_parameters()}
+        fused = {hf.from_hf_name(h): parts for h, parts in hf.tensors(list(rows)) if len(parts) > 1}
+        where: dict[str, tuple[Path, str, slice | None]] = {}
         for f in safetensors_files(path):
             with safe_open(str(f), framework="pt") as st:
-                where.update({hf.from_hf_name(k): (f, k) for k in st.keys()})
+                for k in st.keys():
+                    ours = hf.from_hf_name(k)
+                    if ours not in fused:
+                        where[ours] = (f, k, None)
+                        continue
+                    start = 0
+                    for part in fused[ours]:
+                        where[part] = (f, k, slice(start, start + rows[part]))
+                        start += rows[part]
 
         def read(name: str) -> torch.Tensor:
             if name not in where:
                 raise ValueError(f"--base={path!r}: no weight {hf.to_hf_name(name)!r} there")
-            f, key = where[name]
+            f, key, piece = where[name]
             with safe_open(str(f), framework="pt") as st:
-                return st.get_tensor(key)
+                return st.get_tensor(key) if piece is None else st.get_slice(key)[piece]
         return read
     model = registry.build_meta(cfg)
     model.to_empty(device="cpu")
