@@ -8,10 +8,10 @@ Runs, at world 2 on CPU in fp32 (DeepSpeed's CPU accelerator, gloo), each starte
 with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --nproc_per_node 2``):
 
 - ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
-  completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
-  tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW);
-- ``sft_zero2``: the same script (full fine-tune) with ``--save`` and the ZeRO-2 ds_config (no optimizer
-  section): checkpoint-2/-4, the model saved, checkpoint-2 resumed by a fresh trainer;
+  completions only, the model by path) with ``--save`` (checkpoint-2/-4, the model saved, checkpoint-2 resumed by
+  a fresh trainer) and the ZeRO-3 + CPU optimizer offload ds_config of tests/compat/hf_stack_harness.py without an
+  optimizer section (as TRL's stock configs: Trainer's AdamW);
+- ``sft_zero2``: the same script (full fine-tune, ``--save``) with the ZeRO-2 ds_config (no optimizer section);
 - ``sft_lora_zero3_offload``, ``sft_lora_zero2``: the same script with ``--lora --save`` (``peft_config=LoraConfig(...)``,
   PEFT 0.21; checkpoint-2/-4 with ``exclude_frozen_parameters``, the adapter saved, checkpoint-2 resumed by a fresh
   trainer) at ZeRO-3 + CPU optimizer offload and at ZeRO-2;
@@ -20,7 +20,8 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
   and the loss is token-weighted, so the world-2 runs' losses equal it;
 - ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
   rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
-  with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload;
+  with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload, ``--save`` (checkpoint-2/-4, the
+  model saved, checkpoint-2 resumed by a fresh trainer);
 - ``grpo_zero3_offload``: tests/compat/hf_stack_grpo_script.py (TRL 1.16 ``GRPOTrainer``, ``use_vllm=False``:
   generation with the policy under ZeRO-3 in TRL's ``unwrap_model_for_generation``, sampling seeded per step)
   with the ZeRO-3 + CPU optimizer offload ds_config; its time per step inside that generation is kept too;
@@ -58,7 +59,8 @@ RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
         "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
-FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"]}  # the script's own flags, per run
+FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"],
+         "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"]}  # the script's own flags, per run
 KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 

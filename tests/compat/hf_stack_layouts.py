@@ -4,12 +4,12 @@ in a fresh worker, so a script's logs are those of its own launch, at a launch's
 layout instead of per script.
 
 - ``zero2``: ``deepshard --num_gpus 2``, the ZeRO-2 ds_configs: the plain Trainer (a ds_config with an
-  optimizer section), ``SFTTrainer`` full and with LoRA (both ``--save``), ``DPOTrainer``;
+  optimizer section), ``SFTTrainer`` full and with LoRA, ``DPOTrainer`` (each saving checkpoint-2/-4 and the
+  model, then resuming checkpoint-2 in a fresh trainer);
 - ``zero3_offload``: ``deepshard --accelerate_config deepspeed_zero3.yaml`` (TRL's yaml shape): first the LoRA
   ``SFTTrainer`` with no ``deepspeed=`` (accelerate's variables carry the layout), then, without accelerate's
   variables (what ``deepshard --num_gpus 2`` gives its workers), the ZeRO-3 + CPU optimizer offload
-  ds_configs: the plain Trainer, ``SFTTrainer`` full and with LoRA (``--save``), ``DPOTrainer``,
-  ``GRPOTrainer``."""
+  ds_configs: the same four (saving and resuming), then ``GRPOTrainer``."""
 
 from __future__ import annotations
 
@@ -52,12 +52,10 @@ def _plan(layout: str, root: Path, model: str) -> dict[str, dict[str, Any]]:
     with_optimizer = write_ds_config(root / "ds_optimizer.json", stage)  # the plain Trainer's (issue 26's recording)
     stock = write_ds_config(root / "ds.json", stage, optimizer=False)  # TRL's stock shape: no optimizer section
     runs = [("trainer", TRAINER, ["--ds_config", with_optimizer]),
-            ("sft", SFT, ["--model", model, "--ds_config", stock]),
+            ("sft", SFT, ["--model", model, "--ds_config", stock, "--save"]),
             ("sft_lora", SFT, ["--model", model, "--ds_config", stock, "--lora", "--save"]),
-            ("dpo", DPO, ["--model", model, "--ds_config", stock])]
-    if stage == 2:
-        runs[1][2].append("--save")  # full SFT saves and resumes at ZeRO-2 (at ZeRO-3: the LoRA run and the Trainer)
-    else:
+            ("dpo", DPO, ["--model", model, "--ds_config", stock, "--save"])]
+    if stage == 3:
         runs = [("sft_lora_yaml", SFT, ["--model", model, "--lora"]), *runs, ("grpo", GRPO, ["--model", model, "--ds_config", stock])]
     plan = {}
     for short, script, argv in runs:

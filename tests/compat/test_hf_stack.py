@@ -7,12 +7,13 @@ bench/record_hf_stack_ds.py; the plain Trainer's: fixtures/hf_trainer_ds.json, b
   gives the uninterrupted losses; the saved model loads in transformers with the engine's logits;
 - TRL's ``SFTTrainer`` (full fine-tune, chat rows, loss on completions only, the model by path: ``zero.Init`` under
   ``from_pretrained`` at ZeRO-3), also against TRL's own SFTTrainer without DeepSpeed in one process on the same
-  rows per step (recorded); at ZeRO-2 checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and
-  the saved model loads in transformers with the engine's logits;
+  rows per step (recorded); checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved
+  model loads in transformers with the engine's logits;
 - ``SFTTrainer`` with ``peft_config`` (LoRA) at both layouts: checkpoint-2 (without the frozen base) resumed, the
   adapter loads with PEFT; at ZeRO-3 ``deepshard --accelerate_config`` (no ``deepspeed=`` in the script) gives
   the losses of the ds_config run;
-- ``DPOTrainer`` with the reference model TRL prepares with ``deepspeed.initialize`` without an optimizer;
+- ``DPOTrainer`` with the reference model TRL prepares with ``deepspeed.initialize`` without an optimizer: also
+  checkpoint-2 resumed and the saved policy loaded;
 - ``GRPOTrainer`` (``use_vllm=False``, ZeRO-3): 5 steps, the same sampled tokens, TRL's generation time per step.
 """
 
@@ -120,7 +121,13 @@ def test_sft_trainer_zero3_chat_completion_only(layouts):
         assert mine["step"] == theirs["step"]
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=2e-4)
-    _close_to_deepspeed(out["logs"], _recorded("sft_zero3_offload")["logs"], "sft_zero3_offload")
+    theirs = _recorded("sft_zero3_offload")
+    _close_to_deepspeed(out["logs"], theirs["logs"], "sft_zero3_offload")
+    _resumed_steps_equal(out, "sft_zero3_offload", theirs)
+    assert {"model.safetensors", "config.json"} <= set(out["final_files"])  # stage3_gather_16bit_weights_on_model_save
+    assert set(out["final_files"]) == set(theirs["final_files"])
+    gap = _saved_logits_gap(out)
+    assert gap < 1e-5, f"sft_zero3_offload: the saved model's logits differ from the engine's by {gap}"
 
 
 @pytest.mark.slow
@@ -187,6 +194,12 @@ def test_dpo_trainer_with_reference_model_matches_deepspeed(layouts, layout):
         gap = max(abs(a[key] - b[key]) for a, b in zip(out["logs"], theirs, strict=True))
         assert gap < 1e-5 * max(1.0, max(abs(b[key]) for b in theirs)), f"{name}: {key} differs from DeepSpeed's by {gap}"
     assert [h["grad_norm"] for h in out["logs"]] == pytest.approx([h["grad_norm"] for h in theirs], rel=2e-4)
+    # checkpoint-2 resumed by a fresh DPOTrainer (its reference model prepared again); the policy saved and loaded
+    _resumed_steps_equal(out, name, _recorded(name))
+    assert {"model.safetensors", "config.json"} <= set(out["final_files"])
+    assert set(out["final_files"]) == set(_recorded(name)["final_files"])
+    gap = _saved_logits_gap(out)
+    assert gap < 1e-5, f"{name}: the saved policy's logits differ from the engine's by {gap}"
 
 
 @pytest.mark.slow
