@@ -8,15 +8,20 @@ Runs, at world 2 on CPU in fp32 (DeepSpeed's CPU accelerator, gloo), each starte
 with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --nproc_per_node 2``):
 
 - ``sft_zero3_offload``: tests/compat/hf_stack_sft_script.py (TRL 1.16 ``SFTTrainer``, chat rows, loss on
-  completions only, the model by path) with the ZeRO-3 + CPU optimizer offload ds_config of
-  tests/compat/hf_stack_harness.py without an optimizer section (as TRL's stock configs: Trainer's AdamW);
-- ``sft_zero2``: the same script (full fine-tune) with ``--save`` and the ZeRO-2 ds_config (no optimizer
-  section): checkpoint-2/-4, the model saved, checkpoint-2 resumed by a fresh trainer;
-- ``sft_lora_zero3_offload``: the same script with ``--lora --save`` (``peft_config=LoraConfig(...)``, PEFT 0.21;
-  checkpoint-2/-4 with ``exclude_frozen_parameters``, the adapter saved, checkpoint-2 resumed by a fresh trainer);
+  completions only, the model by path) with ``--save`` (checkpoint-2/-4, the model saved, checkpoint-2 resumed by
+  a fresh trainer) and the ZeRO-3 + CPU optimizer offload ds_config of tests/compat/hf_stack_harness.py without an
+  optimizer section (as TRL's stock configs: Trainer's AdamW);
+- ``sft_zero2``: the same script (full fine-tune, ``--save``) with the ZeRO-2 ds_config (no optimizer section);
+- ``sft_lora_zero3_offload``, ``sft_lora_zero2``: the same script with ``--lora --save`` (``peft_config=LoraConfig(...)``,
+  PEFT 0.21; checkpoint-2/-4 with ``exclude_frozen_parameters``, the adapter saved, checkpoint-2 resumed by a fresh
+  trainer) at ZeRO-3 + CPU optimizer offload and at ZeRO-2;
+- ``sft_trl_alone``: no DeepSpeed, TRL's own ``SFTTrainer`` in one process on the same model and rows with micro 4 x
+  accumulation 2 (``use_cpu``): each step sees the rows of a world-2 step (rank r takes micro-batches r, r+2, ...)
+  and the loss is token-weighted, so the world-2 runs' losses equal it;
 - ``dpo_zero2``, ``dpo_zero3_offload``: tests/compat/hf_stack_dpo_script.py (TRL 1.16 ``DPOTrainer``, preference
   rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
-  with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload;
+  with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload, ``--save`` (checkpoint-2/-4, the
+  model saved, checkpoint-2 resumed by a fresh trainer);
 - ``grpo_zero3_offload``: tests/compat/hf_stack_grpo_script.py (TRL 1.16 ``GRPOTrainer``, ``use_vllm=False``:
   generation with the policy under ZeRO-3 in TRL's ``unwrap_model_for_generation``, sampling seeded per step)
   with the ZeRO-3 + CPU optimizer offload ds_config; its time per step inside that generation is kept too;
@@ -50,10 +55,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "sft_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
         "sft_lora_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
+        "sft_lora_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
         "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
-FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_zero2": ["--save"]}  # the script's own flags, per run
+FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"],
+         "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"]}  # the script's own flags, per run
 KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 
@@ -111,10 +118,43 @@ def record_accelerate_multi_cpu(tmp: Path) -> dict:
     return result
 
 
+TRL_ALONE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+from tests.compat.hf_stack_harness import chat_rows
+args = SFTConfig(output_dir={out!r}, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                 learning_rate=3e-3, max_steps=4, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                 bf16=False, fp16=False, max_length=64, completion_only_loss=True, use_cpu=True,
+                 train_sampling_strategy="sequential", disable_tqdm=True, model_init_kwargs={{"dtype": "float32"}})
+t = SFTTrainer(model={model!r}, args=args, train_dataset=Dataset.from_list(chat_rows()))
+t.train()
+print(json.dumps([{{k: float(v) for k, v in h.items() if k in ("loss", "grad_norm", "learning_rate", "step")}}
+                  for h in t.state.log_history if "loss" in h]))
+"""
+
+
+def record_trl_alone(tmp: Path) -> dict:
+    """TRL's SFTTrainer without DeepSpeed, one process (the reference tests/compat/test_hf_stack.py's ZeRO-3
+    ``SFTTrainer`` run once started beside its launch)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.compat.hf_stack_harness import make_model_dir
+
+    code = TRL_ALONE.format(root=str(ROOT), out=str(tmp / "out"), model=make_model_dir(tmp / "model"))
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPSHARD_DEEPSPEED", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True,
+                          text=True, timeout=1200, cwd=tmp)
+    if done.returncode != 0:
+        raise SystemExit(f"sft_trl_alone: exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return {"script": "SFTTrainer without DeepSpeed (bench/record_hf_stack_ds.py's TRL_ALONE)", "world_size": 1,
+            "deepspeed": None, "logs": json.loads(done.stdout.strip().splitlines()[-1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "tests" / "compat" / "fixtures" / "hf_stack_ds.json"))
-    ap.add_argument("--runs", nargs="+", default=[*RUNS, "accelerate_multi_cpu"])
+    ap.add_argument("--runs", nargs="+", default=[*RUNS, "accelerate_multi_cpu", "sft_trl_alone"])
     ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     opts, rest = ap.parse_known_args()
@@ -136,6 +176,10 @@ def main() -> None:
         fixture["runs"] = json.loads(Path(opts.out).read_text())["runs"]
     for name in opts.runs:
         with tempfile.TemporaryDirectory() as tmp:
+            if name == "sft_trl_alone":
+                fixture["runs"][name] = record_trl_alone(Path(tmp))
+                print(f"{name}: losses {[h['loss'] for h in fixture['runs'][name]['logs']]}", file=sys.stderr)
+                continue
             if name == "accelerate_multi_cpu":
                 result = record_accelerate_multi_cpu(Path(tmp))
                 fixture["runs"][name] = {"script": ACCELERATE, "distributed_type": result["distributed_type"],
