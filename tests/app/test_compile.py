@@ -14,7 +14,8 @@ the app refuses compile=true with tp: config/compile_check.py).  TP runs first: 
 dynamic shapes remember per code which dims changed, and a dynamic graph is what fails under TP.
 Under LoRA the first block's input needs no grad (the embedding is frozen) and the second's does:
 two graphs per length kind.  Dynamo's caches are kept across the cases (ZeRO-3 reuses ZeRO-0's
-graphs where its guards pass), as one process of a run would: each compile costs 10-30 s here.
+graphs where its guards pass), as one process of a run would: each graph costs 5-25 s here, compiled in
+process (tests/inductor_cache.py: no compile workers, one inductor cache for the whole run).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from functools import partial
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # one world-2 launch compiling every case (~60 s): the full suite only
+pytestmark = pytest.mark.slow  # one world-2 launch compiling every case (~90 s): the full suite only
 
 STEPS = 5
 LENGTHS = (16, 16, 24, 20, 12)  # one per step: variable-length data
