@@ -6,6 +6,7 @@ import pytest
 
 from tests.alone import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the `alone` marker's lock, hooks)
 from tests.checkpoint.tmpfs import tmpfs_mounter
+from tests.inductor_cache import pytest_configure, pytest_unconfigure  # noqa: F401  (one inductor cache per run)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -1,10 +1,14 @@
 """Fixtures of the app's tests."""
 
+import os
+
 import pytest
 
 
 @pytest.fixture(scope="session")
 def inductor_cache(tmp_path_factory) -> str:
-    """One inductor cache dir for the session's compile tests: a graph compiled once (by any process
-    of the run: pool workers, the test process) is a cache hit for the next test."""
-    return str(tmp_path_factory.mktemp("inductor_cache"))
+    """The run's inductor cache dir for compile tests (tests/inductor_cache.py: one for every process of
+    the pytest run, so a graph compiled once, by any of them, is a cache hit for the next test)."""
+    from tests.inductor_cache import CACHE_ENV
+
+    return os.environ.get(CACHE_ENV) or str(tmp_path_factory.mktemp("inductor_cache"))

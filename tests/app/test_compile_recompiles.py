@@ -3,9 +3,10 @@
 A tiny Llama's blocks are compiled by ``deepshard.core.compile`` (the recipe's per-block
 ``torch.compile``, its dynamo settings: automatic dynamic shapes, the recompile limit) and trained
 100 steps, in process at world 1, on chat rows whose lengths vary from row to row: a masked prompt,
-a learned reply, an end token.  Each batch is padded to its longest row rounded up to a multiple of
-8 (HF's ``DataCollatorWithPadding(pad_to_multiple_of=8)``, what a Trainer or a user's own loop
-feeds the engine), so the block sees as many sequence lengths as there are buckets.
+a learned reply, an end token.  The app's own data path batches them (``PaddedDataset`` and the
+stream of ``data.pack=false``, its collator under ``data.pad_to_multiple_of=8``): each batch is padded to
+its longest row rounded up to a multiple of 8 (as HF's ``DataCollatorWithPadding(pad_to_multiple_of=8)``
+does for a Trainer), so the block sees as many sequence lengths as there are buckets.
 
 Dynamo's own compile events are counted (``torch._dynamo.callback_handler``: one per frame dynamo
 traces, a first compile or a recompile), not our counter.  The bound: no more compiles than buckets
@@ -22,30 +23,30 @@ import torch
 
 pytestmark = pytest.mark.slow  # two compiles of a block (~20-30 s): the full suite only
 
-STEPS, ROWS, MULTIPLE, VOCAB = 100, 2, 8, 96
+STEPS, ROWS, MULTIPLE, VOCAB, SEQ_LEN, EOS = 100, 2, 8, 96, 96, 2
 
 
-def _chat_rows(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """(ids, labels) per conversation: prompt tokens masked (-100), the reply and its end token learned."""
+def _chat_docs(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) per conversation: prompt tokens masked (-100), the reply learned (the dataset adds the
+    learned end token)."""
     rng = random.Random(seed)
-    rows = []
+    docs = []
     for _ in range(n):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 40))]
-        reply = [rng.randrange(3, 11) for _ in range(rng.randint(1, 40))] + [2]  # few reply tokens: learnable
-        rows.append(([1, *prompt, *reply], [-100] * (1 + len(prompt)) + reply))
-    return rows
+        reply = [rng.randrange(3, 11) for _ in range(rng.randint(1, 40))]  # few reply tokens: learnable
+        docs.append(([1, *prompt, *reply], [-100] * (1 + len(prompt)) + reply))
+    return docs
 
 
-def _bucketed(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch padded to its longest row rounded up to MULTIPLE; labels shifted to the next token."""
-    longest = max(len(ids) for ids, _ in rows) - 1  # inputs drop the last token, labels the first
-    length = -(-longest // MULTIPLE) * MULTIPLE
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    labels = torch.full((len(rows), length), -100, dtype=torch.long)
-    for i, (row_ids, row_labels) in enumerate(rows):
-        ids[i, :len(row_ids) - 1] = torch.tensor(row_ids[:-1])
-        labels[i, :len(row_labels) - 1] = torch.tensor(row_labels[1:])
-    return ids, labels
+def _bucketed(docs: list[tuple[list[int], list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS batches of ROWS through the app's stream and its ``data.pad_to_multiple_of`` collator."""
+    from deepshard.finetune.data.collate import PadToMultiple
+    from deepshard.finetune.data.packing import PaddedDataset
+    from deepshard.finetune.data.resumable import ResumableStream
+
+    stream = ResumableStream(PaddedDataset(docs, SEQ_LEN, EOS, 0), dp_rank=0, dp_size=1, micro_batch_size=ROWS,
+                             seed=0, collate_fn=PadToMultiple(MULTIPLE, SEQ_LEN))
+    return [(b["input_ids"], b["labels"]) for b in (next(stream) for _ in range(STEPS))]
 
 
 def test_recompiles_over_100_chat_steps_are_bounded_by_the_length_buckets(inductor_cache, monkeypatch):
@@ -56,15 +57,15 @@ def test_recompiles_over_100_chat_steps_are_bounded_by_the_length_buckets(induct
     from deepshard.finetune.models.llama.model import Llama, LlamaConfig
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
-    rows = _chat_rows(STEPS * ROWS)
-    batches = [_bucketed(rows[s * ROWS:(s + 1) * ROWS]) for s in range(STEPS)]
+    docs = _chat_docs(STEPS * ROWS)
+    batches = _bucketed(docs)
     lengths = [ids.shape[1] for ids, _ in batches]
     buckets = sorted(set(lengths))
     assert len(buckets) >= 8, buckets  # the data really varies: several buckets, in no order
     warmup = lengths.index(next(n for n in lengths if n != lengths[0]))  # the step of the second bucket
 
     cfg = LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                      max_seq_len=96)
+                      max_seq_len=SEQ_LEN)
     torch.manual_seed(0)
     model = Llama(cfg)
     model.init_weights(0)
@@ -103,6 +104,6 @@ def test_recompiles_over_100_chat_steps_are_bounded_by_the_length_buckets(induct
     assert 1 <= len(events) <= len(buckets), (events, buckets)
     assert [e for e in events if e[0] > warmup] == [], (events, warmup, lengths[:warmup + 1])
     padded = sum(ids.numel() for ids, _ in batches)
-    real = sum(len(ids) - 1 for ids, _ in rows)
+    real = sum(len(ids) for ids, _ in docs)  # each row's inputs: its document (the dataset's eos is a label)
     # what bucketing costs: its padding is below that of one fixed length for every row (the app's data.seq_len)
-    assert 1 - real / padded < 1 - real / (len(rows) * max(buckets))
+    assert 1 - real / padded < 1 - real / (len(docs) * max(buckets))

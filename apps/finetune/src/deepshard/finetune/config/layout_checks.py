@@ -103,3 +103,30 @@ def check_ep(settings: Settings, ep: int) -> None:
                          f"needs an MoE model (qwen3_moe, mixtral) or parallel.ep=1")
     check_experts(settings.engine.zero, dtype=settings.engine.precision.dtype,
                   offload_params=settings.offload.params != "none")
+
+
+def check_padding(settings: Settings) -> None:
+    """``data.pad_to_multiple_of``: null or 0 (off), else 1 to data.seq_len, on padded rows, and a length
+    every layout can run (each sp rank's equal slice, an MLP tile per token, the pipeline's fixed shapes)."""
+    m, d = settings.data.pad_to_multiple_of, settings.data
+    if m is None or m == 0:
+        return
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 < m <= d.seq_len:
+        raise ValueError(f"data.pad_to_multiple_of={m}: must be null or 0 (off: every row padded to data.seq_len) "
+                         f"or an integer from 1 to data.seq_len={d.seq_len}")
+    if d.pack:
+        raise ValueError(f"data.pad_to_multiple_of={m} with data.pack=true: packed windows are all data.seq_len="
+                         f"{d.seq_len} tokens, nothing is padded; set data.pack=false or leave the key out")
+    par = settings.parallel.resolve(settings.world_size)
+    if par.pp > 1:
+        raise ValueError(f"data.pad_to_multiple_of={m} with parallel.pp={par.pp}: the pipeline's stages take their "
+                         "activation shapes from the first step, so every batch must be data.seq_len long; "
+                         "leave the key out with pp")
+    if m % par.sp:
+        raise ValueError(f"data.pad_to_multiple_of={m} is not divisible by parallel.sp={par.sp}: each sp rank "
+                         f"holds length/sp tokens of every batch; choose a multiple of {par.sp}")
+    tiles = settings.model.mlp_tiles
+    if tiles > min(m, d.seq_len) // par.sp:
+        raise ValueError(f"data.pad_to_multiple_of={m} with model.mlp_tiles={tiles}: a batch may be {m} tokens "
+                         f"long ({m // par.sp} per sp rank), fewer than one MLP tile per token; choose a multiple "
+                         f">= {tiles * par.sp}")

@@ -33,6 +33,7 @@ from deepshard.finetune.config.ds_config import resolve_batch_as_given
 from deepshard.finetune.config.layout_checks import (
     check_ep,
     check_mlp_tiles,
+    check_padding,
     check_param_swap,
     validate_pipeline_layout,
     validate_sp,
@@ -163,6 +164,9 @@ class DataConfig:
     text_unit: str = "file"  # data=text: file | paragraph | line is one document
     split: str = "train"  # data=hf_disk: the split of a saved DatasetDict
     chat_template: typing.Optional[str] = None  # noqa: UP045 - data=chat: a Jinja file (default: the tokenizer's)
+    # data.pack=false: each batch padded to its longest row rounded up to this multiple (at most seq_len),
+    # not every row to seq_len; null/0: off (data/collate.py)
+    pad_to_multiple_of: typing.Optional[int] = None  # noqa: UP045
 
 
 @dataclass(frozen=True)
@@ -528,6 +532,7 @@ def validate(cfg: dict, *, world_size: int | None = None) -> Settings:
         validate_sp(settings)
     if settings.model.mlp_tiles > 1:  # (one tile always fits; the layout's own checks come first)
         check_mlp_tiles(settings)
+    check_padding(settings)  # data.pad_to_multiple_of: its value, then the layout's lengths
     if settings.uses_pipeline:
         validate_pipeline_layout(settings)
     validate_zeropp(settings, parallel.resolve(world))

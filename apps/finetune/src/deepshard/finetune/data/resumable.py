@@ -10,7 +10,7 @@ batches are consumed, so loader workers that prefetch do not disturb it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,11 +63,11 @@ class ResumableStream:
     """Endless micro-batches for one dp rank, with a world-size-independent ``state_dict``."""
 
     def __init__(self, dataset: Dataset, *, dp_rank: int, dp_size: int, micro_batch_size: int, seed: int,
-                 shuffle: bool = True, num_workers: int = 0) -> None:
+                 shuffle: bool = True, num_workers: int = 0, collate_fn: Callable[[list], Any] | None = None) -> None:
         check_fits(len(dataset), dp_size=dp_size, micro_batch_size=micro_batch_size)
         self.sampler = OffsetSampler(len(dataset), rank=dp_rank, world=dp_size, seed=seed, shuffle=shuffle)
         self.loader = StatefulDataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
-                                         drop_last=True, num_workers=num_workers)
+                                         drop_last=True, num_workers=num_workers, collate_fn=collate_fn)
         self.global_batch = micro_batch_size * dp_size
         self.num_samples = len(dataset)
         self.seed = seed

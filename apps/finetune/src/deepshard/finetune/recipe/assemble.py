@@ -30,6 +30,7 @@ from deepshard.core.zero import ParamOffload
 from deepshard.finetune.config import Settings
 from deepshard.finetune.data.build import build_datasets
 from deepshard.finetune.data.chat import resolve_template
+from deepshard.finetune.data.collate import batch_collator
 from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.models import registry
@@ -205,7 +206,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     dataset, eval_set = datasets or build_datasets(s.data, tokenizer, s.model.vocab_size)
     # the data position, step, weights and optimizer come back from the newest checkpoint (checkpoint.resume)
     batches = ResumableStream(dataset, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                              micro_batch_size=t.micro_batch_size, seed=t.seed)
+                              micro_batch_size=t.micro_batch_size, seed=t.seed, collate_fn=batch_collator(s.data))
     ckpt, start_step = start_checkpointing(s.checkpoint, run_dir=run_dir, engine=engine, data=batches,
                                            tokens_per_step=s.tokens_per_step(dp.size()), meta=run_meta(s),
                                            tokenizer=tokenizer, micro_batches_per_step=s.micro_batches_per_step)
