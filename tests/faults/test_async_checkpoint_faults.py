@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
-from tests.finetune_app.app_harness import MAIN, TINY, scalars
+from tests.app_runner import run_main
+from tests.finetune_app.app_harness import TINY, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +25,9 @@ pytestmark = pytest.mark.slow
 def test_async_saves_into_a_filling_disk_keep_the_sealed_ones(tmp_path, mount_tmpfs):
     disk = mount_tmpfs("12m")  # two checkpoints of ~4 MB fit, the third does not
     run = tmp_path / "run"
-    cmd = [sys.executable, str(MAIN), *TINY, "train.max_steps=5", "checkpoint.every_steps=1",
-           "checkpoint.async_save=true", "checkpoint.on_error=continue", f"checkpoint.dir={disk}",
-           f"hydra.run.dir={run}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    args = [*TINY, "train.max_steps=5", "checkpoint.every_steps=1", "checkpoint.async_save=true",
+            "checkpoint.on_error=continue", f"checkpoint.dir={disk}", f"hydra.run.dir={run}"]
+    proc = run_main(args, cwd=tmp_path, timeout=180, env=dict(os.environ, PYTHONUNBUFFERED="1"))  # nothing signals it
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert f"checkpoint.dir={disk}: saving step 3 failed: needs " in out and " MB free" in out, out[-3000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.app_runner import run_main
 from tests.faults.run_harness import MAIN, ROOT, TINY, wait_for_step
 
 LOCK = ".deepshard.lock"  # deepshard.launch.run_lock.LOCK_NAME, spelled out: the test must run on code without it
@@ -77,25 +78,30 @@ def _hydra_files(run_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted((run_dir / ".hydra").iterdir())}
 
 
-def _refused(proc: subprocess.Popen, key: str, directory: Path, owner: int) -> float:
-    t0 = time.monotonic()
+def _app(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A run that nothing signals or stops: through the pytest worker's app runner (tests/app_runner.py)."""
+    return run_main([*TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, timeout=timeout,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _refused(run_dir: Path, key: str, directory: Path, owner: int, *overrides: str) -> None:
     try:
-        out, err = proc.communicate(timeout=90)
+        proc = _app(run_dir, *overrides, timeout=90)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{key}={directory}: the second job was not refused; it runs alongside the first") from None
+    err = proc.stderr
     lines = err.strip().splitlines()
     assert proc.returncode == 2, err[-3000:]
     assert re.fullmatch(rf"error: {key}={re.escape(str(directory))} is in use by another deepshard job \(pid {owner} "
                         rf"on host {re.escape(socket.gethostname())}, started [-\d]+ [:\d]+\); wait for it, or use "
                         r"another directory", lines[-1]), err[-3000:]
     assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in err
-    assert "step" not in out  # it trained nothing
-    return time.monotonic() - t0
+    assert "step" not in proc.stdout  # it trained nothing
 
 
 @pytest.mark.alone  # the hang seen within 2 x hang_s + 5 s
 def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the_first_sees_its_hang(tmp_path):
-    hang_s = 6
+    hang_s = 4  # the test waits this long (alone: the other worker waits too)
     first, third = tmp_path / "first", tmp_path / "third"
     with _jobs() as start:
         job = start(first, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
@@ -105,10 +111,9 @@ def test_a_second_job_on_a_running_jobs_run_or_checkpoint_dir_is_refused_and_the
         assert sorted(beats) == ["rank0.json", "rank1.json"]
         composed = _hydra_files(first)
         assert "- train.max_steps=100000" in composed["overrides.yaml"], composed
-        same_run_dir = start(first, "train.max_steps=3")
-        same_checkpoints = start(third, "train.max_steps=3", f"checkpoint.dir={first / 'checkpoints'}")
-        _refused(same_run_dir, "hydra.run.dir", first, job.pid)
-        _refused(same_checkpoints, "checkpoint.dir", first / "checkpoints", job.pid)
+        _refused(first, "hydra.run.dir", first, job.pid, "train.max_steps=3")
+        _refused(third, "checkpoint.dir", first / "checkpoints", job.pid, "train.max_steps=3",
+                 f"checkpoint.dir={first / 'checkpoints'}")
         assert not (third / "heartbeat").exists()  # no worker of theirs started
         assert _hydra_files(first) == composed  # the refused job wrote nothing into the first's .hydra/
         assert not (third / ".hydra").exists()
@@ -133,9 +138,8 @@ def test_a_lock_left_by_a_job_that_died_is_taken_over_with_a_log_line(tmp_path):
     started = time.time() - 600
     (run_dir / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "started": started,
                                             "renewed": started + 590, "job": "run1"}))
-    with _jobs() as start:
-        job = start(run_dir, "train.max_steps=2")
-        out, err = job.communicate(timeout=300)
+    job = _app(run_dir, "train.max_steps=2")
+    out, err = job.stdout, job.stderr
     assert job.returncode == 0, err[-3000:]
     lines = [line for line in (out + err).splitlines() if "took over" in line]
     assert len(lines) == 1, out[-3000:] + err[-3000:]
@@ -152,9 +156,8 @@ def test_a_lock_that_is_a_symlink_is_refused_before_anything_starts(tmp_path):
     run_dir.mkdir()
     target.write_text("keep me\n")
     (run_dir / LOCK).symlink_to(target)
-    with _jobs() as start:
-        job = start(run_dir, "train.max_steps=2")
-        out, err = job.communicate(timeout=300)
+    job = _app(run_dir, "train.max_steps=2")
+    out, err = job.stdout, job.stderr
     lines = err.strip().splitlines()
     assert job.returncode == 2, err[-3000:]
     assert lines[-1].startswith(f"error: {run_dir / LOCK}: is a symlink, not a regular file; "), err[-3000:]

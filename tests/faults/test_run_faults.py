@@ -2,8 +2,10 @@
 with one last line naming the rank and the cause.
 
 A SIGKILLed worker and a SIGSTOPped one are real signals sent from the test to the worker's pid (read
-from its heartbeat file); the NaN is a test-only hook (``DEEPSHARD_TEST_FAULT=nan@K``) that makes the
-embedding output NaN from step K, so a real NaN goes through the loss into every gradient.
+from its heartbeat file), in a launcher of their own (a fresh interpreter).  The NaN is a test-only
+hook (``DEEPSHARD_TEST_FAULT=nan@K``) that makes the embedding output NaN from step K, so a real NaN
+goes through the loss into every gradient; ``error@K`` raises in rank 1.  Those two runs, which nothing
+signals, go through the app runner (tests/app_runner.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from deepshard.core.checkpoint.manifest import step_dirs, verify_checkpoint
+from tests.app_runner import run_main
 from tests.faults.run_harness import MAIN, TINY, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -73,7 +76,7 @@ def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
 
 @pytest.mark.alone  # named within 2 x hang_s
 def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(tmp_path):
-    hang_s = 6
+    hang_s = 4  # the test waits this long (alone: the other worker waits too)
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "train.max_steps=100000", f"launcher.hang_s={hang_s}")
     wait_for_step(proc, 3)
@@ -92,12 +95,19 @@ def test_sigstop_of_a_worker_is_a_hang_that_names_the_stopped_rank(tmp_path):
     assert "Traceback" not in err
 
 
+def _run(run_dir: Path, *overrides: str, fault: str) -> tuple[int, str, str]:
+    """A run that no test signals: through the pytest worker's app runner (tests/app_runner.py), its own
+    launcher and workers forked for it; ``DEEPSHARD_TEST_FAULT`` is read while the app runs."""
+    proc = run_main([*TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, timeout=300,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", "DEEPSHARD_TEST_FAULT": fault})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def test_nan_at_step_5_in_fp32_stops_and_the_newest_good_checkpoint_survives(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "train.max_steps=20", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
-                  env={"DEEPSHARD_TEST_FAULT": "nan@5"})
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, err[-3000:]
+    code, out, err = _run(run_dir, "train.max_steps=20", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                          fault="nan@5")
+    assert code == 1, err[-3000:]
     newest = run_dir / "checkpoints" / "step-00000004"
     # steps 5, 6, 7 are non-finite (train.max_bad_steps=3): the run stops at 7 and saves nothing after 4,
     # not even the scheduled save at step 6
@@ -112,9 +122,8 @@ def test_nan_at_step_5_in_fp32_stops_and_the_newest_good_checkpoint_survives(tmp
 
 def test_an_error_raised_in_one_worker_is_one_line_with_its_rank(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "train.max_steps=20", env={"DEEPSHARD_TEST_FAULT": "error@3"})
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2, err[-3000:]
+    code, _, err = _run(run_dir, "train.max_steps=20", fault="error@3")
+    assert code == 2, err[-3000:]
     log = run_dir / "launcher.log"
     # rank 0 then fails too (its peer is gone), but the cause is rank 1's error
     assert _last_line(err) == ("error: rank 1: RuntimeError: injected test fault at step 3 "

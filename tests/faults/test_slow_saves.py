@@ -27,6 +27,7 @@ import pytest
 
 from deepshard.core.checkpoint.manifest import latest_good, step_dirs, verify_checkpoint
 from deepshard.core.checkpoint.retention import temp_dirs
+from tests.app_runner import run_main
 from tests.faults.run_harness import MAIN, TINY
 
 pytestmark = pytest.mark.slow
@@ -78,12 +79,21 @@ def _launch(tmp: Path, *overrides: str, env: dict[str, str], sigterm_on: str | N
     return Ended(proc.returncode, out, run / "checkpoints", signalled, time.monotonic())
 
 
+def _run(tmp: Path, *overrides: str, env: dict[str, str]) -> Ended:
+    """A launch that nothing signals (its launcher's watchdog ends it): through the pytest worker's app
+    runner (tests/app_runner.py), which forks its launcher and workers for it; its stdout, then its stderr."""
+    run = tmp / "run"
+    proc = run_main([*TINY, *ARGS, *overrides, f"hydra.run.dir={run}"], cwd=tmp, timeout=120,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    return Ended(proc.returncode, proc.stdout + proc.stderr, run / "checkpoints", None, time.monotonic())
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory) -> Iterator[Ended]:
     """Sync saves at ZeRO-3 with the tiled embedding: NaN at step 3 only, slow save of step 2, silent one
     of step 4 left to the hang watchdog."""
-    yield _launch(tmp_path_factory.mktemp("sync"), "+zero=stage3", "model.vocab_tile_size=256",
-                  env={"DEEPSHARD_FAULT_SAVE_STALL": STALLS, "DEEPSHARD_TEST_FAULT": "nan@3:1"})
+    yield _run(tmp_path_factory.mktemp("sync"), "+zero=stage3", "model.vocab_tile_size=256",
+               env={"DEEPSHARD_FAULT_SAVE_STALL": STALLS, "DEEPSHARD_TEST_FAULT": "nan@3:1"})
 
 
 @pytest.fixture(scope="module")

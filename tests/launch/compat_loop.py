@@ -45,7 +45,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save_every", type=int, default=4)
     parser.add_argument("--ckpt_dir", required=True)
     parser.add_argument("--out", required=True)

@@ -1,5 +1,5 @@
 """An HF Trainer script on deepshard (``from deepshard.compat.transformers import Trainer,
-TrainingArguments``) as users run one under a launcher: ZeRO-3 (fp32) on tests/compat's tiny Llama, 12
+TrainingArguments``) as users run one under a launcher: ZeRO-3 (fp32) on tests/compat's tiny Llama, 8
 steps, a checkpoint every 4, ``train(resume_from_checkpoint=<the newest checkpoint-N>)`` at start.
 ``--die_at R:S``: rank R SIGKILLs itself as step S begins, once (a marker file remembers it).  Rank 0
 writes transformers' logged losses (``float.hex``) to ``--out`` as one JSON object."""
@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(args.output_dir)
     last = get_last_checkpoint(str(out_dir)) if out_dir.is_dir() else None
-    trainer = our_trainer(out_dir, stage=3, micro=2, accum=1, max_steps=12, save_strategy="steps", save_steps=4)
+    trainer = our_trainer(out_dir, stage=3, micro=2, accum=1, max_steps=8, save_strategy="steps", save_steps=4)
     if args.die_at:
         trainer.add_callback(DieAt(args.die_at, Path(f"{args.out}.died")))
     trainer.train(resume_from_checkpoint=last)

@@ -2,7 +2,7 @@
 (checkpoints every 4 steps) is restarted, the app resumes from step 4 and logs the losses of an
 uninterrupted run of the app's own workers, bit for bit (fp32); a failure that repeats at the same step stops once the restarts are used up,
 naming the step.  The same for a DeepSpeed script on deepshard.compat (``load_checkpoint`` of
-``latest`` at start, a save every 4 steps): SIGKILL at step 6 of 12, resumed from step 4, the
+``latest`` at start, a save every 4 steps): SIGKILL at step 6 of 8, resumed from step 4, the
 uninterrupted run's losses."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_a_deepspeed_script_resumes_from_latest_after_a_restart(tmp_path, one_no
     assert len(resumed) == 1 and "global_step4" in resumed[0] and resumed[0].endswith(" at step 4"), err[-3000:]
     first, second = ([r for r in rows if r["attempt"] == a] for a in (0, 1))
     assert max(r["step"] for r in first if r["rank"] == 1) == 5  # rank 1 died before step 6
-    assert sorted({r["step"] for r in second}) == list(range(5, 13))  # resumed after step 4
+    assert sorted({r["step"] for r in second}) == list(range(5, 9))  # resumed after step 4
     assert all(one_node_losses[(r["rank"], r["step"])] == r["loss"] for r in first)
     assert final_losses(rows) == one_node_losses  # fp32: bit for bit
 
@@ -133,5 +133,5 @@ def test_an_hf_trainer_script_resumes_from_its_checkpoint_after_a_restart(tmp_pa
     resumed = [line for line in err.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "/checkpoint-4/global_step4/step-00000004 at step 4" in resumed[0], err[-3000:]
     assert cut["resumed_from"].endswith("checkpoint-4") and whole["resumed_from"] is None
-    assert sorted(map(int, cut["losses"])) == list(range(1, 13))
+    assert sorted(map(int, cut["losses"])) == list(range(1, 9))
     assert cut["losses"] == whole["losses"]  # fp32 ZeRO-3: bit for bit

@@ -58,7 +58,7 @@ def test_a_sigkilled_launcher_leaves_no_worker_on_the_hosts(tmp_path, sshd):
     workers: dict[int, str] = {}
     try:
         workers = _workers(pids, 2, launcher)
-        time.sleep(1.0)  # mid-step
+        time.sleep(0.2)  # mid-step (the workers wrote their pid files inside the loop)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         start = time.monotonic()

@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from deepshard.core.mesh import free_port
+from tests.app_runner import run_main
 from tests.launch.loopback_sshd import loopback_sshd
 from tests.launch.test_cli_restart import MAIN, RUN, losses
 
@@ -107,8 +108,7 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_the_clean_run(tmp_pat
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         try:
-            second = subprocess.run([sys.executable, str(MAIN), *RUN, f"hydra.run.dir={run_dir}"], capture_output=True,
-                                    text=True, timeout=120, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            second = run_main([*RUN, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)  # refused: no signal
         finally:
             for pid in workers:
                 os.kill(pid, signal.SIGCONT)
