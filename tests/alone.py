@@ -1,8 +1,11 @@
 """Tests marked ``alone`` run with no neighbour.  The suite runs on two pytest-xdist workers; a test whose
-verdict depends on the host being otherwise idle (a bound on seconds, a cgroup's usage, which charges a
-page to whoever reads the file first) takes the run's room exclusively: the other worker finishes its
+verdict depends on the host being otherwise idle (GEMMs timed, a cgroup's usage, which charges a page to
+whoever reads the file first, a hang told apart from a slow rank by seconds of heartbeats) takes the
+run's room exclusively: the other worker finishes its
 current test and waits.  Every other test takes the room shared.  A turnstile ahead of the room keeps a
 stream of shared takers from starving an exclusive one.  Without xdist (one process) nothing is locked.
+A fault test whose bound only says "it ends, long before it would hang" (a killed worker's job ending
+within 30 s where it ends in ~2) is not ``alone``: a busy neighbour slows it by seconds, not by tens.
 
 Each wait for the room is recorded (``deepshard-room.log`` beside the locks) and the run's terminal summary
 adds them up: an exclusive test first waits for the other worker's current test to end, and that worker

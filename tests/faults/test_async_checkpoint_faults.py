@@ -66,7 +66,6 @@ def test_sigterm_with_an_async_save_in_flight_seals_it_then_saves_the_final_one(
     assert f"saved {root / f'step-{steps[0]:08d}'}; exiting" in out
 
 
-@pytest.mark.alone  # timed: ends within the launcher's grace
 def test_sigkill_of_a_worker_mid_shard_keeps_the_previous_and_the_next_run_resumes_from_it(tmp_path):
     """Both writers pause inside their shard file of step 4 (DEEPSHARD_FAULT_SAVE_STALL=4:120:shard: the
     file open, its first tensor written), training goes on; rank 1 is then killed with SIGKILL.  The job

@@ -98,7 +98,6 @@ def _steps(root: Path) -> list[int]:
     return [c.step for c in step_dirs(root)]
 
 
-@pytest.mark.alone  # exits within 45 s
 def test_sigterm_mid_save_completes_the_save_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     app = Live(tmp_path, run, "checkpoint.every_steps=2", "train.max_steps=200", env={

@@ -57,7 +57,6 @@ def _reaped(proc: subprocess.Popen, *pids: int):
             proc.wait()
 
 
-@pytest.mark.alone  # ends within 30 s
 def test_sigkill_of_a_worker_ends_the_job_naming_the_rank_and_signal(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "train.max_steps=100000")

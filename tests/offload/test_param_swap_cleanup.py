@@ -29,7 +29,6 @@ def _swap_files(nvme: Path) -> list[Path]:
     return sorted(p for p in nvme.rglob("*") if p.is_file())
 
 
-@pytest.mark.alone  # ends within 60 s
 @pytest.mark.slow
 def test_a_killed_worker_leaves_no_param_swap_files(tmp_path):
     nvme, run_dir = tmp_path / "nvme", tmp_path / "run"
