@@ -22,9 +22,11 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
   rows, the reference model TRL loads itself and prepares with ``deepspeed.initialize`` without an optimizer)
   with the same ds_configs at ZeRO-2 and at ZeRO-3 + CPU optimizer offload, ``--save`` (checkpoint-2/-4, the
   model saved, checkpoint-2 resumed by a fresh trainer);
-- ``grpo_zero3_offload``: tests/compat/hf_stack_grpo_script.py (TRL 1.16 ``GRPOTrainer``, ``use_vllm=False``:
-  generation with the policy under ZeRO-3 in TRL's ``unwrap_model_for_generation``, sampling seeded per step)
-  with the ZeRO-3 + CPU optimizer offload ds_config; its time per step inside that generation is kept too;
+- ``grpo_zero3_offload``, ``grpo_zero2``: tests/compat/hf_stack_grpo_script.py (TRL 1.16 ``GRPOTrainer``,
+  ``use_vllm=False``: generation with the policy in TRL's ``unwrap_model_for_generation``, under ZeRO-3 gathered,
+  sampling seeded per step) with the ZeRO-3 + CPU optimizer offload and the ZeRO-2 ds_configs, ``--save``
+  (checkpoint-3, the model saved, checkpoint-3 resumed by a fresh trainer); its time per step inside that
+  generation is kept too;
 - ``accelerate_multi_cpu``: tests/compat/hf_stack_accelerate_script.py (a plain accelerate loop) on accelerate's
   own non-DeepSpeed multi-process path, the reference for ``accelerate launch`` with accelerate's DeepSpeed
   yamls (on CPU, accelerate launches ``distributed_type: DEEPSPEED`` with ``use_cpu: true`` as one world per
@@ -58,9 +60,11 @@ RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "sft_lora_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
-        "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3)}
+        "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3),
+        "grpo_zero2": ("tests/compat/hf_stack_grpo_script.py", 2)}
 FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"],
-         "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"]}  # the script's own flags, per run
+         "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"],
+         "grpo_zero3_offload": ["--save"], "grpo_zero2": ["--save"]}  # the script's own flags, per run
 KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 

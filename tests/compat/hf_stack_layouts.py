@@ -5,11 +5,11 @@ layout instead of per script.
 
 - ``zero2``: ``deepshard --num_gpus 2``, the ZeRO-2 ds_configs: the plain Trainer (a ds_config with an
   optimizer section), ``SFTTrainer`` full and with LoRA, ``DPOTrainer`` (each saving checkpoint-2/-4 and the
-  model, then resuming checkpoint-2 in a fresh trainer);
+  model, then resuming checkpoint-2 in a fresh trainer), ``GRPOTrainer`` (checkpoint-3 resumed);
 - ``zero3_offload``: ``deepshard --accelerate_config deepspeed_zero3.yaml`` (TRL's yaml shape): first the LoRA
   ``SFTTrainer`` with no ``deepspeed=`` (accelerate's variables carry the layout), then, without accelerate's
   variables (what ``deepshard --num_gpus 2`` gives its workers), the ZeRO-3 + CPU optimizer offload
-  ds_configs: the same four (saving and resuming), then ``GRPOTrainer``."""
+  ds_configs: the same five (saving and resuming)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def _plan(layout: str, root: Path, model: str) -> dict[str, dict[str, Any]]:
     runs = [("trainer", TRAINER, ["--ds_config", with_optimizer]),
             ("sft", SFT, ["--model", model, "--ds_config", stock, "--save"]),
             ("sft_lora", SFT, ["--model", model, "--ds_config", stock, "--lora", "--save"]),
-            ("dpo", DPO, ["--model", model, "--ds_config", stock, "--save"])]
+            ("dpo", DPO, ["--model", model, "--ds_config", stock, "--save"]),
+            ("grpo", GRPO, ["--model", model, "--ds_config", stock, "--save"])]
     if stage == 3:
-        runs = [("sft_lora_yaml", SFT, ["--model", model, "--lora"]), *runs, ("grpo", GRPO, ["--model", model, "--ds_config", stock])]
+        runs = [("sft_lora_yaml", SFT, ["--model", model, "--lora"]), *runs]
     plan = {}
     for short, script, argv in runs:
         name = short if short == "sft_lora_yaml" else f"{short}_{layout}"

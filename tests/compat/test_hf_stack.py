@@ -14,7 +14,8 @@ bench/record_hf_stack_ds.py; the plain Trainer's: fixtures/hf_trainer_ds.json, b
   the losses of the ds_config run;
 - ``DPOTrainer`` with the reference model TRL prepares with ``deepspeed.initialize`` without an optimizer: also
   checkpoint-2 resumed and the saved policy loaded;
-- ``GRPOTrainer`` (``use_vllm=False``, ZeRO-3): 5 steps, the same sampled tokens, TRL's generation time per step.
+- ``GRPOTrainer`` (``use_vllm=False``) at both layouts: 5 steps, the same sampled tokens, TRL's generation time per
+  step; checkpoint-3 resumed by a fresh trainer gives the uninterrupted steps 4-5 and the saved policy loads.
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ def _close_to_deepspeed(mine: list[dict], theirs: list[dict], where: str) -> Non
     assert [h["learning_rate"] for h in mine] == pytest.approx([h["learning_rate"] for h in theirs], abs=1e-12), where
 
 
-def _resumed_steps_equal(out: dict, name: str, theirs: dict | None = None) -> None:
-    """checkpoint-2 resumed by a fresh trainer logs the uninterrupted steps 3-4 (and DeepSpeed's resumed ones)."""
-    resumed = [h for h in out["resumed"] if h["step"] > 2]
-    assert [h["step"] for h in resumed] == [3.0, 4.0], name
-    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in out["logs"][2:]], abs=1e-6), name
-    if theirs is not None:  # DeepSpeed's own resume of checkpoint-2 logged its uninterrupted losses
+def _resumed_steps_equal(out: dict, name: str, theirs: dict | None = None, first: int = 2) -> None:
+    """checkpoint-``first`` resumed by a fresh trainer logs the uninterrupted steps after it (and DeepSpeed's
+    resumed ones)."""
+    resumed = [h for h in out["resumed"] if h["step"] > first]
+    assert [h["step"] for h in resumed] == [h["step"] for h in out["logs"][first:]] and resumed, name
+    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in out["logs"][first:]], abs=1e-6), name
+    if theirs is not None:  # DeepSpeed's own resume of the checkpoint logged its uninterrupted losses
         assert [h["loss"] for h in resumed] == pytest.approx(
-            [h["loss"] for h in theirs["resumed"] if h["step"] > 2], abs=1e-5), name
+            [h["loss"] for h in theirs["resumed"] if h["step"] > first], abs=1e-5), name
 
 
 def _saved_logits_gap(out: dict, adapter: bool = False) -> float:
@@ -203,9 +205,12 @@ def test_dpo_trainer_with_reference_model_matches_deepspeed(layouts, layout):
 
 
 @pytest.mark.slow
-def test_grpo_trainer_zero3_matches_deepspeed(layouts):
-    out, theirs = layouts("zero3_offload")["runs"]["grpo_zero3_offload"], _recorded("grpo_zero3_offload")
+@pytest.mark.parametrize("layout", ["zero3_offload", "zero2"])
+def test_grpo_trainer_matches_deepspeed_resumes_and_saves(layouts, layout):
+    name = f"grpo_{layout}"
+    out, theirs = layouts(layout)["runs"][name], _recorded(name)
     assert out["engine"] == "deepshard.compat.deepspeed.engine" and out["world_size"] == 2
+    assert out["ref_engine"] == "deepshard.compat.deepspeed.inference.InferenceEngine"
     assert [h["step"] for h in out["logs"]] == [h["step"] for h in theirs["logs"]] == [1.0, 2.0, 3.0, 4.0, 5.0]
     for key in ("reward", "reward_std", "completions/mean_length", "num_tokens"):  # the same sampled tokens
         assert [h[key] for h in out["logs"]] == pytest.approx([h[key] for h in theirs["logs"]], abs=1e-5), key
@@ -215,7 +220,19 @@ def test_grpo_trainer_zero3_matches_deepspeed(layouts):
         assert gaps[key] < 1e-5 * max(1.0, max(abs(b[key]) for b in theirs["logs"])), f"{key} differs by {gaps[key]}"
     assert [h["grad_norm"] for h in out["logs"]] == pytest.approx([h["grad_norm"] for h in theirs["logs"]], rel=2e-4)
     gaps["grad_norm (rel)"] = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(out["logs"], theirs["logs"]))
+    # checkpoint-3 resumed by a fresh GRPOTrainer (its reference model prepared again): steps 4-5 sample the same
+    # tokens and log the uninterrupted losses, as DeepSpeed's resume did; the saved policy loads in transformers
+    _resumed_steps_equal(out, name, theirs, first=3)
+    resumed = [h for h in out["resumed"] if h["step"] > 3]
+    for key in ("reward", "num_tokens", "kl"):
+        assert [h[key] for h in resumed] == pytest.approx([h[key] for h in out["logs"][3:]], abs=1e-6), key
+    gaps["resumed loss"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, out["logs"][3:], strict=True))
+    assert {"latest", "trainer_state.json"} <= set(out["checkpoint_files"])
+    assert any(f.startswith("global_step3/") for f in out["checkpoint_files"])
+    assert {"model.safetensors", "config.json"} <= set(out["final_files"]) and set(out["final_files"]) == set(theirs["final_files"])
+    gaps["saved logits"] = _saved_logits_gap(out)
+    assert gaps["saved logits"] < 1e-5, f"{name}: the saved policy's logits differ from the engine's by {gaps['saved logits']}"
     ours, ds = out["generation_seconds"], theirs["generation_seconds"]
     assert len(ours) == len(ds) == 5
-    print(f"\nGRPO vs DeepSpeed 0.19.8, max gaps: {', '.join(f'{k} {v:.2g}' for k, v in gaps.items())}; generation "
-          f"s/step under ZeRO-3 (steps 2-5): deepshard {sum(ours[1:]) / 4:.3f}, DeepSpeed (recorded) {sum(ds[1:]) / 4:.3f}")
+    print(f"\n{name} vs DeepSpeed 0.19.8, max gaps: {', '.join(f'{k} {v:.2g}' for k, v in gaps.items())}; generation "
+          f"s/step (steps 2-5): deepshard {sum(ours[1:]) / 4:.3f}, DeepSpeed (recorded) {sum(ds[1:]) / 4:.3f}")
