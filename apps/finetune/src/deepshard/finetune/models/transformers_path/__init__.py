@@ -1,8 +1,10 @@
 """The transformers path, registered as ``"transformers"``: ``model=hf`` on a causal LM that no native
 family reads (its ``model_type`` has an ``AutoModelForCausalLM`` class) trains through transformers' own
 modeling code (``model.py``) with our recipe (``parallelize.py``): ZeRO 0-3, CPU offload, AC, LoRA on
-its ``nn.Linear`` layers, grad accumulation, TP where its config carries a ``base_model_tp_plan``.
-Refused before start, with the reason: pp, sp, LoRA on GPT-2's ``Conv1D`` (or any target the model lacks).
+its ``nn.Linear`` layers, grad accumulation, TP where its config carries a ``base_model_tp_plan``, Ulysses
+sp through transformers' attention interface (``ulysses.py``).  Refused before start, with the reason:
+pp, sp where the attention bypasses the interface or needs per-layer masks, LoRA on GPT-2's ``Conv1D``
+(or any target the model lacks).
 
 Its HF adapter reads config.json through transformers' own config class and writes it back
 unchanged, so the export is the folder transformers loads.  The weights are hf.py's reader (each rank
@@ -138,7 +140,7 @@ def check_parallel(cfg: TransformersConfig, *, pp: int = 1, tp: int = 1, sp: int
     """What this path cannot run, by key, before any worker starts."""
     from deepshard.finetune.models.transformers_path.parallelize import check_layout
 
-    check_layout(cfg, pp=pp, sp=sp)
+    check_layout(cfg, pp=pp, sp=sp, tp=tp)
     if lora is None:
         return
     with torch.device("meta"):
