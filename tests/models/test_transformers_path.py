@@ -125,8 +125,33 @@ def _worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     first = [n for n in CASES if CASES[n][2] == 1]  # tp meshes last: one per process
     out = {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in first}
     out.update({name: _run_sp(name, hf_dirs[SP_CASES[name][0]]) for name in SP_CASES})
+    out["pp2_neox"] = _run_pp(hf_dirs["neox"])
     out.update({name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES if name not in first})
     return out
+
+
+def _run_pp(hf_dir: str) -> dict:
+    """pp=2 (ZeRO-1 at dp 1), GPipe over 2 micro-batches: each rank returns its stage's parameters."""
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+    )
+
+    spec, _, model = _ours(hf_dir, device=None)
+    config = EngineConfig(zero=ZeroConfig(stage=1), precision=PrecisionConfig(dtype="fp32"),
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    mesh = build_mesh(ParallelDims(pp=2, dp=1))
+    init_fn = spec.stage_init(0, full=lambda: _ours(hf_dir)[2])
+    trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2, init_fn=init_fn)
+    ids, labels = chat_rows(STEPS)
+    losses = [trainer.train_step(ids[step], labels[step]).loss for step in range(STEPS)]
+    params = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+              for m in trainer.pipeline.modules for n, p in m.named_parameters()}
+    return {"losses": losses, "params": params}
 
 
 def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,6 +352,20 @@ def test_sp2_trains_as_plain_torch(world2, name):
     assert all((ours[n] - start[n]).abs().max() > 1e-4 for n in ours)  # every parameter trained
 
 
+@pytest.mark.slow  # in the shared world-2 launch
+def test_pp2_trains_as_plain_torch(world2):
+    """GPT-NeoX cut into two stages (embedding + layer 0, layer 1 + final norm + head, rotary on both)."""
+    ref_losses, ref_params = reference("neox", False)
+    losses = world2[0]["pp2_neox"]["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    first, last = world2[0]["pp2_neox"]["params"], world2[1]["pp2_neox"]["params"]
+    assert not set(first) & set(last) and set(first) | set(last) == set(ref_params)
+    assert "gpt_neox.embed_in.weight" in first and "lm_head.weight" in last
+    ours = first | last
+    worst = max(((ours[n] - ref_params[n]).abs().max().item(), n) for n in ours)
+    assert worst[0] < 1e-5, worst
+
+
 def test_packed_rows_cross_the_sp_edge():
     """What sp=2 must get right is in the data: documents and valid labels across the slices' edge."""
     _, labels, doc_ids = packed_rows()
@@ -392,7 +431,7 @@ def _settings(hf_dir: str, *overrides: str, world: int = 2):
 
 
 @pytest.mark.parametrize(("kind", "overrides", "message"), [
-    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path \(Olmo2ForCausalLM\) has no pipeline"),
+    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path splits \['GPTNeoXForCausalLM'\] only"),
     ("gpt2", ["parallel.tp=2"], r"^parallel.tp=2: GPT2LMHeadModel .* has no base_model_tp_plan"),
     ("gpt2", ["+peft=lora", "peft.target_modules=[q_proj]"], r"GPT2LMHeadModel has no nn.Linear of those names"),
 ])
@@ -429,6 +468,8 @@ def test_the_app_reads_any_causal_lm_as_the_transformers_path(dirs):
     assert registry.spec_of(s.model).name == "transformers" and s.model.arch == "GPTNeoXForCausalLM"
     assert registry.path_line(s.model) == "model: transformers path (GPTNeoXForCausalLM)"
     assert registry.path_line(registry.get("llama").config()) == "model: native (llama)"
+    assert _settings(dirs["neox"], "parallel.pp=2").parallel.pp == 2  # the layouts tested in the world-2 launch
+    assert _settings(dirs["olmo2"], "parallel.sp=2").parallel.sp == 2
 
 
 def test_the_estimator_and_the_flop_count_take_it(dirs):

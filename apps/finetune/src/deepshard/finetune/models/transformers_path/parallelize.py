@@ -99,12 +99,10 @@ def _prefix(pattern: str) -> str:
 def check_layout(cfg: TransformersConfig, *, pp: int = 1, sp: int = 1, tp: int = 1) -> None:
     """The layouts this path does not build, refused with the reason (before any worker starts)."""
     from deepshard.finetune.models.transformers_path.model import causal_lm_class
+    from deepshard.finetune.models.transformers_path.pipeline import check_pipeline
     from deepshard.finetune.models.transformers_path.ulysses import check_sp
 
-    if pp > 1:
-        raise ValueError(f"parallel.pp={pp}: the transformers path ({cfg.arch}) has no pipeline split yet "
-                         f"(it would cut the model's one block ModuleList and run the embedding and head on the "
-                         f"first and last stages); use parallel.pp=1")
+    check_pipeline(cfg, pp=pp, tp=tp)
     check_sp(cfg, causal_lm_class(cfg.arch), sp=sp, tp=tp)
 
 
@@ -115,7 +113,7 @@ def parallelize_transformers(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroCo
     its ``_no_split_modules`` blocks, then the root; in place."""
     assert isinstance(model, TransformersLM), type(model)
     tp = axis_size(mesh, "tp")
-    check_layout(model.cfg, pp=axis_size(mesh, "pp"), sp=axis_size(mesh, "sp"), tp=tp)
+    check_layout(model.cfg, sp=axis_size(mesh, "sp"), tp=tp)  # pp: its stages take pipeline.py's recipe
     check_tp(model.cfg, tp)
     if axis_size(mesh, "sp") > 1:  # Ulysses through transformers' attention interface, before ZeRO wraps
         apply_sequence_parallel(model, mesh["sp"])
