@@ -5,10 +5,12 @@ own config classes and saved by ``save_pretrained``.
 World 1: our token-weighted loss on masked variable-length rows equals the one computed in the test
 from transformers' logits; packed documents see only themselves.  One shared world-2 run: ZeRO-3 on
 each model (GPT-2 with grad accumulation and AC, GPT-NeoX with CPU offload, OLMo2 with LoRA once) and
-GPT-NeoX at tp=2 equal transformers' model trained by plain torch.optim.AdamW (losses and every
-parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits,
+GPT-NeoX at tp=2, and Ulysses sp=2 at ZeRO-3 (the app's stepper slicing each row; GPT-NeoX on the
+masked rows, OLMo2 with grouped kv heads and AC and GPT-2 with absolute positions on packed documents)
+equal transformers' model trained by plain torch.optim.AdamW (losses and every parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits,
 and the LoRA checkpoint's ``export --adapter`` to a folder PEFT loads with our logits.
-Refusals (pp, sp, tp without a plan, LoRA on Conv1D) are one line from the app's settings.
+Refusals (pp, sp on attention outside transformers' interface or with per-layer masks, tp without a
+plan, LoRA on Conv1D) are one line from the app's settings.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CASES = {"zero3_gpt2": ("gpt2", 2, 1, 3, 2, "full", False, False),
          "zero3_olmo2_lora": ("olmo2", 2, 1, 3, 1, "none", False, True),
          "tp2_neox": ("neox", 1, 2, 0, 1, "none", False, False)}  # one tp mesh per process: last
 TARGETS, RANK, ALPHA = ("q_proj", "v_proj"), 4, 8.0
+# Ulysses sp=2 at ZeRO-3 (sharded over dp x sp): name -> (kind, ac, packed documents)
+SP_CASES = {"sp2_neox": ("neox", "none", False), "sp2_olmo2_packed_ac": ("olmo2", "full", True),
+            "sp2_gpt2_packed": ("gpt2", "none", True)}
+CUTS = (5, 12, 9, 17)  # each row's second document starts here (12: on the sp slices' edge)
 
 
 def hf_config(kind: str):
@@ -116,7 +122,86 @@ def _worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     from deepshard.core import init_distributed
 
     init_distributed()
-    return {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES}
+    first = [n for n in CASES if CASES[n][2] == 1]  # tp meshes last: one per process
+    out = {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in first}
+    out.update({name: _run_sp(name, hf_dirs[SP_CASES[name][0]]) for name in SP_CASES})
+    out["pp2_neox"] = _run_pp(hf_dirs["neox"])
+    out.update({name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES if name not in first})
+    return out
+
+
+def _run_pp(hf_dir: str) -> dict:
+    """pp=2 (ZeRO-1 at dp 1), GPipe over 2 micro-batches: each rank returns its stage's parameters."""
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+    )
+
+    spec, _, model = _ours(hf_dir, device=None)
+    config = EngineConfig(zero=ZeroConfig(stage=1), precision=PrecisionConfig(dtype="fp32"),
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    mesh = build_mesh(ParallelDims(pp=2, dp=1))
+    init_fn = spec.stage_init(0, full=lambda: _ours(hf_dir)[2])
+    trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2, init_fn=init_fn)
+    ids, labels = chat_rows(STEPS)
+    losses = [trainer.train_step(ids[step], labels[step]).loss for step in range(STEPS)]
+    params = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+              for m in trainer.pipeline.modules for n, p in m.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chat_rows with a second document from CUTS[row] on: doc_ids, and the first one's last label masked."""
+    ids, labels = chat_rows(STEPS)
+    doc_ids = torch.stack([(torch.arange(SEQ) >= c).long() for c in CUTS]).expand(STEPS, -1, -1).clone()
+    for row, cut in enumerate(CUTS):
+        labels[:, row, cut - 1] = -100
+    return ids, labels, doc_ids
+
+
+def _run_sp(name: str, hf_dir: str) -> dict:
+    """ZeRO-3 at dp 1 x sp 2 through the app's stepper: every sp rank gets the whole rows, keeps its slice."""
+    import contextlib
+    import types
+    from functools import partial
+
+    from deepshard.core import (
+        EngineConfig,
+        OptimConfig,
+        ParallelDims,
+        PrecisionConfig,
+        ZeroConfig,
+        build_mesh,
+        initialize,
+    )
+    from deepshard.core.mesh import local_device
+    from deepshard.finetune.recipe.steppers import EngineStepper
+
+    _, ac, packed = SP_CASES[name]
+    spec, _, model = _ours(hf_dir, device=None)
+
+    def materialize(m: torch.nn.Module) -> None:
+        m.init_weights(0)
+        spec.hf.load_weights(m, hf_dir)
+
+    config = EngineConfig(zero=ZeroConfig(stage=3, reduce_bucket_size=3000, allgather_bucket_size=3000),
+                          precision=PrecisionConfig(dtype="fp32"), ac=ac,
+                          optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=0.0))
+    mesh = build_mesh(ParallelDims(pp=1, dp=1, sp=2))
+    recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac=ac)
+    engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, materialize=materialize)
+    stepper = EngineStepper(engine, grad_accum=1, device=local_device())
+    stepper.prof = types.SimpleNamespace(phase=lambda _: contextlib.nullcontext())
+    ids, labels, doc_ids = packed_rows()
+    stream = iter([{"input_ids": ids[s], "labels": labels[s], **({"doc_ids": doc_ids[s]} if packed else {})}
+                   for s in range(STEPS)])
+    losses = [stepper(stream).loss for _ in range(STEPS)]
+    return {"losses": losses, "params": {spec.hf.to_hf_name(n): p.full_tensor().detach().cpu().clone()
+                                         for n, p in engine.model.named_parameters()}}
 
 
 def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
@@ -194,9 +279,11 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     return out
 
 
-def reference(kind: str, lora: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(kind: str, lora: bool, packed: bool | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' model, 3 steps of torch.optim.AdamW on the whole batch (decay on matrices), the
-    summed token loss over labels != -100 divided by their count; ``lora``: PEFT's adapters only."""
+    summed token loss over labels != -100 divided by their count; ``lora``: PEFT's adapters only;
+    ``packed`` (not None): packed_rows' rows, documents told apart by positions restarting at CUTS
+    (transformers' own packed-sequence mask)."""
     model = hf_model(kind).train()
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -210,10 +297,12 @@ def reference(kind: str, lora: bool) -> tuple[list[float], dict[str, torch.Tenso
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=LR, betas=BETAS, eps=EPS)
-    ids, labels = chat_rows(STEPS)
+    ids, labels = chat_rows(STEPS) if packed is None else packed_rows()[:2]
+    positions = torch.stack([torch.arange(SEQ) - torch.where(torch.arange(SEQ) >= c, c, 0) for c in CUTS])
     losses = []
     for step in range(STEPS):
-        logits = model(ids[step]).logits
+        # packed: no cache, or transformers does not mask by the positions (its packed-sequence rule)
+        logits = model(ids[step], **({"position_ids": positions, "use_cache": False} if packed else {})).logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100, reduction="sum")
         loss = loss / (labels[step] != -100).sum()
         loss.backward()
@@ -246,6 +335,43 @@ def test_world2_trains_as_plain_torch(world2, name):
     start = dict(hf_model(kind).named_parameters())
     moved = {n for n in ours if n not in start or (ours[n] - start[n]).abs().max() > 1e-4}
     assert moved == ({n for n in ours if ".lora_" in n} if lora else set(ours))
+
+
+@pytest.mark.parametrize("name", list(SP_CASES))
+@pytest.mark.slow  # in the shared world-2 launch
+def test_sp2_trains_as_plain_torch(world2, name):
+    """Ulysses through transformers' attention interface: each rank ran half of every row."""
+    kind, _, packed = SP_CASES[name]
+    ref_losses, ref_params = reference(kind, False, packed)
+    losses, ours = world2[0][name]["losses"], world2[0][name]["params"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    assert set(ours) <= set(ref_params) and set(ref_params) - set(ours) <= {"lm_head.weight"}
+    worst = max(((ours[n] - ref_params[n]).abs().max().item(), n) for n in ours)
+    assert worst[0] < 1e-5, worst
+    start = dict(hf_model(kind).named_parameters())
+    assert all((ours[n] - start[n]).abs().max() > 1e-4 for n in ours)  # every parameter trained
+
+
+@pytest.mark.slow  # in the shared world-2 launch
+def test_pp2_trains_as_plain_torch(world2):
+    """GPT-NeoX cut into two stages (embedding + layer 0, layer 1 + final norm + head, rotary on both)."""
+    ref_losses, ref_params = reference("neox", False)
+    losses = world2[0]["pp2_neox"]["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    first, last = world2[0]["pp2_neox"]["params"], world2[1]["pp2_neox"]["params"]
+    assert not set(first) & set(last) and set(first) | set(last) == set(ref_params)
+    assert "gpt_neox.embed_in.weight" in first and "lm_head.weight" in last
+    ours = first | last
+    worst = max(((ours[n] - ref_params[n]).abs().max().item(), n) for n in ours)
+    assert worst[0] < 1e-5, worst
+
+
+def test_packed_rows_cross_the_sp_edge():
+    """What sp=2 must get right is in the data: documents and valid labels across the slices' edge."""
+    _, labels, doc_ids = packed_rows()
+    edge = SEQ // 2
+    assert (labels[..., edge - 1] != -100).any() and (doc_ids[..., edge - 1] == doc_ids[..., edge]).any()
+    assert (doc_ids[..., edge] != doc_ids[..., edge - 1]).any()  # and a document starting on it
 
 
 @pytest.mark.parametrize("name", ("zero3_gpt2", "zero3_neox"))
@@ -305,8 +431,7 @@ def _settings(hf_dir: str, *overrides: str, world: int = 2):
 
 
 @pytest.mark.parametrize(("kind", "overrides", "message"), [
-    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path \(Olmo2ForCausalLM\) has no pipeline"),
-    ("olmo2", ["parallel.sp=2"], r"^parallel.sp=2: the transformers path \(Olmo2ForCausalLM\) has no sequence"),
+    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path splits \['GPTNeoXForCausalLM'\] only"),
     ("gpt2", ["parallel.tp=2"], r"^parallel.tp=2: GPT2LMHeadModel .* has no base_model_tp_plan"),
     ("gpt2", ["+peft=lora", "peft.target_modules=[q_proj]"], r"GPT2LMHeadModel has no nn.Linear of those names"),
 ])
@@ -316,11 +441,35 @@ def test_refusals_are_one_line_before_start(dirs, kind, overrides, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    (dict(model_type="bloom", n_head=4), r"^parallel.sp=2: BloomForCausalLM's attention does not go through "),
+    (dict(model_type="starcoder2", num_attention_heads=4, sliding_window=8),
+     r"^parallel.sp=2: Starcoder2ForCausalLM sets sliding_window, a mask or bias transformers builds per layer"),
+    (dict(model_type="gpt_neox", num_attention_heads=4), r"^parallel.sp=3 does not divide model.n_heads=4"),
+])
+def test_sp_refusals_are_one_line_before_start(tmp_path, config, message):
+    """sp where the registered attention cannot reach (Bloom's own attention with ALiBi), or would drop
+    a per-layer mask (Starcoder2's sliding window), or heads that sp does not split."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = dict(config)
+    kind = config.pop("model_type")
+    torch.manual_seed(0)
+    hf = CONFIG_MAPPING[kind](vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, intermediate_size=32, **config)
+    AutoModelForCausalLM.from_config(hf).save_pretrained(str(tmp_path))
+    sp = 3 if "n_heads=4" in message else 2
+    with pytest.raises(ValueError, match=message) as err:
+        _settings(str(tmp_path), f"parallel.sp={sp}", "data.seq_len=24", world=sp)
+    assert "\n" not in str(err.value)
+
+
 def test_the_app_reads_any_causal_lm_as_the_transformers_path(dirs):
     s = _settings(dirs["neox"], "parallel.tp=2")  # GPT-NeoX's config carries a tp plan
     assert registry.spec_of(s.model).name == "transformers" and s.model.arch == "GPTNeoXForCausalLM"
     assert registry.path_line(s.model) == "model: transformers path (GPTNeoXForCausalLM)"
     assert registry.path_line(registry.get("llama").config()) == "model: native (llama)"
+    assert _settings(dirs["neox"], "parallel.pp=2").parallel.pp == 2  # the layouts tested in the world-2 launch
+    assert _settings(dirs["olmo2"], "parallel.sp=2").parallel.sp == 2
 
 
 def test_the_estimator_and_the_flop_count_take_it(dirs):

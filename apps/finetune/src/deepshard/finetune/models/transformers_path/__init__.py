@@ -1,8 +1,10 @@
 """The transformers path, registered as ``"transformers"``: ``model=hf`` on a causal LM that no native
 family reads (its ``model_type`` has an ``AutoModelForCausalLM`` class) trains through transformers' own
 modeling code (``model.py``) with our recipe (``parallelize.py``): ZeRO 0-3, CPU offload, AC, LoRA on
-its ``nn.Linear`` layers, grad accumulation, TP where its config carries a ``base_model_tp_plan``.
-Refused before start, with the reason: pp, sp, LoRA on GPT-2's ``Conv1D`` (or any target the model lacks).
+its ``nn.Linear`` layers, grad accumulation, TP where its config carries a ``base_model_tp_plan``, Ulysses
+sp through transformers' attention interface (``ulysses.py``), PP for GPT-NeoX (``pipeline.py``).  Refused
+before start, with the reason: pp on other architectures, sp where the attention bypasses the interface or needs per-layer masks, LoRA on GPT-2's ``Conv1D``
+(or any target the model lacks).
 
 Its HF adapter reads config.json through transformers' own config class and writes it back
 unchanged, so the export is the folder transformers loads.  The weights are hf.py's reader (each rank
@@ -138,7 +140,7 @@ def check_parallel(cfg: TransformersConfig, *, pp: int = 1, tp: int = 1, sp: int
     """What this path cannot run, by key, before any worker starts."""
     from deepshard.finetune.models.transformers_path.parallelize import check_layout
 
-    check_layout(cfg, pp=pp, sp=sp)
+    check_layout(cfg, pp=pp, sp=sp, tp=tp)
     if lora is None:
         return
     with torch.device("meta"):
@@ -196,14 +198,22 @@ def _check_tp(cfg: TransformersConfig, tp: int) -> None:
     check_tp(cfg, tp)
 
 
-def _no_pipeline(*args: Any, **kwargs: Any) -> Any:
-    raise ValueError("parallel.pp > 1: the transformers path has no pipeline split yet; use parallel.pp=1")
+def _pipeline(*args: Any, **kwargs: Any) -> Any:
+    from deepshard.finetune.models.transformers_path.pipeline import pipeline_transformers
+
+    return pipeline_transformers(*args, **kwargs)
+
+
+def _stage_init(*args: Any, **kwargs: Any) -> Any:
+    from deepshard.finetune.models.transformers_path.pipeline import stage_init
+
+    return stage_init(*args, **kwargs)
 
 
 ADAPTER = HFAdapter(model_types=(), config_from_hf=config_from_hf, config_dict=config_dict, causal_lm=causal_lm,
                     to_hf_name=to_hf_name, from_hf_name=from_hf_name, load_weights=load_weights, check_dir=check_dir)
 SPEC = register(ModelSpec(name="transformers", config=TransformersConfig, build=TransformersLM,
-                          parallelize=_parallelize, pipeline=_no_pipeline, stage_init=_no_pipeline,
+                          parallelize=_parallelize, pipeline=_pipeline, stage_init=_stage_init,
                           check_tp=_check_tp, hf=ADAPTER, activation_memory=activation_memory,
                           check_parallel=check_parallel, claims=claims,
                           describe=path_line))

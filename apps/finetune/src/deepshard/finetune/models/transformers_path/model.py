@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from deepshard.core.parallelize import IGNORE_INDEX
+from deepshard.core.sequence_parallel import shard_sequence
+from deepshard.finetune.models.attention import doc_causal_mask
 
 WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper adds this to names
 
@@ -124,6 +127,7 @@ class TransformersLM(nn.Module):
         block_types = set(getattr(self.hf, "_no_split_modules", None) or ())
         self._blocks_list = _single_block_list(self.hf, block_types)
         self._blocks = [m for m in self.hf.modules() if type(m).__name__ in block_types]
+        self.sp_group = None  # Ulysses' group (transformers_path/ulysses.py): forward then gives global positions
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -155,6 +159,8 @@ class TransformersLM(nn.Module):
             s = input_ids.shape[1]
             kwargs["attention_mask"] = torch.ones(s, s, dtype=torch.bool, device="meta").tril().expand(
                 input_ids.shape[0], 1, s, s)
+        elif self.sp_group is not None:
+            kwargs.update(_sequence_parallel_inputs(input_ids, doc_ids, self.sp_group))
         elif doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
             kwargs["position_ids"] = positions_in_documents(doc_ids)
         logits = self.hf(input_ids=input_ids, use_cache=False, **kwargs).logits
@@ -162,6 +168,18 @@ class TransformersLM(nn.Module):
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction=reduction)
+
+
+def _sequence_parallel_inputs(input_ids: torch.Tensor, doc_ids: torch.Tensor | None, group: Any) -> dict[str, Any]:
+    """This sp rank's slice's global positions (restarting per document) and the whole row's mask:
+    the document-causal one, 4-D so transformers keeps it as is, or none (causal over the whole row,
+    SDPA's own).  ``doc_ids`` are the whole row's (apply_ulysses' pre-hook gathered them)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    b, s = input_ids.shape
+    if doc_ids is None:
+        return {"position_ids": (torch.arange(s, device=input_ids.device) + r * s).expand(b, s)}
+    return {"position_ids": shard_sequence(positions_in_documents(doc_ids), r, n),
+            "attention_mask": doc_causal_mask(doc_ids)}
 
 
 def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:

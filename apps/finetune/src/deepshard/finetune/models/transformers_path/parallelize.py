@@ -1,6 +1,6 @@
-"""The transformers path's recipe: core's one order (TP -> AC -> precision -> ZeRO) on the blocks that
-the model's ``_no_split_modules`` names, and a TP plan translated from the config's own
-``base_model_tp_plan`` (transformers' style names -> DTensor styles).
+"""The transformers path's recipe: Ulysses (ulysses.py) when sp > 1, then core's one order (TP -> AC ->
+precision -> ZeRO) on the blocks that the model's ``_no_split_modules`` names, and a TP plan
+translated from the config's own ``base_model_tp_plan`` (transformers' style names -> DTensor styles).
 
 Translated styles: ``colwise``, ``rowwise``, ``colwise_gather_output`` (its output all-gathered),
 ``rowwise_split_input`` (a replicated input sliced), ``embedding_rowwise`` (the vocabulary split, the
@@ -26,6 +26,7 @@ from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParalle
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
 from deepshard.finetune.models.transformers_path.model import TransformersConfig, TransformersLM
+from deepshard.finetune.models.transformers_path.ulysses import apply_sequence_parallel
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise")
 
@@ -95,16 +96,14 @@ def _prefix(pattern: str) -> str:
     return pattern + "." if "*" not in pattern else "\0"  # a styled module's children (LoRA's) are its own
 
 
-def check_layout(cfg: TransformersConfig, *, pp: int = 1, sp: int = 1) -> None:
-    """The layouts this slice does not build, refused with the reason (before any worker starts)."""
-    if pp > 1:
-        raise ValueError(f"parallel.pp={pp}: the transformers path ({cfg.arch}) has no pipeline split yet "
-                         f"(it would cut the model's one block ModuleList and run the embedding and head on the "
-                         f"first and last stages); use parallel.pp=1")
-    if sp > 1:
-        raise ValueError(f"parallel.sp={sp}: the transformers path ({cfg.arch}) has no sequence parallelism yet "
-                         f"(it needs Ulysses attention registered with transformers' attention interface); use "
-                         f"parallel.sp=1")
+def check_layout(cfg: TransformersConfig, *, pp: int = 1, sp: int = 1, tp: int = 1) -> None:
+    """The layouts this path does not build, refused with the reason (before any worker starts)."""
+    from deepshard.finetune.models.transformers_path.model import causal_lm_class
+    from deepshard.finetune.models.transformers_path.pipeline import check_pipeline
+    from deepshard.finetune.models.transformers_path.ulysses import check_sp
+
+    check_pipeline(cfg, pp=pp, tp=tp)
+    check_sp(cfg, causal_lm_class(cfg.arch), sp=sp, tp=tp)
 
 
 def parallelize_transformers(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, dtype: str = "fp32",
@@ -114,8 +113,10 @@ def parallelize_transformers(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroCo
     its ``_no_split_modules`` blocks, then the root; in place."""
     assert isinstance(model, TransformersLM), type(model)
     tp = axis_size(mesh, "tp")
-    check_layout(model.cfg, pp=axis_size(mesh, "pp"), sp=axis_size(mesh, "sp"))
+    check_layout(model.cfg, sp=axis_size(mesh, "sp"), tp=tp)  # pp: its stages take pipeline.py's recipe
     check_tp(model.cfg, tp)
+    if axis_size(mesh, "sp") > 1:  # Ulysses through transformers' attention interface, before ZeRO wraps
+        apply_sequence_parallel(model, mesh["sp"])
     return parallelize_model(model, mesh, zero=zero, dtype=dtype, ac=ac, blocks=model.blocks,
                              tp_plan=tp_plan(model) if tp > 1 else None, offload_params=offload_params,
                              ac_offload=ac_offload, compile=compile)
