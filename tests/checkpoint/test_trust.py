@@ -146,3 +146,22 @@ def test_an_export_of_a_crafted_shard_ends_with_one_error_line_naming_it(ckpt, t
     line = _one_error_line(capsys)
     assert name in line and "weights_only" not in line and "likely succeed" not in line, line
     assert not marker.exists()
+
+
+def test_a_shard_turned_into_a_link_after_a_first_read_is_refused_on_the_next(ckpt, tmp_path, capsys):
+    """Consolidation keeps a checkpoint's checked metadata between reads of one export; a file of the
+    checkpoint replaced meanwhile (here by a link to a copy of itself outside) is a new state, checked again."""
+    from deepshard.core.checkpoint import load_full_tensor
+
+    info = tensor_infos(ckpt, "model.")[0]
+    before = load_full_tensor(ckpt, info)
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(shard, outside)
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}"):
+        load_full_tensor(ckpt, info)
+    assert export_main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert shard.name in _one_error_line(capsys)
+    assert before.numel() > 0

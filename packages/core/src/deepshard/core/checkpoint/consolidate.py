@@ -9,6 +9,7 @@ tensor that does not load is a one-line CheckpointError naming its file.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from deepshard.core.checkpoint.failures import one_line, root_cause
 from deepshard.core.checkpoint.manifest import CheckpointError
@@ -38,9 +39,30 @@ class TensorInfo:
         return n * self.dtype.itemsize
 
 
+def checked_metadata(path: str | os.PathLike) -> Metadata:
+    """``path``'s metadata, read safely (and its files checked) once for as long as no file of the checkpoint
+    directory changes: an export asks for it once per tensor, and parsing it cost ~0.1 s each time."""
+    try:
+        with os.scandir(path) as entries:  # lstat: a file replaced, grown or turned into a link is a new state
+            state = tuple(sorted((e.name, e.inode(), *_lstamp(e)) for e in entries))
+    except OSError:
+        state = ()
+    return _checked_metadata(str(path), state)
+
+
+def _lstamp(entry: os.DirEntry) -> tuple[int, int, bool]:
+    st = entry.stat(follow_symlinks=False)
+    return st.st_mtime_ns, st.st_size, entry.is_symlink()
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_metadata(path: str, state: tuple) -> Metadata:
+    return read_metadata_safely(path)
+
+
 def tensor_infos(path: str | os.PathLike, prefix: str = "") -> list[TensorInfo]:
     """Every tensor under ``prefix`` in the checkpoint, in saved order, with its full shape and dtype."""
-    meta = read_metadata_safely(path)
+    meta = checked_metadata(path)
     out = []
     for key, md in meta.state_dict_metadata.items():
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
@@ -54,7 +76,8 @@ def load_full_tensor(path: str | os.PathLike, info: TensorInfo) -> torch.Tensor:
     try:
         with warnings.catch_warnings():  # "no process group: loading without one" is the point here
             warnings.simplefilter("ignore")
-            dcp.load({info.key: out}, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load({info.key: out}, storage_reader=SafeReader(str(path), checked=checked_metadata(path)),
+                     planner=SafeLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as err:  # one line naming the file (SafeReader) or the tensor
         cause = root_cause(err)
         if isinstance(cause, CheckpointError):
