@@ -91,26 +91,14 @@ def test_lora_adapter_export_loads_in_peft_with_our_logits(runs, tmp_path, name)
     """``export --adapter`` of the adapters-only checkpoint: PEFT's ``PeftModel.from_pretrained`` on
     transformers' base gives the logits of the base with ``alpha / r * B @ A`` of our trained factors
     added to each target weight (merged here, in plain torch)."""
-    from peft import PeftModel
-
     from deepshard.finetune.tools.adapter_export import export_adapter
-    from tests.models.train_harness import ALPHA, RANK, TARGETS
+    from tests.models.train_harness import TARGETS, check_adapter_in_peft
 
     ranks, _ = runs
     family = CASES[name][0]
     info = export_adapter(ranks[0][name]["checkpoint"], tmp_path / "adapter")
     assert info["tensors"] == 2 * len(TARGETS) * 2  # A and B per target per layer (2 layers)
-    loaded = PeftModel.from_pretrained(hf_model(family), str(tmp_path / "adapter")).eval()
-    ours, merged = _merged(ranks, name), hf_model(family)
-    weights = dict(merged.named_parameters())
-    with torch.no_grad():
-        for n in [n for n in ours if n.endswith(".lora_A.weight")]:
-            stem = n.removesuffix(".lora_A.weight")
-            weights[f"model.{stem}.weight"] += ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n]
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-        want = merged(ids).logits
-        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
-        assert (hf_model(family)(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
+    check_adapter_in_peft(tmp_path / "adapter", _merged(ranks, name), lambda: hf_model(family))
 
 
 def test_phi3_lora_on_fused_pieces_exports_merged_and_refuses_the_adapter_format(runs, tmp_path):

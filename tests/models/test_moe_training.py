@@ -232,21 +232,10 @@ def test_lora_adapter_export_loads_in_peft_with_our_logits(runs, tmp_path):
     """``export --adapter`` of the attention-LoRA checkpoint: PEFT's ``PeftModel.from_pretrained`` on
     transformers' MoE model gives the logits of the base with ``alpha / r * B @ A`` of our trained
     factors added to each target weight (merged here, in plain torch)."""
-    from peft import PeftModel
-
     from deepshard.finetune.tools.adapter_export import export_adapter
+    from tests.models.train_harness import check_adapter_in_peft
 
     ranks, _ = runs
     info = export_adapter(ranks[0][LORA_CASE]["checkpoint"], tmp_path / "adapter")
     assert info["tensors"] == 2 * len(ATTENTION) * 3  # A and B per target per layer (3 layers)
-    loaded = PeftModel.from_pretrained(moe_hf_model(LORA_FAMILY), str(tmp_path / "adapter")).eval()
-    ours, merged = _merged(ranks, LORA_CASE), moe_hf_model(LORA_FAMILY)
-    weights = dict(merged.named_parameters())
-    with torch.no_grad():
-        for n in [n for n in ours if n.endswith(".lora_A.weight")]:
-            stem = n.removesuffix(".lora_A.weight")
-            weights[f"model.{stem}.weight"] += ALPHA / RANK * ours[stem + ".lora_B.weight"] @ ours[n]
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-        want = merged(ids).logits
-        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
-        assert (moe_hf_model(LORA_FAMILY)(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
+    check_adapter_in_peft(tmp_path / "adapter", _merged(ranks, LORA_CASE), lambda: moe_hf_model(LORA_FAMILY))

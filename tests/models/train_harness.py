@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tests.models.hf_refs import ROWS, SEQ, chat_rows, hf_model
+from tests.models.hf_refs import ROWS, SEQ, VOCAB, chat_rows, hf_model
 
 STEPS = 3
 # eps 1e-6, not 1e-8: a gradient near zero (Qwen2's k bias: 1e-10; softmax barely sees it) is rounding
@@ -279,3 +279,21 @@ def reference(family: str, lora: bool = False) -> tuple[list[float], dict[str, t
         losses.append(loss.item())
     named = {**dict(model.named_parameters()), **factors}
     return losses, {hf_name(n): p.detach().clone() for n, p in named.items()}
+
+
+def check_adapter_in_peft(adapter_dir: Path, trained: dict[str, torch.Tensor], fresh_model) -> None:
+    """Our exported adapter loaded by PEFT onto ``fresh_model()`` (transformers' model of the base) gives the
+    logits of that model with each trained ``B @ A`` (scaled alpha / r) merged into its weight by hand."""
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(fresh_model(), str(adapter_dir)).eval()
+    merged = fresh_model()
+    weights = dict(merged.named_parameters())
+    with torch.no_grad():
+        for n in [n for n in trained if n.endswith(".lora_A.weight")]:
+            stem = n.removesuffix(".lora_A.weight")
+            weights[f"model.{stem}.weight"] += ALPHA / RANK * trained[stem + ".lora_B.weight"] @ trained[n]
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        want = merged(ids).logits
+        assert (loaded(ids).logits - want).abs().max().item() < 1e-5
+        assert (fresh_model()(ids).logits - want).abs().max().item() > 1e-3  # the adapters changed it
