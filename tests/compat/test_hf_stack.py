@@ -63,6 +63,18 @@ def _resumed_steps_equal(out: dict, name: str, theirs: dict | None = None, first
             [h["loss"] for h in theirs["resumed"] if h["step"] > first], abs=1e-5), name
 
 
+def _saved_as_deepspeeds(out: dict, theirs: dict, name: str, *, adapter: bool = False) -> float:
+    """``save_model``'s folder holds the files DeepSpeed's run saved (the weights; or the adapter, without the
+    base's weights) and loads with the engine's logits (1e-5); returns the gap."""
+    files = set(out["final_files"])
+    want = {"adapter_model.safetensors", "adapter_config.json"} if adapter else {"model.safetensors", "config.json"}
+    assert want <= files and files == set(theirs["final_files"]), (name, files)
+    assert not adapter or "model.safetensors" not in files, name
+    gap = _saved_logits_gap(out, adapter=adapter)
+    assert gap < 1e-5, f"{name}: the saved {'adapter' if adapter else 'model'}'s logits differ from the engine's by {gap}"
+    return gap
+
+
 def _saved_logits_gap(out: dict, adapter: bool = False) -> float:
     """``save_model``'s folder loaded without DeepSpeed (``from_pretrained``; an adapter with PEFT on the base
     model) against the engine's logits on the script's probe row."""
@@ -126,10 +138,7 @@ def test_sft_trainer_zero3_chat_completion_only(layouts):
     theirs = _recorded("sft_zero3_offload")
     _close_to_deepspeed(out["logs"], theirs["logs"], "sft_zero3_offload")
     _resumed_steps_equal(out, "sft_zero3_offload", theirs)
-    assert {"model.safetensors", "config.json"} <= set(out["final_files"])  # stage3_gather_16bit_weights_on_model_save
-    assert set(out["final_files"]) == set(theirs["final_files"])
-    gap = _saved_logits_gap(out)
-    assert gap < 1e-5, f"sft_zero3_offload: the saved model's logits differ from the engine's by {gap}"
+    _saved_as_deepspeeds(out, theirs, "sft_zero3_offload")  # stage3_gather_16bit_weights_on_model_save
 
 
 @pytest.mark.slow
@@ -141,10 +150,7 @@ def test_sft_trainer_zero2_full_matches_deepspeed_resumes_and_saves(layouts):
     _resumed_steps_equal(out, "sft_zero2", theirs)
     assert {"latest", "trainer_state.json"} <= set(out["checkpoint_files"])
     assert any(f.startswith("global_step2/") for f in out["checkpoint_files"])
-    assert {"model.safetensors", "config.json"} <= set(out["final_files"])
-    assert set(out["final_files"]) == set(theirs["final_files"])
-    gap = _saved_logits_gap(out)
-    assert gap < 1e-5, f"sft_zero2: the saved model's logits differ from the engine's by {gap}"
+    _saved_as_deepspeeds(out, theirs, "sft_zero2")
 
 
 @pytest.mark.slow
@@ -163,10 +169,7 @@ def test_sft_lora_matches_deepspeed_resumes_and_saves_the_adapter(layouts, layou
     meta = json.loads((Path(out["tmp"]) / "out" / "checkpoint-2" / manifest).read_text())["meta"]
     assert meta == {"exclude_frozen_parameters": True}
     # the adapter, as DeepSpeed's run saved it, loads with PEFT on the base model and gives the engine's logits
-    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(out["final_files"])
-    assert "model.safetensors" not in out["final_files"] and set(theirs["final_files"]) == set(out["final_files"])
-    gap = _saved_logits_gap(out, adapter=True)
-    assert gap < 1e-5, f"{name}: the saved adapter's logits differ from the engine's by {gap}"
+    _saved_as_deepspeeds(out, theirs, name, adapter=True)
 
 
 @pytest.mark.slow
@@ -198,10 +201,7 @@ def test_dpo_trainer_with_reference_model_matches_deepspeed(layouts, layout):
     assert [h["grad_norm"] for h in out["logs"]] == pytest.approx([h["grad_norm"] for h in theirs], rel=2e-4)
     # checkpoint-2 resumed by a fresh DPOTrainer (its reference model prepared again); the policy saved and loaded
     _resumed_steps_equal(out, name, _recorded(name))
-    assert {"model.safetensors", "config.json"} <= set(out["final_files"])
-    assert set(out["final_files"]) == set(_recorded(name)["final_files"])
-    gap = _saved_logits_gap(out)
-    assert gap < 1e-5, f"{name}: the saved policy's logits differ from the engine's by {gap}"
+    _saved_as_deepspeeds(out, _recorded(name), name)
 
 
 @pytest.mark.slow
@@ -229,9 +229,7 @@ def test_grpo_trainer_matches_deepspeed_resumes_and_saves(layouts, layout):
     gaps["resumed loss"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, out["logs"][3:], strict=True))
     assert {"latest", "trainer_state.json"} <= set(out["checkpoint_files"])
     assert any(f.startswith("global_step3/") for f in out["checkpoint_files"])
-    assert {"model.safetensors", "config.json"} <= set(out["final_files"]) and set(out["final_files"]) == set(theirs["final_files"])
-    gaps["saved logits"] = _saved_logits_gap(out)
-    assert gaps["saved logits"] < 1e-5, f"{name}: the saved policy's logits differ from the engine's by {gaps['saved logits']}"
+    gaps["saved logits"] = _saved_as_deepspeeds(out, theirs, name)
     ours, ds = out["generation_seconds"], theirs["generation_seconds"]
     assert len(ours) == len(ds) == 5
     print(f"\n{name} vs DeepSpeed 0.19.8, max gaps: {', '.join(f'{k} {v:.2g}' for k, v in gaps.items())}; generation "
