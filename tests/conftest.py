@@ -6,9 +6,18 @@ import pytest
 
 from tests.alone import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (the `alone` marker's lock, hooks)
 from tests.checkpoint.tmpfs import tmpfs_mounter
-from tests.inductor_cache import pytest_configure, pytest_unconfigure  # noqa: F401  (one inductor cache per run)
+from tests.inductor_cache import pytest_configure as start_inductor_cache
+from tests.inductor_cache import pytest_unconfigure  # noqa: F401  (one inductor cache per run)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One inductor cache for the run; the CPU census (tests/cpu_census.py) where it is asked for."""
+    import tests.cpu_census
+
+    start_inductor_cache(config)
+    config.pluginmanager.register(tests.cpu_census, "deepshard-cpu-census")
 
 
 @pytest.fixture
