@@ -275,3 +275,12 @@ def test_elastic_flags_map_to_the_agents_node_range():
 def test_slots_are_the_gpus_this_process_sees():
     assert visible_devices([0, 2], None) == "0,2"
     assert visible_devices([0, 1], "4,5,6") == "4,5"  # the user's CUDA_VISIBLE_DEVICES narrows first
+
+
+def test_the_command_does_not_import_the_engine_or_dtensor():
+    """Every launcher process (and every node's agent) pays its imports: torch's elastic agent is needed,
+    the engine and DTensor (~1 s of CPU, with all of core's package) are not."""
+    code = ("import sys, deepshard.launch.cli; heavy = [m for m in ('deepshard.core.engine', 'torch.distributed.tensor',"
+            " 'deepshard.core.memory', 'transformers') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -20,8 +20,6 @@ Offloaded optimizer state is reported under ``host``/``nvme`` instead of ``optim
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -64,17 +62,6 @@ class ModelStateBytes:
         flat = {k: v for k, v in asdict(self).items() if k != "buffer_parts"}
         return {**flat, "total": self.total, "buffers": self.buffers, "live_total": self.live_total,
                 **{f"buffers.{k}": v for k, v in self.buffer_parts.items()}}
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def set_mmap_threshold(nbytes: int) -> None:
-    """glibc's fixed mmap threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets at a
-    process's start): blocks this large or larger are mapped on their own and go back to the OS when freed
-    (the dynamic threshold rises to the largest block freed, after which freed shards stay resident)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes)
 
 
 def rule_state_bytes(rule: UpdateRule, numels: Sequence[int]) -> int:

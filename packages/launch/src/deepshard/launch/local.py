@@ -25,7 +25,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from deepshard.core.checkpoint.plain_files import open_file
-from deepshard.core.memory import set_mmap_threshold
+from deepshard.core.host_malloc import set_mmap_threshold
 from deepshard.core.mesh import free_port
 from deepshard.launch import worker_server
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats

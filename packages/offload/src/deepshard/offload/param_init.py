@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepshard.core.memory import set_mmap_threshold
+from deepshard.core.host_malloc import set_mmap_threshold
 
 from .fsdp_hooks import lazy_init, mutates, plain_tensor
 from .unit_swap import UnitSwap

@@ -15,26 +15,20 @@
   (converters bringing in another tool's checkpoint).
 """
 
-from deepshard.core.checkpoint.consolidate import (
-           TensorInfo,
-           iter_full_tensors,
-           load_full_tensor,
-           tensor_infos,
-)
-from deepshard.core.checkpoint.failures import CheckpointSaveError
-from deepshard.core.checkpoint.json_state import read_trainer
-from deepshard.core.checkpoint.manifest import (
-           CheckpointError,
-           latest_good,
-           read_manifest,
-           step_dir_name,
-           step_dirs,
-           verify_checkpoint,
-)
-from deepshard.core.checkpoint.offline import write_offline_checkpoint
-from deepshard.core.checkpoint.plain_files import write_text
-from deepshard.core.checkpoint.retention import prune
-from deepshard.core.checkpoint.state import clean_name, find_resume, load_checkpoint, save_checkpoint
+from deepshard.core.lazy_exports import lazy_exports
+
+# imported on first use: the launcher's heartbeat needs ``owners`` alone, not torch
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "deepshard.core.checkpoint.consolidate": ("TensorInfo", "iter_full_tensors", "load_full_tensor", "tensor_infos"),
+    "deepshard.core.checkpoint.failures": ("CheckpointSaveError",),
+    "deepshard.core.checkpoint.json_state": ("read_trainer",),
+    "deepshard.core.checkpoint.manifest": ("CheckpointError", "latest_good", "read_manifest", "step_dir_name",
+                                           "step_dirs", "verify_checkpoint"),
+    "deepshard.core.checkpoint.offline": ("write_offline_checkpoint",),
+    "deepshard.core.checkpoint.plain_files": ("write_text",),
+    "deepshard.core.checkpoint.retention": ("prune",),
+    "deepshard.core.checkpoint.state": ("clean_name", "find_resume", "load_checkpoint", "save_checkpoint"),
+})
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "TensorInfo", "clean_name", "find_resume", "iter_full_tensors",
            "latest_good", "load_checkpoint", "load_full_tensor", "prune", "read_manifest", "read_trainer",
