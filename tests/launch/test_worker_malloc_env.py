@@ -10,6 +10,7 @@ the fixed threshold below 1 MiB is in force; otherwise it comes from the heap.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 
@@ -40,6 +41,10 @@ def _own_mapping_of_a_fresh_mib() -> bool:
 def test_a_threshold_set_after_the_server_started_is_in_force_in_the_workers(monkeypatch):
     start_worker_server(_own_mapping_of_a_fresh_mib)  # already running in a long session: the case that matters
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    assert launch_local(_own_mapping_of_a_fresh_mib, 1) == [True]
+    before = dict(os.environ)
+    assert launch_local(_own_mapping_of_a_fresh_mib, 1, threads_per_worker=2) == [True]
+    # the launching process keeps its environment: the workers' OMP_NUM_THREADS, and what torch's elastic
+    # agent writes there itself (TORCHELASTIC_SIGNALS_TO_HANDLE), stay out of it
+    assert dict(os.environ) == before
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert launch_local(_own_mapping_of_a_fresh_mib, 1) == [False]  # the check sees the difference

@@ -23,7 +23,13 @@ from pathlib import Path
 
 from deepshard.launch.deaths import DeathWatch
 from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, read_beats, remove_dead_beats
-from deepshard.launch.local import _describe, elastic_log_dir, killed_for_memory_line, worker_threads
+from deepshard.launch.local import (
+    _describe,
+    elastic_log_dir,
+    killed_for_memory_line,
+    scoped_environment,
+    worker_threads,
+)
 from deepshard.launch.memory import OomWatch
 from deepshard.launch.parent_death import guarded
 
@@ -121,20 +127,6 @@ def _without_empty_error(failure: object) -> object:
     return failure
 
 
-@contextlib.contextmanager
-def _environment(updates: dict[str, str]) -> object:
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class _RestartLine(logging.Filter):
     """Of the agent's INFO lines only its restart decision passes, as one line of ours."""
 
@@ -202,7 +194,7 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     oom = OomWatch()  # the memory cgroup's OOM kills from here on are this node's
     entry, args = guarded(entry, args, os.getpid())  # the workers die with this agent, even by SIGKILL
     try:
-        with _environment(env), watchdog or contextlib.nullcontext(), deaths:
+        with scoped_environment(env), watchdog or contextlib.nullcontext(), deaths:
             elastic_launch(config, entry)(*args)
         return None
     except ChildFailedError as err:

@@ -222,6 +222,27 @@ def _claim_heartbeats(beat_dir: Path) -> None:
                          "here; wait for it, or use another directory")
 
 
+# what torch's elastic_launch writes into the calling process's environment itself
+TORCH_SETS = ("TORCHELASTIC_SIGNALS_TO_HANDLE",)
+
+
+@contextlib.contextmanager
+def scoped_environment(updates: dict[str, str]) -> Iterator[None]:
+    """``updates`` in ``os.environ`` for a launch (the workers inherit them), and the caller's environment
+    as it was afterwards, also where torch's elastic agent wrote into it: a process that launches (a
+    notebook, a test, the app runner) keeps the environment it had."""
+    saved = {k: os.environ.get(k) for k in (*updates, *TORCH_SETS)}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def elastic_log_dir() -> str:
     """A directory for torch's elastic agent's per-rank error files, which the caller removes when the
     launch ends (torch's default, ``tempfile.mkdtemp("torchelastic_")`` per launch, is never removed)."""
@@ -267,7 +288,14 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     hide_gpus = workers_on_cpu(nproc, torch.cuda.device_count())
     if threads_per_worker is None:  # auto: see worker_threads
         threads_per_worker = worker_threads(nproc, cuda=torch.cuda.is_available() and not hide_gpus)
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)  # inherited by the workers
+    updates = {"OMP_NUM_THREADS": str(threads_per_worker)}  # inherited by the workers
+    if heartbeat_dir is not None:
+        updates[ENV_DIR] = str(beat_dir)
+    if hide_gpus:
+        logging.getLogger(__name__).warning(
+            "launch_local: %d workers > %d visible GPU(s): the workers run on the CPU with gloo "
+            "(nccl needs one GPU per rank)", nproc, torch.cuda.device_count())
+        updates["CUDA_VISIBLE_DEVICES"] = ""  # the workers see no GPU
     elastic_logs = elastic_log_dir()  # torch's default is a fresh /tmp/torchelastic_* per launch, never removed
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
@@ -275,32 +303,17 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
         monitor_interval=0.1, start_method="forkserver", shutdown_timeout=grace_s,
         logs_specs=DefaultLogsSpecs(log_dir=elastic_logs),
     )
-    start_worker_server(fn)
-    oom = OomWatch()  # the memory cgroup's OOM kills from here on are this job's
-    watchdog: Watchdog | None = None
-    if heartbeat_dir is not None:
-        os.environ[ENV_DIR] = str(beat_dir)
-        if hang_s > 0:
-            watchdog = Watchdog(beat_dir, hang_s)
-    saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hide_gpus:
-        logging.getLogger(__name__).warning(
-            "launch_local: %d workers > %d visible GPU(s): the workers run on the CPU with gloo "
-            "(nccl needs one GPU per rank)", nproc, torch.cuda.device_count())
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workers see no GPU
-    try:
-        with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
-            entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), worker_server.server_pid(), fn), fn)
-            results = elastic_launch(config, entry)(*args)
-    except ChildFailedError as err:
-        beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
-        raise job_failed(err, watchdog.hang if watchdog else None, beats, oom) from err
-    finally:
-        shutil.rmtree(elastic_logs, ignore_errors=True)  # the workers' error files were read above
-        os.environ.pop(ENV_DIR, None)
-        if hide_gpus:
-            if saved_visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
+    with scoped_environment(updates):
+        start_worker_server(fn)
+        oom = OomWatch()  # the memory cgroup's OOM kills from here on are this job's
+        watchdog = Watchdog(beat_dir, hang_s) if heartbeat_dir is not None and hang_s > 0 else None
+        try:
+            with _elastic_logs_to(log_file), watchdog or contextlib.nullcontext():
+                entry = functools.update_wrapper(functools.partial(_in_launch_env, dict(os.environ), worker_server.server_pid(), fn), fn)
+                results = elastic_launch(config, entry)(*args)
+        except ChildFailedError as err:
+            beats = read_beats(heartbeat_dir) if heartbeat_dir is not None else None
+            raise job_failed(err, watchdog.hang if watchdog else None, beats, oom) from err
+        finally:
+            shutil.rmtree(elastic_logs, ignore_errors=True)  # the workers' error files were read above
     return [results[r] for r in range(nproc)]
