@@ -172,10 +172,10 @@ def _run_pp(hf_dir: str) -> dict:
     init_fn = spec.stage_init(0, full=lambda: _ours(hf_dir)[2])
     trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2, init_fn=init_fn)
     ids, labels = chat_rows(STEPS)
-    losses = [trainer.train_step(ids[step], labels[step]).loss for step in range(STEPS)]
+    results = [trainer.train_step(ids[step], labels[step]) for step in range(STEPS)]
     params = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
               for m in trainer.pipeline.modules for n, p in m.named_parameters()}
-    return {"losses": losses, "params": params}
+    return {"losses": [r.loss for r in results], "norms": [r.stats.grad_norm for r in results], "params": params}
 
 
 def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,11 +303,12 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     return out
 
 
-def reference(kind: str, lora: bool, packed: bool | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(kind: str, lora: bool, packed: bool | None = None, norms: list[float] | None = None
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' model, 3 steps of torch.optim.AdamW on the whole batch (decay on matrices), the
     summed token loss over labels != -100 divided by their count; ``lora``: PEFT's adapters only;
     ``packed`` (not None): packed_rows' rows, documents told apart by positions restarting at CUTS
-    (transformers' own packed-sequence mask)."""
+    (transformers' own packed-sequence mask); ``norms`` gets each step's global grad norm."""
     model = hf_model(kind).train()
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -330,6 +331,8 @@ def reference(kind: str, lora: bool, packed: bool | None = None) -> tuple[list[f
         loss = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100, reduction="sum")
         loss = loss / (labels[step] != -100).sum()
         loss.backward()
+        if norms is not None:  # each parameter once (a tied one is one tensor)
+            norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -382,9 +385,12 @@ def test_pp2_trains_as_plain_torch(world2, kind):
     """Each model cut into two stages (embeddings + layer 0, layer 1 + final norm + head; GPT-NeoX's and
     OLMo2's rotary on both; GPT-2's position embedding on the first only, its tied head a copy on the
     last whose gradient is summed with the embedding's: both copies equal the reference's one tensor)."""
-    ref_losses, ref_params = reference(kind, False)
+    ref_norms: list[float] = []
+    ref_losses, ref_params = reference(kind, False, norms=ref_norms)
     losses = world2[0][f"pp2_{kind}"]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    norms = world2[0][f"pp2_{kind}"]["norms"]  # a tied head's two copies count once, as its one tensor
+    assert max(abs(a / b - 1) for a, b in zip(norms, ref_norms, strict=True)) < 1e-5, (norms, ref_norms)
     first, last = world2[0][f"pp2_{kind}"]["params"], world2[1][f"pp2_{kind}"]["params"]
     embed = next(n for n in first if n.endswith(("wte.weight", "embed_in.weight", "embed_tokens.weight")))
     assert not set(first) & set(last) and set(first) | set(last) == set(ref_params) | {"lm_head.weight"}
