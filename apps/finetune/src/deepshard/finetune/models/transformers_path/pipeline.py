@@ -240,7 +240,6 @@ class TiedHeadEngine(PipelineEngine):
         index = {id(p): i for i, p in enumerate(self.zero.params)}
         self.tied = [index[id(p)] for m in self.pipeline.modules for n, p in m.named_parameters()
                      if n.replace(WRAPPER, "") in tied_names]
-        assert self.tied, "a rank of a tied pipeline holds neither the embedding nor the head"
         counted = self.zero.replication
 
         def replication() -> list[int]:
@@ -252,10 +251,10 @@ class TiedHeadEngine(PipelineEngine):
         grads = self.zero.local_grads()
         mine = [grads[i] for i in self.tied]
         with torch.no_grad():
-            if len(mine) == 2:  # one rank holds both stages (a V-shaped schedule)
+            if len(mine) == 2:  # one rank holds both stages (a V-shaped schedule), the other neither
                 mine[0].add_(mine[1])
                 mine[1].copy_(mine[0])
-            else:
+            elif mine:  # at pp=2 the other rank holds the other copy
                 dist.all_reduce(mine[0], group=self.pipeline.pp_mesh.get_group())
         handed = self.zero.handed_over()
         for i in self.tied:
