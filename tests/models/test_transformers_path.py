@@ -6,10 +6,11 @@ World 1: our token-weighted loss on masked variable-length rows equals the one c
 from transformers' logits; packed documents see only themselves.  One shared world-2 run: ZeRO-3 on
 each model (GPT-2 with grad accumulation and AC, GPT-NeoX with CPU offload, OLMo2 with LoRA once) and
 GPT-NeoX at tp=2, and Ulysses sp=2 at ZeRO-3 (the app's stepper slicing each row; GPT-NeoX on the
-masked rows, OLMo2 with grouped kv heads and AC and GPT-2 with absolute positions on packed documents)
-equal transformers' model trained by plain torch.optim.AdamW (losses and every parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits,
+masked rows, OLMo2 with grouped kv heads and AC and GPT-2 with absolute positions on packed documents),
+and pp=2 at ZeRO-1 on each (GPT-2's tied head a copy on the last stage, its gradient summed with the
+embedding's) equal transformers' model trained by plain torch.optim.AdamW (losses and every parameter within 1e-5); the ZeRO-3 checkpoints export to folders transformers loads with our logits,
 and the LoRA checkpoint's ``export --adapter`` to a folder PEFT loads with our logits.
-Refusals (pp, sp on attention outside transformers' interface or with per-layer masks, tp without a
+Refusals (pp on an unchecked architecture or a tie at pp > 2, sp on attention outside transformers' interface or with per-layer masks, tp without a
 plan, LoRA on Conv1D) are one line from the app's settings.
 """
 
@@ -118,6 +119,29 @@ def test_packed_documents_see_only_themselves(dirs, kind):
     assert (packed - alone).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_stages_chained_give_transformers_logits(dirs, kind):
+    """The pp split, both stages in this process: stage 0's hidden states through stage 1 give
+    transformers' logits on packed documents (positions restart; GPT-2 adds its absolute positions
+    once, on the first stage); GPT-2's last stage holds its own copy of the tied head."""
+    from deepshard.finetune.models.transformers_path.pipeline import PipelineView, stage_init
+    from deepshard.pipeline import split_model
+
+    _, _, meta = _ours(dirs[kind], device=None)
+    view = PipelineView(meta)
+    stages = split_model(view, [range(0, 1), range(1, 2)], [0, 1], spec=view.spec,
+                         init_fn=stage_init(full=lambda: _ours(dirs[kind])[2]))
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    doc_ids = (torch.arange(SEQ) >= 9).long().expand(2, SEQ)
+    ref = hf_model(kind)
+    with torch.no_grad():
+        logits = stages[1](stages[0](ids, doc_ids), doc_ids)
+        alone = torch.cat([ref(ids[:, :9]).logits, ref(ids[:, 9:]).logits], dim=1)
+    assert (logits - alone).abs().max().item() < 1e-5
+    head = dict(stages[1].named_parameters())["hf.lm_head.weight"]
+    assert all(head is not p for p in stages[0].parameters())  # a copy: a tie would span the stages
+
+
 def _worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     from deepshard.core import init_distributed
 
@@ -125,7 +149,7 @@ def _worker(hf_dirs: dict[str, str], ckpt_root: str) -> dict:
     first = [n for n in CASES if CASES[n][2] == 1]  # tp meshes last: one per process
     out = {name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in first}
     out.update({name: _run_sp(name, hf_dirs[SP_CASES[name][0]]) for name in SP_CASES})
-    out["pp2_neox"] = _run_pp(hf_dirs["neox"])
+    out.update({f"pp2_{kind}": _run_pp(hf_dirs[kind]) for kind in KINDS})
     out.update({name: _run(name, hf_dirs[CASES[name][0]], ckpt_root) for name in CASES if name not in first})
     return out
 
@@ -148,10 +172,10 @@ def _run_pp(hf_dir: str) -> dict:
     init_fn = spec.stage_init(0, full=lambda: _ours(hf_dir)[2])
     trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2, init_fn=init_fn)
     ids, labels = chat_rows(STEPS)
-    losses = [trainer.train_step(ids[step], labels[step]).loss for step in range(STEPS)]
+    results = [trainer.train_step(ids[step], labels[step]) for step in range(STEPS)]
     params = {spec.hf.to_hf_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
               for m in trainer.pipeline.modules for n, p in m.named_parameters()}
-    return {"losses": losses, "params": params}
+    return {"losses": [r.loss for r in results], "norms": [r.stats.grad_norm for r in results], "params": params}
 
 
 def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,11 +303,12 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     return out
 
 
-def reference(kind: str, lora: bool, packed: bool | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(kind: str, lora: bool, packed: bool | None = None, norms: list[float] | None = None
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' model, 3 steps of torch.optim.AdamW on the whole batch (decay on matrices), the
     summed token loss over labels != -100 divided by their count; ``lora``: PEFT's adapters only;
     ``packed`` (not None): packed_rows' rows, documents told apart by positions restarting at CUTS
-    (transformers' own packed-sequence mask)."""
+    (transformers' own packed-sequence mask); ``norms`` gets each step's global grad norm."""
     model = hf_model(kind).train()
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -306,6 +331,8 @@ def reference(kind: str, lora: bool, packed: bool | None = None) -> tuple[list[f
         loss = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100, reduction="sum")
         loss = loss / (labels[step] != -100).sum()
         loss.backward()
+        if norms is not None:  # each parameter once (a tied one is one tensor)
+            norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -352,15 +379,25 @@ def test_sp2_trains_as_plain_torch(world2, name):
     assert all((ours[n] - start[n]).abs().max() > 1e-4 for n in ours)  # every parameter trained
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.slow  # in the shared world-2 launch
-def test_pp2_trains_as_plain_torch(world2):
-    """GPT-NeoX cut into two stages (embedding + layer 0, layer 1 + final norm + head, rotary on both)."""
-    ref_losses, ref_params = reference("neox", False)
-    losses = world2[0]["pp2_neox"]["losses"]
+def test_pp2_trains_as_plain_torch(world2, kind):
+    """Each model cut into two stages (embeddings + layer 0, layer 1 + final norm + head; GPT-NeoX's and
+    OLMo2's rotary on both; GPT-2's position embedding on the first only, its tied head a copy on the
+    last whose gradient is summed with the embedding's: both copies equal the reference's one tensor)."""
+    ref_norms: list[float] = []
+    ref_losses, ref_params = reference(kind, False, norms=ref_norms)
+    losses = world2[0][f"pp2_{kind}"]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
-    first, last = world2[0]["pp2_neox"]["params"], world2[1]["pp2_neox"]["params"]
-    assert not set(first) & set(last) and set(first) | set(last) == set(ref_params)
-    assert "gpt_neox.embed_in.weight" in first and "lm_head.weight" in last
+    norms = world2[0][f"pp2_{kind}"]["norms"]  # a tied head's two copies count once, as its one tensor
+    assert max(abs(a / b - 1) for a, b in zip(norms, ref_norms, strict=True)) < 1e-5, (norms, ref_norms)
+    first, last = world2[0][f"pp2_{kind}"]["params"], world2[1][f"pp2_{kind}"]["params"]
+    embed = next(n for n in first if n.endswith(("wte.weight", "embed_in.weight", "embed_tokens.weight")))
+    assert not set(first) & set(last) and set(first) | set(last) == set(ref_params) | {"lm_head.weight"}
+    if hf_config(kind).tie_word_embeddings:  # the last stage's copy of the tied head moved with the embedding
+        assert "lm_head.weight" not in ref_params
+        assert (last["lm_head.weight"] - ref_params[embed]).abs().max().item() < 1e-5
+        last = {n: t for n, t in last.items() if n != "lm_head.weight"}
     ours = first | last
     worst = max(((ours[n] - ref_params[n]).abs().max().item(), n) for n in ours)
     assert worst[0] < 1e-5, worst
@@ -431,7 +468,6 @@ def _settings(hf_dir: str, *overrides: str, world: int = 2):
 
 
 @pytest.mark.parametrize(("kind", "overrides", "message"), [
-    ("olmo2", ["parallel.pp=2"], r"^parallel.pp=2: the transformers path splits \['GPTNeoXForCausalLM'\] only"),
     ("gpt2", ["parallel.tp=2"], r"^parallel.tp=2: GPT2LMHeadModel .* has no base_model_tp_plan"),
     ("gpt2", ["+peft=lora", "peft.target_modules=[q_proj]"], r"GPT2LMHeadModel has no nn.Linear of those names"),
 ])
@@ -439,6 +475,24 @@ def test_refusals_are_one_line_before_start(dirs, kind, overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         _settings(dirs[kind], *overrides)
     assert "\n" not in str(err.value)
+
+
+def test_pp_refusals_are_one_line_before_start(dirs, tmp_path):
+    """pp on an architecture whose stages were never checked (Bloom), and a tied head at pp > 2 (the two
+    copies' gradients are summed over a pp group of two)."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    AutoModelForCausalLM.from_config(BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=4)
+                                     ).save_pretrained(str(tmp_path))
+    for hf_dir, pp, message in (
+            (str(tmp_path), 2, r"^parallel.pp=2: the transformers path splits \['GPTNeoXForCausalLM', "
+                               r"'GPT2LMHeadModel', 'Olmo2ForCausalLM'\] only \(BloomForCausalLM is untested"),
+            (dirs["gpt2"], 4, r"^parallel.pp=4: GPT2LMHeadModel ties its head to its embedding \(tie_word_"
+                              r"embeddings\); the first and last stages sum their two copies' gradients at "
+                              r"parallel.pp=2 only")):
+        with pytest.raises(ValueError, match=message) as err:
+            _settings(hf_dir, f"parallel.pp={pp}", world=pp)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -468,7 +522,8 @@ def test_the_app_reads_any_causal_lm_as_the_transformers_path(dirs):
     assert registry.spec_of(s.model).name == "transformers" and s.model.arch == "GPTNeoXForCausalLM"
     assert registry.path_line(s.model) == "model: transformers path (GPTNeoXForCausalLM)"
     assert registry.path_line(registry.get("llama").config()) == "model: native (llama)"
-    assert _settings(dirs["neox"], "parallel.pp=2").parallel.pp == 2  # the layouts tested in the world-2 launch
+    for kind in KINDS:  # the layouts tested in the world-2 launch
+        assert _settings(dirs[kind], "parallel.pp=2").parallel.pp == 2
     assert _settings(dirs["olmo2"], "parallel.sp=2").parallel.sp == 2
 
 

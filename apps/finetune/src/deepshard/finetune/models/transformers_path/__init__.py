@@ -2,8 +2,9 @@
 family reads (its ``model_type`` has an ``AutoModelForCausalLM`` class) trains through transformers' own
 modeling code (``model.py``) with our recipe (``parallelize.py``): ZeRO 0-3, CPU offload, AC, LoRA on
 its ``nn.Linear`` layers, grad accumulation, TP where its config carries a ``base_model_tp_plan``, Ulysses
-sp through transformers' attention interface (``ulysses.py``), PP for GPT-NeoX (``pipeline.py``).  Refused
-before start, with the reason: pp on other architectures, sp where the attention bypasses the interface or needs per-layer masks, LoRA on GPT-2's ``Conv1D``
+sp through transformers' attention interface (``ulysses.py``), PP for GPT-NeoX, GPT-2 (its tied head a copy on
+the last stage) and OLMo2 (``pipeline.py``).  Refused before start, with the reason: pp on other architectures
+or with a tied head at pp > 2, sp where the attention bypasses the interface or needs per-layer masks, LoRA on GPT-2's ``Conv1D``
 (or any target the model lacks).
 
 Its HF adapter reads config.json through transformers' own config class and writes it back

@@ -1,34 +1,44 @@
 """Pipeline parallelism (``parallel.pp``) on the transformers path: the pipeline package's split, on a
-view of transformers' model whose parts it names by the config's own ``base_model_pp_plan``.
+view of transformers' model whose parts it names by the config's own ``base_model_pp_plan`` (or, where
+our own stage forward runs, by :data:`OWN_FORWARD`).
 
-The split cuts the model's one block ``ModuleList``: the first stage keeps what the plan lists before
-the blocks (the input embedding), the last what it lists after them (the final norm) and the head;
-every stage keeps the rotary embedding (a buffer), so transformers' own base-model forward runs on
-each stage, from ``input_ids`` on the first and from ``inputs_embeds`` (the previous stage's hidden
-states) on the others; a part a stage does not own is ``nn.Identity`` there.  Parameter names stay
-those of the unsplit model (``hf.<base>.layers.<i>...``): checkpoints and the export read them as is.
+The split cuts the model's one block ``ModuleList``: the first stage keeps what comes before the blocks
+(the input embedding; GPT-2's position embedding too), the last what comes after them (the final norm)
+and the head; every stage keeps the rotary embedding (a buffer); a part a stage does not own is
+``nn.Identity`` there.  GPT-NeoX's stages run transformers' own base-model forward, from ``input_ids``
+on the first and from ``inputs_embeds`` (the previous stage's hidden states) on the others.  GPT-2
+(whose forward adds the position embedding on every call) and OLMo2 (whose forward slices
+``layers[:n]``, which a stage's ``StageLayers`` cannot) run :meth:`PipelineView.own_stage` instead:
+transformers' own embeddings, mask function, rotary embedding, blocks and norm, called in their order.
+Parameter names stay those of the unsplit model (``hf.<base>.<layers>.<i>...``).
 
-Only architectures whose base-model forward iterates its blocks (not ``layers[:n]``, which a
-stage's ``StageLayers`` cannot slice) and was checked against plain torch run: GPT-NeoX.  Others,
-tied embeddings, and pp with tp are refused before start (:func:`check_pipeline`).
+A tied head (GPT-2's ``lm_head`` is ``wte``) is kept Megatron's and DeepSpeed's way: the last stage holds
+its own copy, loaded from the same tensor, and :class:`TiedHeadEngine` sums the two copies' gradients
+before every step, so both take the same update; each copy counts half in the global norms.  It is done
+at pp=2 (the pp group is the two holders); larger pp with a tie, other architectures and pp with tp are
+refused before start (:func:`check_pipeline`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import local_device
+from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart, parallelize_model
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.transformers_path.model import (
+    WRAPPER,
     TransformersConfig,
     TransformersLM,
     hf_config_object,
@@ -36,7 +46,25 @@ from deepshard.finetune.models.transformers_path.model import (
 )
 from deepshard.pipeline import DecoderSpec, PipelineEngine, build_engine, build_pipeline
 
-TESTED = ("GPTNeoXForCausalLM",)  # base forward iterates self.layers; equal to plain torch (tests/models)
+
+@dataclass(frozen=True)
+class StageParts:
+    """Where a base model keeps what the split moves, for the architectures whose stages run our forward."""
+
+    first: tuple[str, ...]  # before the blocks, on the first stage: the token embedding first
+    layers: str  # the one block ModuleList
+    last: tuple[str, ...]  # after the blocks, on the last stage (the final norm)
+    positions: str | None = None  # an absolute position embedding, added on the first stage only
+    dropout: str | None = None  # the embedding dropout (no parameters), run on the first stage
+    rotary: str | None = None  # the rotary embedding (buffers), on every stage
+
+
+OWN_FORWARD = {
+    "GPT2LMHeadModel": StageParts(first=("wte", "wpe"), layers="h", last=("ln_f",), positions="wpe", dropout="drop"),
+    "Olmo2ForCausalLM": StageParts(first=("embed_tokens",), layers="layers", last=("norm",), rotary="rotary_emb"),
+}
+# equal to plain torch at pp=2 (tests/models/test_transformers_path.py); GPT-NeoX runs transformers' forward
+TESTED = ("GPTNeoXForCausalLM", *OWN_FORWARD)
 LAYERS, HEAD = "pp_layers", "pp_head"
 
 
@@ -46,11 +74,12 @@ def check_pipeline(cfg: TransformersConfig, *, pp: int, tp: int = 1) -> None:
         return
     if cfg.arch not in TESTED:
         raise ValueError(f"parallel.pp={pp}: the transformers path splits {list(TESTED)} only ({cfg.arch} is "
-                         f"untested: its base model must iterate one block ModuleList from inputs_embeds); "
-                         f"use parallel.pp=1")
-    if cfg.tie_embeddings:
-        raise ValueError(f"parallel.pp={pp}: {cfg.arch} ties its head to its embedding (tie_word_embeddings), "
-                         f"which would live on different stages; use parallel.pp=1")
+                         f"untested: its blocks must form one ModuleList that a stage forward runs in "
+                         f"order); use parallel.pp=1")
+    if cfg.tie_embeddings and pp != 2:
+        raise ValueError(f"parallel.pp={pp}: {cfg.arch} ties its head to its embedding (tie_word_embeddings); "
+                         f"the first and last stages sum their two copies' gradients at parallel.pp=2 only; "
+                         f"use parallel.pp=2")
     if tp > 1:
         raise ValueError(f"parallel.pp={pp} with parallel.tp={tp}: the transformers path's stages are not "
                          f"tensor-parallel (untested); use tp=1 with pp")
@@ -66,14 +95,24 @@ class PipelineView(nn.Module):
         self.cfg = model.cfg
         self.hf = model.hf
         base = self.hf.base_model_prefix
-        plan = list(hf_config_object(model.cfg).base_model_pp_plan)
-        cut = plan.index("layers")
+        parts = OWN_FORWARD.get(model.cfg.arch)
+        if parts is None:
+            plan = list(hf_config_object(model.cfg).base_model_pp_plan)
+            cut = plan.index("layers")
+            parts = StageParts(first=tuple(plan[:cut]), layers="layers", last=tuple(plan[cut + 1:]))
+        self.parts = parts
         head = next(n for n, m in self.hf.named_modules() if m is self.hf.get_output_embeddings())
-        alias = {f"pp_first_{n}": (base, n) for n in plan[:cut]} | {f"pp_last_{n}": (base, n) for n in plan[cut + 1:]}
-        alias |= {LAYERS: (base, "layers"), HEAD: ("", head)}
+        embed = next(n for n, m in self.hf.named_modules() if m is self.hf.get_input_embeddings())
+        # the tied pair's names: (embedding on the first stage, head's own copy on the last) or ()
+        self.tied_names: tuple[str, ...] = ()
+        if model.cfg.tie_embeddings:  # the last stage's own copy, loaded from the same tensor by name
+            self.hf.get_output_embeddings().weight = nn.Parameter(self.hf.get_input_embeddings().weight.detach().clone())
+            self.tied_names = (f"hf.{embed}.weight", f"hf.{head}.weight")
+        alias = {f"pp_first_{n}": (base, n) for n in parts.first} | {f"pp_last_{n}": (base, n) for n in parts.last}
+        alias |= {LAYERS: (base, parts.layers), HEAD: ("", head)}
         self.__dict__["_alias"] = alias
-        self.spec = DecoderSpec(layers=LAYERS, first=tuple(f"pp_first_{n}" for n in plan[:cut]),
-                                last=(*[f"pp_last_{n}" for n in plan[cut + 1:]], HEAD))
+        self.spec = DecoderSpec(layers=LAYERS, first=tuple(f"pp_first_{n}" for n in parts.first),
+                                last=(*[f"pp_last_{n}" for n in parts.last], HEAD))
 
     def __getattr__(self, name: str) -> Any:
         alias = self.__dict__.get("_alias", {})
@@ -97,14 +136,45 @@ class PipelineView(nn.Module):
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids on the first stage, the previous stage's hidden states elsewhere; logits on the last."""
-        base = getattr(self.hf, self.hf.base_model_prefix)
-        first = not x.is_floating_point()
-        kwargs: dict[str, Any] = {"input_ids": x} if first else {"inputs_embeds": x}
-        if doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
-            kwargs["position_ids"] = positions_in_documents(doc_ids)
-        h = base(**kwargs, use_cache=False).last_hidden_state
+        if self.cfg.arch in OWN_FORWARD:
+            h = self.own_stage(x, doc_ids)
+        else:
+            base = getattr(self.hf, self.hf.base_model_prefix)
+            kwargs: dict[str, Any] = {"input_ids": x} if not x.is_floating_point() else {"inputs_embeds": x}
+            if doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
+                kwargs["position_ids"] = positions_in_documents(doc_ids)
+            h = base(**kwargs, use_cache=False).last_hidden_state
         head = getattr(self, HEAD)
         return head(h) if head is not None else h
+
+    def own_stage(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """The base model's forward as transformers writes it (embeddings, its causal mask, rotary
+        embedding, each block, final norm), run over this stage's parts only: the embeddings on the first
+        stage (token ids in), the norm on the last (an ``nn.Identity`` elsewhere)."""
+        from transformers.masking_utils import create_causal_mask
+
+        base, parts = getattr(self.hf, self.hf.base_model_prefix), self.parts
+        if doc_ids is not None:  # positions restart per document: transformers masks packed sequences by them
+            positions = positions_in_documents(doc_ids)
+        else:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        h = x
+        if not x.is_floating_point():  # the first stage
+            h = getattr(base, parts.first[0])(x)
+            if parts.positions is not None:
+                h = h + getattr(base, parts.positions)(positions)
+            if parts.dropout is not None:
+                h = getattr(base, parts.dropout)(h)
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        extra: dict[str, Any] = {}
+        if parts.rotary is not None:
+            extra["position_embeddings"] = getattr(base, parts.rotary)(h, position_ids=positions)
+        for layer in getattr(base, parts.layers):
+            h = layer(h, attention_mask=mask, position_ids=positions, **extra)
+        for name in parts.last:
+            h = getattr(base, name)(h)
+        return h
 
 
 def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -152,4 +222,42 @@ def pipeline_transformers(model: TransformersLM, mesh: DeviceMesh, config: Engin
     pipe = build_pipeline(view, mesh["pp"], loss_fn=pipeline_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, spec=view.spec, device=device or local_device())
-    return build_engine(pipe, config, mesh=mesh, store_factory=store_factory)
+    engine = build_engine(pipe, config, mesh=mesh, store_factory=store_factory)
+    if not view.tied_names:
+        return engine
+    return TiedHeadEngine(pipe, engine.optimizer, mesh=mesh, dtype=engine.dtype, num_params=engine.num_params,
+                          tied_names=view.tied_names)
+
+
+class TiedHeadEngine(PipelineEngine):
+    """The pipeline engine of a model whose head is tied to its embedding: the first stage's embedding
+    and the last stage's copy of it get the sum of their gradients before each step (one all-reduce over
+    the pp group of two, or a local sum where one rank holds both), so the copies stay equal; each is
+    one tensor held twice, so it counts half in the global grad and param norms."""
+
+    def __init__(self, *args: Any, tied_names: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        index = {id(p): i for i, p in enumerate(self.zero.params)}
+        self.tied = [index[id(p)] for m in self.pipeline.modules for n, p in m.named_parameters()
+                     if n.replace(WRAPPER, "") in tied_names]
+        counted = self.zero.replication
+
+        def replication() -> list[int]:
+            return [r * 2 if i in self.tied else r for i, r in enumerate(counted())]
+
+        self.zero.replication = replication  # type: ignore[method-assign]
+
+    def step(self) -> StepStats:
+        grads = self.zero.local_grads()
+        mine = [grads[i] for i in self.tied]
+        with torch.no_grad():
+            if len(mine) == 2:  # one rank holds both stages (a V-shaped schedule), the other neither
+                mine[0].add_(mine[1])
+                mine[1].copy_(mine[0])
+            elif mine:  # at pp=2 the other rank holds the other copy
+                dist.all_reduce(mine[0], group=self.pipeline.pp_mesh.get_group())
+        handed = self.zero.handed_over()
+        for i in self.tied:
+            if i in handed:  # ZeRO-2 handed the store this gradient during backward, before the sum
+                self.store.grad_ready(i, grads[i])
+        return super().step()
