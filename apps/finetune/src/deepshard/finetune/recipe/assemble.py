@@ -42,7 +42,7 @@ from deepshard.finetune.recipe.faults import step_hooks_from_env
 from deepshard.finetune.recipe.liveness import BeatingProfiler
 from deepshard.finetune.recipe.loop import SampleConfig, TrainingLoop
 from deepshard.finetune.recipe.metrics import RunLogger
-from deepshard.finetune.recipe.mfu import flops_per_token, param_counts
+from deepshard.finetune.recipe.mfu import StepFlops, flops_per_token, param_counts
 from deepshard.finetune.recipe.profiling import build_profiler
 from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper
 from deepshard.launch.heartbeat import Heartbeat
@@ -155,17 +155,23 @@ def run_meta(s: Settings) -> dict:
     return meta
 
 
-def step_flops(s: Settings) -> int:
-    """Model FLOPs of one optimizer step on one rank (``recipe/mfu.py``'s count for every token of the
-    step's micro-batches, split over the tp, pp and sp ranks that share them)."""
-    d, t, cfg = s.data, s.train, s.model
+def model_flops(s: Settings, dp_size: int = 1) -> StepFlops:
+    """``recipe/mfu.py``'s count for this model (LoRA's frozen base included), shared by the
+    ``dp_size`` x tp x pp x sp ranks of the run: a step's FLOPs come from the positions it computed."""
+    cfg, par = s.model, s.parallel
     model = build_model(s, torch.device("meta"), materialize=False)  # with LoRA's frozen base and adapters
     active = getattr(cfg, "num_experts_per_tok", 1) / getattr(cfg, "num_experts", 1)
     trainable, frozen = param_counts(model, experts_active=active)
-    per_token = flops_per_token(trainable=trainable, frozen=frozen, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                                head_dim=cfg.head_dim, seq_len=d.seq_len)
-    tokens = t.micro_batch_size * d.seq_len * s.micro_batches_per_step
-    return per_token * tokens // (s.parallel.tp * s.parallel.pp * s.parallel.sp)
+    attention = flops_per_token(trainable=0, frozen=0, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                                head_dim=cfg.head_dim, seq_len=1)
+    return StepFlops(dense=6 * trainable + 4 * frozen, attention=attention, ranks=dp_size * par.tp * par.pp * par.sp)
+
+
+def step_flops(s: Settings) -> int:
+    """Model FLOPs of one optimizer step of full-length rows (``data.seq_len``) on one rank: the step's
+    micro-batches split over the tp, pp and sp ranks that share them."""
+    tokens = s.train.micro_batch_size * s.data.seq_len * s.micro_batches_per_step
+    return model_flops(s).per_rank(tokens, tokens * s.data.seq_len)
 
 
 def header(s: Settings, world: int, num_params: int, num_windows: int) -> str:
@@ -212,7 +218,8 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
                                            tokenizer=tokenizer, micro_batches_per_step=s.micro_batches_per_step)
     logger = RunLogger(run_dir, enabled=rank == 0, total_steps=t.max_steps, initial_step=start_step,
                        tb_dir=t.tensorboard_dir)
-    prof = build_profiler(s.profile, engine, flops_per_step=step_flops(s), trace_dir=os.path.join(run_dir, "profile"),
+    flops = model_flops(s, dp.size())  # each step's FLOPs from the positions it computed (the loop)
+    prof = build_profiler(s.profile, engine, trace_dir=os.path.join(run_dir, "profile"),
                           rank=rank, device=local_device())
     stepper.prof = BeatingProfiler(prof, beat)
     scaler = engine.optimizer.scaler
@@ -226,7 +233,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     loop = TrainingLoop(train=t, every_steps=s.checkpoint.every_steps, stepper=stepper, batches=batches,
                         eval_set=eval_set, ckpt=ckpt, logger=logger, prof=prof, beat=beat, guard=guard,
                         tokenizer=tokenizer, sample=sample, start_step=start_step, world=world,
-                        run_dir=run_dir, zero_stage=s.engine.zero.stage,
+                        run_dir=run_dir, zero_stage=s.engine.zero.stage, flops=flops,
                         step_hooks=[*step_hooks_from_env(os.environ), *chaos.step_hooks(os.environ)], compiled=s.engine.compile)
     logger.print(header(s, world, engine.num_params, len(dataset)))
     logger.print(registry.path_line(s.model))  # native family or transformers' own code

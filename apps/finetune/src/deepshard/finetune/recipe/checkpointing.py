@@ -261,12 +261,14 @@ class RunCheckpoints:
         """The newest checkpoint of this run's line: saved by it, or the one it resumed from."""
         return self.last_saved or self.resumed_from
 
-    def after_step(self, step: int, *, last: bool, bad_steps: int = 0) -> bool:
+    def after_step(self, step: int, *, last: bool, bad_steps: int = 0, tokens: int | None = None) -> bool:
         """Count tokens and check for preemption, every step; save on schedule, at the end, or on
         preemption, unless the run is in a streak of ``bad_steps`` (the state may be the diverged one:
         the newest good checkpoint stays the newest).  True: stop now (preempted, saved or not).
-        With ``checkpoint.async_save`` an earlier save's outcome surfaces here, on every rank."""
-        self.tokens_seen += self.tokens_per_step
+        With ``checkpoint.async_save`` an earlier save's outcome surfaces here, on every rank.
+        ``tokens``: the positions the step computed over every dp rank (default ``tokens_per_step``,
+        full-length rows): ``tokens_seen`` counts what was trained on, not the data position."""
+        self.tokens_seen += self.tokens_per_step if tokens is None else tokens
         self.preempted = self.preemption.agreed()
         if self.writer is not None:
             self._outcome(self.writer.poll())

@@ -5,6 +5,12 @@
 the pipeline sit behind the steppers' one protocol (``steppers.py``), so the loop in :meth:`fit`
 never asks which it holds.  ``step_hooks`` run at the start of every step: the seam through which
 tests inject faults (``faults.py``) without a line of test code in the loop.
+
+Tokens/s and MFU count the positions each step's batches really carried (``steppers.computed_positions``,
+summed over the dp ranks inside the loss's own all-reduce, so every step's figure is the whole job's
+and no collective is added): with ``data.pad_to_multiple_of`` the batches are shorter than
+``data.seq_len`` and so are the counts; with packed or full-length rows they equal
+``Settings.tokens_per_step``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from deepshard.finetune.recipe.checkpointing import RunCheckpoints
 from deepshard.finetune.recipe.divergence import DivergenceGuard, TrainingDiverged
 from deepshard.finetune.recipe.evaluate import evaluate
 from deepshard.finetune.recipe.metrics import RunLogger, memory_line, memory_scalars
+from deepshard.finetune.recipe.mfu import StepFlops
 from deepshard.finetune.recipe.profiling import StepProfiler
 from deepshard.finetune.recipe.sample import greedy_sample
 from deepshard.finetune.recipe.steppers import EngineStepper, PipelineStepper, StepOutput
@@ -63,8 +70,11 @@ class TrainingLoop:
     zero_stage: int
     step_hooks: Sequence[Callable[[int, Any], None]] = ()
     compiled: bool = False  # compile=true: the compile cost and recompiles are logged
+    flops: StepFlops | None = None  # the model's FLOPs count (assemble.model_flops); None: no MFU
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # positions computed per step, all dp ranks
+    step_flops: list[int] = field(default_factory=list)  # this rank's model FLOPs per step
     graphs_after_first: int = 0  # graphs compiled by the end of the first step (the rest are recompiles)
     evals: dict[str, float] = field(default_factory=dict)
 
@@ -82,7 +92,9 @@ class TrainingLoop:
             self.begin_step(step)
             loss = self.forward_backward_step()
             memory = self.engine.memory()["measured"] if step == self.start_step + 1 else None
-            out = StepOutput(loss, self.optimizer_step(), memory)
+            tokens, attended = self.stepper.step_counts()
+            flops = self.flops.per_rank(tokens, attended) if self.flops is not None else 0
+            out = StepOutput(loss, self.optimizer_step(), memory, tokens=tokens, flops=flops)
             self.log(step, out, time.perf_counter() - step_start)
             self.check(step, out, last=last)
             if self.eval_set is not None and ((t.eval_every and step % t.eval_every == 0) or last):
@@ -111,8 +123,10 @@ class TrainingLoop:
         logger, stats = self.logger, out.stats
         self.losses.append(out.loss)
         self.step_seconds.append(seconds)
-        tok_s = self.ckpt.tokens_per_step / seconds
-        logger.scalars(step, self.prof.end_step(step, seconds))
+        self.step_tokens.append(out.tokens)
+        self.step_flops.append(out.flops)
+        tok_s = out.tokens / seconds
+        logger.scalars(step, self.prof.end_step(step, seconds, out.flops))
         mfu = f"  mfu {self.prof.mfu:.1%}" if self.prof.mfu is not None else ""
         if self.compiled:
             self.log_compile(step, seconds)
@@ -124,6 +138,7 @@ class TrainingLoop:
         logger.scalars(step, {"train/loss": out.loss, "train/perplexity": math.exp(min(out.loss, 50.0)),
                               "train/lr": stats.lr, "train/grad_norm": stats.grad_norm,
                               "train/loss_scale": stats.loss_scale, "train/tokens_per_s": tok_s,
+                              "train/tokens": out.tokens,
                               "train/step_applied": float(stats.applied), "train/skipped_steps": self.guard.skipped})
         if stats.param_norm is not None:  # under a deferred update (NVMe params): at the step it measures
             logger.scalars(stats.param_norm_step or step, {"train/param_norm": stats.param_norm})
@@ -175,19 +190,20 @@ class TrainingLoop:
         if last or (self.every_steps and step % self.every_steps == 0):
             self.beat.mark("checkpoint", step)
             self.logger.flush()  # the steps a resume from this checkpoint will not replay stay logged
-        stop = self.ckpt.after_step(step, last=last, bad_steps=self.guard.streak)
+        stop = self.ckpt.after_step(step, last=last, bad_steps=self.guard.streak, tokens=self.step_tokens[-1])
         for saved, scalars in self.ckpt.timings:  # checkpoint/blocked_s, checkpoint/write_s, at the saved step
             self.logger.scalars(saved, scalars)
         self.ckpt.timings.clear()
         return stop
 
     def run_mfu(self) -> float | None:
-        """The run's MFU: model FLOPs over the steps' time, the first step (compile, warm-up) left out
-        when there are others; None without a peak (an unknown GPU and no profile.peak_tflops)."""
-        prof, times = self.prof, self.step_seconds[1:] or self.step_seconds
-        if not (prof.flops_per_step and prof.peak > 0 and times):
+        """The run's MFU: this rank's model FLOPs over the steps' time, the first step (compile, warm-up)
+        left out when there are others; None without a peak (an unknown GPU and no profile.peak_tflops)."""
+        skip = 1 if len(self.step_seconds) > 1 else 0
+        times, flops = self.step_seconds[skip:], sum(self.step_flops[skip:])
+        if not (flops and self.prof.peak > 0 and times):
             return None
-        return prof.flops_per_step * len(times) / sum(times) / (prof.peak * 1e12)
+        return flops / sum(times) / (self.prof.peak * 1e12)
 
     def finish(self, elapsed: float) -> dict:
         """Close checkpoints and logs, sample if asked, print the summary line; returns the summary."""
@@ -199,7 +215,8 @@ class TrainingLoop:
         k = max(1, min(10, ran // 2))
         summary = {"steps": self.start_step + ran, "first_loss": sum(losses[:k]) / k,
                    "final_loss": sum(losses[-k:]) / k, "losses": losses, "seconds": elapsed,
-                   "tokens_per_s": ckpt.tokens_per_step * ran / max(elapsed, 1e-9), "world_size": self.world,
+                   "tokens": sum(self.step_tokens), "tokens_per_s": sum(self.step_tokens) / max(elapsed, 1e-9),
+                   "world_size": self.world,
                    "zero_stage": self.zero_stage, "run_dir": self.run_dir, **self.evals,
                    "start_step": self.start_step, "preempted": ckpt.preempted, "checkpoint": ckpt.last_saved,
                    "skipped_steps": guard.skipped, "mfu": self.run_mfu()}

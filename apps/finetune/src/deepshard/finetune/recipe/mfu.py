@@ -2,7 +2,11 @@
 
 FLOPs per token = 6 x the trainable non-embedding parameters (forward 2, backward 4) + 4 x the frozen
 ones (LoRA's base: forward and the activation gradient, no weight gradient) + 12 x layers x heads x
-head_dim x sequence length (attention's two matmuls, forward and backward).  Activation recomputation
+head_dim x sequence length (attention's two matmuls, forward and backward).  A step counts the positions
+its batches really carried (:class:`StepFlops`): rows x length of each batch as the collator made it, so
+padding inside a batch is computed and counts (as torchtitan counts its inputs), while what
+``data.pad_to_multiple_of`` cut off does not, and the attention term takes the batch's own length as
+the sequence length.  Activation recomputation
 is not useful work and is not counted; an MoE layer counts the experts a token visits (top-k of them).
 The embedding is a lookup (no FLOPs); a head tied to it is a matmul and counts.
 
@@ -18,12 +22,13 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["PEAK_TFLOPS", "cpu_peak_tflops", "flops_per_token", "param_counts", "peak_tflops"]
+__all__ = ["PEAK_TFLOPS", "StepFlops", "cpu_peak_tflops", "flops_per_token", "param_counts", "peak_tflops"]
 
 # dense bf16/fp16 tensor-core peaks per device, TFLOP/s (fp32 is far lower; set profile.peak_tflops)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
@@ -53,6 +58,22 @@ def flops_per_token(*, trainable: int, frozen: int, n_layers: int, n_heads: int,
                     seq_len: int) -> int:
     """Model FLOPs of one token's forward and backward (PaLM's 6N + 12 L H Q T; frozen weights 4N)."""
     return 6 * trainable + 4 * frozen + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Model FLOPs of a step from what it computed: ``dense`` per position (6 x trainable + 4 x frozen),
+    ``attention`` per position and per position of its batch's length (12 x layers x heads x head_dim),
+    shared by ``ranks`` ranks (dp x tp x pp x sp: the job's FLOPs over its ranks, one rank's share)."""
+
+    dense: int
+    attention: int
+    ranks: int = 1
+
+    def per_rank(self, positions: int, attended: int) -> int:
+        """One rank's FLOPs of a step whose batches (over every dp rank) carried ``positions`` positions,
+        ``attended`` the sum over its batches of rows x length x length (PaLM's T per position)."""
+        return (self.dense * positions + self.attention * attended) // self.ranks
 
 
 def _cache_file() -> Path:

@@ -59,8 +59,10 @@ class StepProfiler:
             self.trace = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
             self.trace.__enter__()
 
-    def end_step(self, step: int, seconds: float) -> dict[str, float]:
-        """This step's scalars (MFU always, the split when enabled); writes the trace after its last step."""
+    def end_step(self, step: int, seconds: float, flops: int | None = None) -> dict[str, float]:
+        """This step's scalars (MFU always, the split when enabled); writes the trace after its last step.
+        ``flops``: this rank's model FLOPs of the step (from the positions it computed; default
+        ``flops_per_step``)."""
         if self.trace is not None and step >= self.trace_steps[-1]:
             self.trace.__exit__(None, None, None)
             os.makedirs(self.trace_dir, exist_ok=True)
@@ -76,15 +78,16 @@ class StepProfiler:
             t.clear()
             self.comm_wait_s.update(backward=0.0, optimizer=0.0)
             out["profile/other_s"] = max(0.0, seconds - sum(out.values()))
-        if self.flops_per_step:  # MFU is cheap (FLOPs counted once), so it is logged on every run
-            achieved = self.flops_per_step / seconds
+        flops = self.flops_per_step if flops is None else flops
+        if flops:  # MFU is cheap (FLOPs counted from shapes), so it is logged on every run
+            achieved = flops / seconds
             out["profile/tflops"] = achieved / 1e12
             if self.peak > 0:
                 out["train/mfu"] = self.mfu = achieved / (self.peak * 1e12)
         return out
 
 
-def build_profiler(profile, engine: TrainingEngine, *, flops_per_step: int, trace_dir: str, rank: int,
+def build_profiler(profile, engine: TrainingEngine, *, flops_per_step: int = 0, trace_dir: str, rank: int,
                    device: torch.device) -> StepProfiler:
     """The run's profiler from its ``profile`` section: the peak from config, the device table, or
     this host's measured GEMM rate at this rank's threads."""

@@ -6,7 +6,8 @@ accumulation over ``train.grad_accum`` micro-batches.  ``PipelineStepper``: pipe
 ``pipeline.microbatches x train.grad_accum`` micro-batches through one schedule.  Both offer the
 same calls: ``stepper(batches)`` (one optimizer step), ``loss_sum(batch)`` (forward only, for
 evaluation), ``next_token(ids)`` (greedy decoding, for the end-of-run sample), and
-``rows_per_forward`` (how many rows ``loss_sum`` takes at once); ``engine.memory()`` for the census.
+``rows_per_forward`` (how many rows ``loss_sum`` takes at once); ``engine.memory()`` for the census;
+``step_counts()`` (the positions the last step computed, over every dp rank: tokens/s and MFU).
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ class StepOutput:
     loss: float  # the step's summed token loss / its global valid-token count, identical on every rank
     stats: StepStats
     memory: ModelStateBytes | None = None  # measured model-state bytes after backward, when asked
+    tokens: int = 0  # positions the step computed over every dp rank (step_counts)
+    flops: int = 0  # this rank's model FLOPs of the step (recipe/mfu.py's StepFlops)
+
+
+def computed_positions(batches: list[dict[str, torch.Tensor]], *, sp_size: int = 1) -> tuple[int, int]:
+    """(positions, attended) of this rank's micro-batches: rows x length of each batch as collated (the
+    padding inside a batch is computed and counts; what ``data.pad_to_multiple_of`` cut is not), and
+    the sum of rows x length x the whole row's length (attention's PaLM term).  Under sequence
+    parallelism a batch is this rank's slice of rows ``sp_size`` times as long."""
+    positions = attended = 0
+    for b in batches:
+        rows, length = b["input_ids"].shape[:2]
+        positions += rows * length
+        attended += rows * length * length * sp_size
+    return positions, attended
 
 
 class _Stepper:
@@ -39,6 +55,11 @@ class _Stepper:
 
     engine: Any
     prof: Any
+
+    def step_counts(self) -> tuple[int, int]:
+        """(positions, attended) of the last ``forward_backward`` summed over the dp ranks
+        (:func:`computed_positions`): identical on every rank."""
+        raise NotImplementedError
 
     def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
         raise NotImplementedError
@@ -57,6 +78,8 @@ class EngineStepper(_Stepper):
     ``engine(batch, reduction="sum")`` and ``engine.backward(loss_sum, num_items=count)`` per micro-batch,
     then ``engine.step()``: the step's loss is the sum of token losses over the global batch divided by
     the global valid-token count, whatever the micro-batch and rank layout (the README's "The loss of a step").
+    The positions the step computed ride in the loss's all-reduce (float64: exact to 2^53), so counting
+    them adds no collective.
 
     With sequence parallelism (an ``sp`` axis > 1 on the engine's mesh) every sp rank of a dp rank
     receives the same rows and keeps its consecutive slice of each (``input_ids``, ``labels``,
@@ -73,6 +96,7 @@ class EngineStepper(_Stepper):
         self.sp_size = axis_size(engine.mesh, "sp")
         self.sp_rank = engine.mesh["sp"].get_local_rank() if self.sp_size > 1 else 0
         self.sp_group = engine.mesh["sp"].get_group() if self.sp_size > 1 else None
+        self._counts: torch.Tensor | None = None  # the last step's (positions, attended), all dp ranks
 
     def _mine(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This sp rank's slice of the sequence dimension of every row (the batch itself at sp=1)."""
@@ -93,8 +117,18 @@ class EngineStepper(_Stepper):
             total += loss_sum.detach().float()
             with self.prof.phase("backward"):
                 self.engine.backward(loss_sum, num_items=num_items)
-        dist.all_reduce(total, group=self.dp_group)
-        return token_mean(total, num_items)
+        # one all-reduce for the loss and the counts; the loss is summed in fp32 on each rank as before
+        packed = torch.tensor([0.0, *computed_positions(micro_batches, sp_size=self.sp_size)],
+                              dtype=torch.float64, device=self.device)
+        packed[0] = total
+        dist.all_reduce(packed, group=self.dp_group)
+        self._counts = packed[1:]
+        return token_mean(packed[0].float(), num_items)
+
+    def step_counts(self) -> tuple[int, int]:
+        assert self._counts is not None, "step_counts() before the first forward_backward"
+        positions, attended = self._counts.tolist()
+        return int(positions), int(attended)
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -151,6 +185,8 @@ class PipelineStepper(_Stepper):
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.prof = None
+        self.dp_size = axis_size(mesh, "dp")
+        self._counts = (0, 0)
 
     def _stack(self, parts: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         ids = torch.cat([p["input_ids"] for p in parts]).to(self.device)
@@ -160,9 +196,16 @@ class PipelineStepper(_Stepper):
 
     def forward_backward(self, batches: Iterator[dict]) -> torch.Tensor:
         """The schedule's forward and backward of the step's micro-batches; the step's loss on every rank."""
-        ids, labels, kwargs = self._stack([next(batches) for _ in range(self.microbatches)])
+        parts = [next(batches) for _ in range(self.microbatches)]
+        # every dp replica's batches are data.seq_len long here (no pad_to_multiple_of under pp): this
+        # replica's count times dp is the step's, without a collective
+        self._counts = tuple(self.dp_size * n for n in computed_positions(parts))
+        ids, labels, kwargs = self._stack(parts)
         with self.prof.phase("forward"):  # forward and backward run inside the schedule
             return self.engine.forward_backward(ids, labels, **kwargs)
+
+    def step_counts(self) -> tuple[int, int]:
+        return self._counts
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This replica's summed token loss over ``rows_per_forward`` rows (forward only)."""
