@@ -27,9 +27,9 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
   sampling seeded per step) with the ZeRO-3 + CPU optimizer offload and the ZeRO-2 ds_configs, ``--save``
   (checkpoint-3, the model saved, checkpoint-3 resumed by a fresh trainer); its time per step inside that
   generation is kept too;
-- ``sft_eval_zero2``, ``sft_eval_zero3_offload``: the SFT script (full fine-tune, no saving) with ``--evaluate after``:
-  ``trainer.evaluate()`` on held-out rows, two per device, after the 4 steps; ``sft_eval_before_zero3_offload``:
-  ``--evaluate before``, what DeepSpeed does with an ``evaluate()`` before ``train()`` (it stops; the line is kept);
+- ``sft_eval_zero2``, ``sft_eval_zero3_offload``: the SFT script (full fine-tune, no saving) with ``--evaluate before
+  after``: ``evaluate()`` on held-out rows, two per device, by a fresh trainer before training (at ZeRO-2
+  transformers refuses it: the line is kept) and by the trainer after its 4 steps;
 - ``sft_eval_no_deepspeed``: the same script with ``--no_deepspeed --evaluate before after`` under ``torchrun
   --nproc_per_node 2``: transformers' own multi-process CPU path (DDP over gloo), the reference for the evaluation
   before training (the same model, the same 2 processes, the same two rows per device);
@@ -70,12 +70,11 @@ RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "grpo_zero2": ("tests/compat/hf_stack_grpo_script.py", 2),
         "sft_eval_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
         "sft_eval_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
-        "sft_eval_before_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "sft_eval_no_deepspeed": ("tests/compat/hf_stack_sft_script.py", None)}
 FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"],
          "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"],
-         "grpo_zero3_offload": ["--save"], "grpo_zero2": ["--save"], "sft_eval_zero2": ["--evaluate", "after"],
-         "sft_eval_zero3_offload": ["--evaluate", "after"], "sft_eval_before_zero3_offload": ["--evaluate", "before"],
+         "grpo_zero3_offload": ["--save"], "grpo_zero2": ["--save"], "sft_eval_zero2": ["--evaluate", "before", "after"],
+         "sft_eval_zero3_offload": ["--evaluate", "before", "after"],
          "sft_eval_no_deepspeed": ["--no_deepspeed", "--evaluate", "before", "after"]}  # the script's own flags, per run
 KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files",  # recorded besides the logs, when present
         "eval_before", "eval_after")

@@ -10,8 +10,8 @@ checkpoint-2.  Without ``--ds_config`` the DeepSpeed settings come from accelera
 (``accelerate launch --config_file`` or ``deepshard --accelerate_config``).
 
 ``--evaluate before after``: ``trainer.evaluate()`` on held-out chat rows (11: the last batch of a rank
-is short), two rows per device, before ``train()`` and/or after it; each gives its metrics, or the one line
-of what stopped it (real DeepSpeed stops an evaluate before train).  ``--no_deepspeed``: transformers'
+is short), two rows per device, before training (a fresh trainer's) and/or after it; each gives its metrics,
+or the one line of what stopped it (below ZeRO-3 transformers refuses an evaluate() before train()).  ``--no_deepspeed``: transformers'
 own multi-process CPU path (``use_cpu``, DDP over gloo), the reference for those evaluations."""
 
 from __future__ import annotations
@@ -86,11 +86,10 @@ def main() -> None:
     opts, _ = ap.parse_known_args()  # --local_rank=N from the launcher
     trainer = sft(opts, opts.out, opts.save)
     result: dict = {}
-    if "before" in opts.evaluate:
-        result["eval_before"] = evaluated(trainer)
-    if "error" not in result.get("eval_before", {}):  # a user's script stops where evaluate() raised
-        trainer.train()
-    if "after" in opts.evaluate and "error" not in result.get("eval_before", {}):
+    if "before" in opts.evaluate:  # on a trainer of its own: under DeepSpeed, transformers 5.25's train() after
+        result["eval_before"] = evaluated(sft(opts, opts.out, False))  # an evaluate() fails (transformers#44889)
+    trainer.train()
+    if "after" in opts.evaluate:
         result["eval_after"] = evaluated(trainer)
     if opts.save:
         out = Path(opts.out)
