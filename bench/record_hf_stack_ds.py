@@ -27,6 +27,12 @@ with ``deepspeed --num_gpus 2 <script>`` (``--launcher torchrun``: ``torchrun --
   sampling seeded per step) with the ZeRO-3 + CPU optimizer offload and the ZeRO-2 ds_configs, ``--save``
   (checkpoint-3, the model saved, checkpoint-3 resumed by a fresh trainer); its time per step inside that
   generation is kept too;
+- ``sft_eval_zero2``, ``sft_eval_zero3_offload``: the SFT script (full fine-tune, no saving) with ``--evaluate before
+  after``: ``evaluate()`` on held-out rows, two per device, by a fresh trainer before training (at ZeRO-2
+  transformers refuses it: the line is kept) and by the trainer after its 4 steps;
+- ``sft_eval_no_deepspeed``: the same script with ``--no_deepspeed --evaluate before after`` under ``torchrun
+  --nproc_per_node 2``: transformers' own multi-process CPU path (DDP over gloo), the reference for the evaluation
+  before training (the same model, the same 2 processes, the same two rows per device);
 - ``accelerate_multi_cpu``: tests/compat/hf_stack_accelerate_script.py (a plain accelerate loop) on accelerate's
   own non-DeepSpeed multi-process path, the reference for ``accelerate launch`` with accelerate's DeepSpeed
   yamls (on CPU, accelerate launches ``distributed_type: DEEPSPEED`` with ``use_cpu: true`` as one world per
@@ -61,11 +67,17 @@ RUNS = {"sft_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
         "dpo_zero2": ("tests/compat/hf_stack_dpo_script.py", 2),
         "dpo_zero3_offload": ("tests/compat/hf_stack_dpo_script.py", 3),
         "grpo_zero3_offload": ("tests/compat/hf_stack_grpo_script.py", 3),
-        "grpo_zero2": ("tests/compat/hf_stack_grpo_script.py", 2)}
+        "grpo_zero2": ("tests/compat/hf_stack_grpo_script.py", 2),
+        "sft_eval_zero2": ("tests/compat/hf_stack_sft_script.py", 2),
+        "sft_eval_zero3_offload": ("tests/compat/hf_stack_sft_script.py", 3),
+        "sft_eval_no_deepspeed": ("tests/compat/hf_stack_sft_script.py", None)}
 FLAGS = {"sft_lora_zero3_offload": ["--lora", "--save"], "sft_lora_zero2": ["--lora", "--save"], "sft_zero2": ["--save"],
          "sft_zero3_offload": ["--save"], "dpo_zero2": ["--save"], "dpo_zero3_offload": ["--save"],
-         "grpo_zero3_offload": ["--save"], "grpo_zero2": ["--save"]}  # the script's own flags, per run
-KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files")  # recorded besides the logs, when present
+         "grpo_zero3_offload": ["--save"], "grpo_zero2": ["--save"], "sft_eval_zero2": ["--evaluate", "before", "after"],
+         "sft_eval_zero3_offload": ["--evaluate", "before", "after"],
+         "sft_eval_no_deepspeed": ["--no_deepspeed", "--evaluate", "before", "after"]}  # the script's own flags, per run
+KEPT = ("resumed", "trainable", "peft", "checkpoint_files", "final_files",  # recorded besides the logs, when present
+        "eval_before", "eval_after")
 ACCELERATE = "tests/compat/hf_stack_accelerate_script.py"  # the reference: accelerate's MULTI_CPU path, no DeepSpeed
 
 
@@ -85,10 +97,11 @@ def record(name: str, launcher: str, tmp: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.compat.hf_stack_harness import make_model_dir, write_ds_config
 
-    argv = ["--model", make_model_dir(tmp / "model"), "--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False),
+    config = [] if stage is None else ["--ds_config", write_ds_config(tmp / "ds.json", stage, optimizer=False)]
+    argv = ["--model", make_model_dir(tmp / "model"), *config,
             "--out", str(tmp / "out"), "--result", str(tmp / "result.json"), *FLAGS.get(name, [])]
     bindir = Path(sys.executable).parent
-    start = ([str(bindir / "deepspeed"), "--num_gpus", "2"] if launcher == "deepspeed"
+    start = ([str(bindir / "deepspeed"), "--num_gpus", "2"] if launcher == "deepspeed" and stage is not None
              else [str(bindir / "torchrun"), "--standalone", "--nproc_per_node", "2"])
     cmd = [*start, str(Path(__file__).resolve()), "--worker", str(ROOT / script), "--", *argv]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -97,7 +110,7 @@ def record(name: str, launcher: str, tmp: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{name}: {launcher} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
     result = json.loads((tmp / "result.json").read_text())
-    assert not result["deepspeed"].endswith("+deepshard"), "the recording must run real DeepSpeed"
+    assert stage is None or not result["deepspeed"].endswith("+deepshard"), "the recording must run real DeepSpeed"
     return result
 
 

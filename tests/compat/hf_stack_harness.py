@@ -160,6 +160,7 @@ def forward_only_engines() -> dict[str, Any]:
         engine.eval()
         with torch.no_grad():
             logits = engine(**batch).logits
+        engine.destroy()  # accelerate's free_memory() (Trainer.train() after an evaluate()) calls it
         try:
             engine.backward(logits.sum())
             refused = ""

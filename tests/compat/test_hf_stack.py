@@ -9,6 +9,8 @@ bench/record_hf_stack_ds.py; the plain Trainer's: fixtures/hf_trainer_ds.json, b
   ``from_pretrained`` at ZeRO-3), also against TRL's own SFTTrainer without DeepSpeed in one process on the same
   rows per step (recorded); checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved
   model loads in transformers with the engine's logits;
+- ``SFTTrainer``'s ``evaluate()`` on held-out rows (two per device, a short last batch): before training (ZeRO-3)
+  transformers' own value without DeepSpeed on the same 2 processes (recorded), after it DeepSpeed's (recorded);
 - ``SFTTrainer`` with ``peft_config`` (LoRA) at both layouts: checkpoint-2 (without the frozen base) resumed, the
   adapter loads with PEFT; at ZeRO-3 ``deepshard --accelerate_config`` (no ``deepspeed=`` in the script) gives
   the losses of the ds_config run;
@@ -151,6 +153,38 @@ def test_sft_trainer_zero2_full_matches_deepspeed_resumes_and_saves(layouts):
     assert {"latest", "trainer_state.json"} <= set(out["checkpoint_files"])
     assert any(f.startswith("global_step2/") for f in out["checkpoint_files"])
     _saved_as_deepspeeds(out, theirs, "sft_zero2")
+
+
+def _same_metrics(mine: dict, theirs: dict, where: str) -> float:
+    """``evaluate()``'s metrics (TRL's: loss, entropy, token accuracy, tokens; not the timings) equal within 1e-5;
+    the loss gap."""
+    mine, theirs = ({k: v for k, v in d.items() if not k.endswith("_time")} for d in (mine, theirs))
+    assert "error" not in mine and set(mine) == set(theirs) and "eval_loss" in mine, (where, mine, theirs)
+    for key, value in theirs.items():
+        assert abs(mine[key] - value) < 1e-5 * max(1.0, abs(value)), f"{where}: {key} {mine[key]} != {value}"
+    return abs(mine["eval_loss"] - theirs["eval_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zero3_offload", "zero2"])
+def test_sft_trainer_evaluate_gives_transformers_eval_loss(layouts, layout):
+    """The full SFT run of the layout: ``evaluate()`` by a fresh trainer before training and by the trainer after
+    it.  The engine hands each rank's own model loss to transformers' eval loop, as DeepSpeed's does, so before
+    training ``eval_loss`` is transformers' own without DeepSpeed on the same 2 processes (and DeepSpeed's), and
+    after it DeepSpeed's; below ZeRO-3 transformers itself refuses the evaluate() before train()."""
+    out, theirs = layouts(layout)["runs"][f"sft_{layout}"], _recorded(f"sft_eval_{layout}")
+    alone = _recorded("sft_eval_no_deepspeed")  # transformers' own DDP path on CPU, the same 2 processes
+    assert alone["zero_stage"] is None
+    gaps = {}
+    if layout == "zero3_offload":
+        gaps["before"] = _same_metrics(out["eval_before"], alone["eval_before"], f"{layout} before train()")
+        _same_metrics(out["eval_before"], theirs["eval_before"], f"{layout} before train(), DeepSpeed")
+    else:
+        assert out["eval_before"] == theirs["eval_before"], out["eval_before"]
+        assert out["eval_before"]["error"].startswith("ValueError: ZeRO inference only makes sense"), out
+    _close_to_deepspeed(out["logs"], theirs["logs"], f"sft_eval_{layout}")  # the steps DeepSpeed evaluated after
+    gaps["after"] = _same_metrics(out["eval_after"], theirs["eval_after"], f"{layout} after train()")
+    print(f"\n{layout}: eval_loss gaps {gaps}")
 
 
 @pytest.mark.slow

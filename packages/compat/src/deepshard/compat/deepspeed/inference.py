@@ -66,6 +66,10 @@ class InferenceEngine(ModuleAttributes, nn.Module, RankQueries):
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.backward()
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()`` (accelerate's ``free_memory()`` calls it, e.g. from ``Trainer.train()``
+        after an ``evaluate()``): nothing to release here, no save is ever in flight."""
+
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         return full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
 
