@@ -95,6 +95,9 @@ else
   RUNS+=("s3_cpu_params:+zero=stage3 +offload=cpu offload.params=cpu")
   RUNS+=("s3_muon_bf16:+zero=stage3 optim=muon optim.state_dtype=bf16")
   RUNS+=("s3_compile:+zero=stage3 compile=true")  # per-block torch.compile (issue 42): its tok/s and MFU beside s3_none's
+  # unpacked rows cut to a multiple of 64 (issue 42): tokens/s and MFU from the positions computed, whose
+  # count rides in the loss's float64 all-reduce over nccl
+  RUNS+=("s3_pad_multiple:+zero=stage3 data.pack=false data.pad_to_multiple_of=64")
   RUN_S=40; WARMUP=5
 fi
 RUNS+=("s3_qlora:+zero=stage3 +peft=lora peft.base_quant=nf4")  # QLoRA: NF4 base sharded by ZeRO-3 (issue 44)
