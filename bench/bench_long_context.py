@@ -21,6 +21,7 @@ import json
 import os
 import time
 from functools import partial
+from typing import Any
 
 SEQS = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # 1.5x and 2x steps
 VARIANTS = {"sp1": (1, 1, "none"), "sp2": (2, 1, "none"), "sp2_tiled_ac": (2, 8, "full")}  # sp, mlp tiles, ac
@@ -34,7 +35,7 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False, model_cfg=None) -> dict:
+def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False, model_cfg: Any = None) -> dict:
     """One layout's measured peak and estimate; ``model_cfg``: any registered family's config (the
     registry builds and parallelizes it; its ``vocab_size`` draws the tokens), else the bench's Llama."""
     import dataclasses
