@@ -21,6 +21,7 @@ import json
 import os
 import time
 from functools import partial
+from typing import Any
 
 SEQS = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # 1.5x and 2x steps
 VARIANTS = {"sp1": (1, 1, "none"), "sp2": (2, 1, "none"), "sp2_tiled_ac": (2, 8, "full")}  # sp, mlp tiles, ac
@@ -34,26 +35,32 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False) -> dict:
+def _measure(sp: int, tiles: int, ac: str, seq: int, ac_offload: bool = False, model_cfg: Any = None) -> dict:
+    """One layout's measured peak and estimate; ``model_cfg``: any registered family's config (the
+    registry builds and parallelizes it; its ``vocab_size`` draws the tokens), else the bench's Llama."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
     from deepshard.core import EngineConfig, OptimConfig, ParallelDims, ZeroConfig, build_mesh, initialize
     from deepshard.core.mesh import local_device
     from deepshard.core.sequence_parallel import shard_sequence
-    from deepshard.finetune.models.llama import Llama, LlamaConfig
-    from deepshard.finetune.models.llama.parallelize import parallelize_llama
+    from deepshard.finetune.models.llama import LlamaConfig
+    from deepshard.finetune.models.registry import spec_of
 
-    cfg = LlamaConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
-                      max_seq_len=max(SEQS), mlp_tiles=tiles)
+    cfg = model_cfg or LlamaConfig(vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
+                                   max_seq_len=max(SEQS))
+    cfg = dataclasses.replace(cfg, mlp_tiles=tiles)
+    spec = spec_of(cfg)
     config = EngineConfig(zero=ZeroConfig(stage=1), optim=OptimConfig(lr=1e-4), ac=ac, ac_offload=ac_offload)
     mesh = build_mesh(ParallelDims(sp=sp))
     torch.manual_seed(0)
-    model = Llama(cfg)
+    model = spec.build(cfg)
     model.init_weights(0)
     engine = initialize(model.to(local_device()), config, mesh=mesh,
-                        parallelize_fn=partial(parallelize_llama, mesh=mesh, zero=config.zero, ac=ac,
-                                                       ac_offload=ac_offload))
+                        parallelize_fn=partial(spec.parallelize, mesh=mesh, zero=config.zero, ac=ac,
+                                               ac_offload=ac_offload))
     g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
     ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
     rank = mesh["sp"].get_local_rank()

@@ -56,6 +56,7 @@ class RunShape:
     loads_checkpoint: bool = False  # model=hf: the weights are read from safetensors at start
     params_are_masters: bool = False  # optim.state_dtype=bf16 with bf16 params: no fp32 master copy
     ep: int = 1  # parallel.ep: experts 1/ep per rank, ZeRO over dp / ep; the dispatch's buffers
+    doc_mask: bool = False  # data.pack with data.doc_mask: rows carry doc_ids (attention masked per document)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def run_shape(s: Settings) -> RunShape:
                     on_device=torch.cuda.is_available(), sp=sp, mlp_tiles=s.model.mlp_tiles,
                     ac_offload=e.ac_offload, loads_checkpoint=s.model_name == "hf",
                     params_are_masters=e.optim.state_dtype == "bf16" and e.precision.dtype != "fp32",
-                    ep=getattr(par, "ep", 1))
+                    ep=getattr(par, "ep", 1), doc_mask=s.data.pack and s.data.doc_mask)
 
 
 def counts_of(s: Settings, shape: RunShape) -> ModelCounts:

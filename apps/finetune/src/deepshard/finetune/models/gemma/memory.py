@@ -29,7 +29,7 @@ def activation_memory(cfg: GemmaConfig, s: RunShape) -> tuple[int, int, int]:
     seq = s.seq_len * max(s.sp, 1)
     extra = extra_per_block(cfg, s)
     if s.ac == "none":
-        band = seq * seq if 0 < cfg.sliding_window < seq else 0
+        band = seq * seq * BYTES[s.dtype] if 0 < cfg.sliding_window < seq else 0
         return device - band * cfg.layer_types.count(FULL) + cfg.n_layers * extra, host, transient
     every = int(s.ac.split("_")[1]) if s.ac.startswith("every_") else 1
     kept = cfg.n_layers - cfg.n_layers // every + 1  # blocks never recomputed, and the one being recomputed

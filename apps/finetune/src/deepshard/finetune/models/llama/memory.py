@@ -17,7 +17,10 @@ def _block(cfg: LlamaConfig, s: RunShape, tokens: int) -> tuple[int, int]:
     tile's intermediates exist in backward (the transient); untiled, the MLP's backward adds about one
     [tokens, ffn_hidden] gradient.  Measured on CPU by bench/bench_long_context.py (tests/sp/test_sp_estimate.py).
     Switches: q/k norms (Qwen3) keep their input and normalized heads; a sliding window shorter than the
-    sequence (Mistral) keeps its dense [seq, seq] bool mask per block (the SDPA path)."""
+    sequence (Mistral, Phi-3) keeps a dense [seq, seq] mask per block: SDPA turns the bool band into an
+    additive mask of the compute dtype and saves that for backward (the bool one is freed).  Partial
+    rotary (Phi-4-mini) and longrope keep nothing more (the pass-through part is concatenated back into
+    the one q and k that attention saves); Phi-3's fused qkv/gate_up exist only in its checkpoints."""
     b = BYTES[s.dtype]
     kv = max(cfg.n_kv_heads, s.sp if s.sp > 1 else 1) * cfg.head_dim
     q = cfg.n_heads * cfg.head_dim  # the block input and its norms 4 x dim; q before/after RoPE, out, o's input
@@ -26,7 +29,7 @@ def _block(cfg: LlamaConfig, s: RunShape, tokens: int) -> tuple[int, int]:
         attn += 2 * tokens * b * (q + kv)
     seq = s.seq_len * max(s.sp, 1)
     if 0 < cfg.sliding_window < seq:
-        attn += seq * seq
+        attn += seq * seq * b
     tiles = max(1, min(s.mlp_tiles, tokens))
     if tiles == 1:
         return attn + tokens * b * (cfg.dim + 4 * cfg.ffn_hidden), tokens * b * cfg.ffn_hidden

@@ -2,7 +2,10 @@
 Phi-4-mini's partial rotary, ``longrope`` RoPE scaling (short/long factors, the attention factor) and
 Phi-3-mini's sliding window, registered as ``"phi3"``.  Its checkpoints fuse ``qkv_proj`` and
 ``gate_up_proj``, which it splits on load and fuses on export (``models/phi3/hf.py`` says why).
-Dropout (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) is refused unless 0."""
+Dropout (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) is refused unless 0.  Its activation
+memory is the decoder's (``models/llama/memory.py``: the fused projections never exist in the forward,
+partial rotary keeps nothing more, the window's mask is counted), measured for Phi-3 by
+tests/sp/test_sp_estimate.py."""
 
 from __future__ import annotations
 

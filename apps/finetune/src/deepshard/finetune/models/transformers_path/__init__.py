@@ -159,16 +159,32 @@ def check_parallel(cfg: TransformersConfig, *, pp: int = 1, tp: int = 1, sp: int
                          f"names (its projections: {linears[:8]})")
 
 
+def keeps_scores(cfg: TransformersConfig) -> bool:
+    """Whether the model's attention runs eager (its [heads, seq, seq] scores and probabilities kept for
+    backward): transformers picks SDPA for every class that supports it (GPT-Neo, Bloom do not)."""
+    return not getattr(causal_lm_class(cfg.arch), "_supports_sdpa", False)
+
+
 def activation_memory(cfg: TransformersConfig, s: RunShape) -> tuple[int, int, int]:
-    """A conservative bound (device, host, backward transient) per micro-batch on one rank, from
-    Korthikanti et al.'s per-layer count ``tokens x dim x (34 + 5 heads seq / dim)`` bytes at 2-byte
-    activations, scaled to the run's dtype: it assumes eager attention keeps its [heads, seq, seq]
-    scores and dropout masks (SDPA keeps less), an MLP of 4 x dim (wider ones add 4 bytes-per-element
-    per extra unit), and the model's own logits [tokens, vocab] in the compute dtype."""
+    """A bound (device, host, backward transient) per micro-batch on one rank for a model whose code we
+    do not count tensor by tensor.  Per token and block, ``15 x dim + 5 x ffn_hidden`` elements: the
+    largest of what autograd saves per block in GPT-2 (its tanh GELU keeps 5 x ffn), GPT-NeoX (its fused
+    qkv output beside the rotated q/k) and OLMo2 (q/k norms, post norms, a gated MLP), counted with
+    saved-tensor hooks.  Attention: with SDPA its fp32 log-sum-exp per head, and per block the [seq, seq]
+    additive mask of the compute dtype that SDPA keeps where transformers builds a 4-D mask (packed rows'
+    restarting positions: ``data.pack`` with ``data.doc_mask``, the default; a sliding window), none for
+    causal rows (SDPA's own ``is_causal``); eager attention its scores, probabilities and
+    dropout mask [heads, seq, seq] instead (under sp: heads / sp over the whole row).  Plus the logits
+    [tokens, vocab] in the compute dtype.  Measured against a training step's peak on GPT-NeoX by
+    tests/sp/test_sp_estimate.py (the ratio is in the README)."""
     b = DTYPE_BYTES[s.dtype]
     tokens = s.micro_batch_size * s.seq_len
-    wide = max(0, cfg.ffn_hidden - 4 * cfg.dim)
-    saved = tokens * (17 * cfg.dim * b + cfg.n_heads * s.seq_len * (2 * b + 1) + 4 * wide * b)
+    seq = s.seq_len * max(s.sp, 1)  # attention's keys: the whole row under Ulysses
+    saved = tokens * (b * (15 * cfg.dim + 5 * cfg.ffn_hidden) + 4 * cfg.n_heads)
+    if keeps_scores(cfg):
+        saved += tokens * cfg.n_heads * seq * (2 * b + 1)
+    elif s.doc_mask or cfg.hf_dict.get("sliding_window"):
+        saved += s.micro_batch_size * seq * seq * b
     transient = tokens * max(cfg.ffn_hidden, 4 * cfg.dim) * b * 2
     logits = tokens * cfg.vocab_size * b
     if s.ac == "none":
