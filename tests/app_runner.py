@@ -30,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +55,18 @@ def run_module(module: str, args: Sequence[str], *, cwd: Path, timeout: float = 
     return _run(["module", module], args, cwd=cwd, timeout=timeout, env=env)
 
 
+def _changed(env: Mapping[str, str], base: Mapping[str, str]) -> set[str]:
+    return {k for k in set(env) | set(base) if env.get(k) != base.get(k) and not k.startswith("PYTEST_")}
+
+
 def _run(what: list[str], args: Sequence[str], *, cwd: Path, timeout: float,
          env: dict[str, str] | None) -> subprocess.CompletedProcess:
     env = dict(os.environ) if env is None else env
     base = _RUNNER.env if _RUNNER is not None else os.environ  # the environment the runner imported with
-    changed = {k for k in set(env) | set(base) if env.get(k) != base.get(k) and not k.startswith("PYTEST_")}
+    changed = _changed(env, base)
+    if drift := _changed(os.environ, base) - set(RUN_TIME_KEYS):
+        warnings.warn(f"the app runner is bypassed for every run from here on: this process's environment changed "
+                      f"{sorted(drift)} since the runner started (something left them behind)", stacklevel=3)
     if not _ENABLED or not changed <= set(RUN_TIME_KEYS) or not _LOCK.acquire(blocking=False):
         command = [sys.executable, *(["-m", what[1]] if what[0] == "module" else [what[1]]), *map(str, args)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
