@@ -39,9 +39,10 @@ MAIN = ROOT / "apps/finetune/main.py"
 _ENABLED = os.environ.get("DEEPSHARD_TEST_RUNNER", "1") != "0"
 # environment variables read while the app runs, not at import: a run may change them and still share the runner
 # (the runner is unbuffered, so PYTHONUNBUFFERED changes nothing it captures)
-# (and inductor's own pointer offset, which it writes into any process that loads a compiled kernel, before loading)
+# (and inductor's: its cache dir, read at each compile, and the pointer offset it writes into any process that
+# loads a compiled kernel, before loading; a run's child gets exactly the run's environment)
 RUN_TIME_KEYS = ("DEEPSHARD_TEST_FAULT", "DEEPSHARD_FAULT_SAVE_STALL", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED",
-                 "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+                 "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
 
 def run_main(args: Sequence[str], *, cwd: Path, timeout: float = 600,
