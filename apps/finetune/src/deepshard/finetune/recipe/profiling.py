@@ -23,12 +23,11 @@ from deepshard.finetune.recipe.mfu import peak_tflops
 
 
 class StepProfiler:
-    """``with prof.phase("forward"): ...`` in the loop, ``prof.end_step(step, seconds)`` for the scalars."""
+    """``with prof.phase("forward"): ...`` in the loop, ``prof.end_step(step, seconds, flops)`` for the scalars."""
 
-    def __init__(self, *, enabled: bool, engine, flops_per_step: int = 0, peak: float = 0.0,
+    def __init__(self, *, enabled: bool, engine, peak: float = 0.0,
                  trace_steps: list[int] | None = None, trace_dir: str = "", rank: int = 0) -> None:
         self.enabled = enabled
-        self.flops_per_step = flops_per_step
         self.peak = peak
         self.trace_steps = sorted(trace_steps or [])
         self.trace_dir = trace_dir
@@ -59,10 +58,9 @@ class StepProfiler:
             self.trace = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
             self.trace.__enter__()
 
-    def end_step(self, step: int, seconds: float, flops: int | None = None) -> dict[str, float]:
+    def end_step(self, step: int, seconds: float, flops: int = 0) -> dict[str, float]:
         """This step's scalars (MFU always, the split when enabled); writes the trace after its last step.
-        ``flops``: this rank's model FLOPs of the step (from the positions it computed; default
-        ``flops_per_step``)."""
+        ``flops``: this rank's model FLOPs of the step, from the positions it computed (0: no MFU)."""
         if self.trace is not None and step >= self.trace_steps[-1]:
             self.trace.__exit__(None, None, None)
             os.makedirs(self.trace_dir, exist_ok=True)
@@ -78,7 +76,6 @@ class StepProfiler:
             t.clear()
             self.comm_wait_s.update(backward=0.0, optimizer=0.0)
             out["profile/other_s"] = max(0.0, seconds - sum(out.values()))
-        flops = self.flops_per_step if flops is None else flops
         if flops:  # MFU is cheap (FLOPs counted from shapes), so it is logged on every run
             achieved = flops / seconds
             out["profile/tflops"] = achieved / 1e12
@@ -87,10 +84,10 @@ class StepProfiler:
         return out
 
 
-def build_profiler(profile, engine: TrainingEngine, *, flops_per_step: int = 0, trace_dir: str, rank: int,
+def build_profiler(profile, engine: TrainingEngine, *, trace_dir: str, rank: int,
                    device: torch.device) -> StepProfiler:
     """The run's profiler from its ``profile`` section: the peak from config, the device table, or
     this host's measured GEMM rate at this rank's threads."""
     peak = peak_tflops(device, torch.get_num_threads(), profile.peak_tflops)
-    return StepProfiler(enabled=profile.enabled, engine=engine, flops_per_step=flops_per_step, peak=peak,
+    return StepProfiler(enabled=profile.enabled, engine=engine, peak=peak,
                         trace_steps=list(profile.trace_steps), trace_dir=trace_dir, rank=rank)
