@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import time
 
 import torch.distributed as dist
 
@@ -43,15 +44,22 @@ def init_distributed(dist_backend: str | None = None, **_: object) -> None:
 
 
 _closing: list[bool] = []
+# how long the exit handler leaves the GIL free for gloo's worker threads (their release takes microseconds
+# once they run; this covers a busy host's scheduling delay)
+RELEASE_S = 0.1
 
 
 def close_group_at_exit() -> None:
-    """Destroy the default group when the interpreter exits, while Python is still whole.  DeepSpeed
-    scripts and transformers' Trainer rarely call ``destroy_process_group``; gloo's worker threads then
-    hold finished work whose tensors reference Python objects, and their teardown during interpreter
-    finalization can abort the process (SIGABRT, "terminate called without an active exception":
-    pytorch#179291, seen once here on a Trainer script's rank 1 after training had ended).  Registered
-    once; a group the script destroyed itself is left alone."""
+    """At interpreter exit, destroy the default group and let gloo's worker threads drop their finished
+    work while Python is still whole.  A gloo worker frees a finished collective's tensors itself, and a
+    tensor made in Python needs the GIL to die: when a script's last collective returns just before it
+    exits (transformers' Trainer ends ``train()`` with an ``all_gather`` of its FLOP count), the worker
+    can still be freeing those tensors when the interpreter finalizes, and the thread is killed inside
+    C++: SIGABRT, "terminate called without an active exception" (seen in .ci/run on a Trainer script's
+    rank 1; a core dump showed ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit``).  Destroying the group is not enough: the engine's mesh and FSDP state keep the
+    C++ group, and its workers, alive.  So the handler also sleeps ``RELEASE_S`` with the GIL released.
+    Registered once; a group the script destroyed itself is left alone."""
     if not _closing:
         _closing.append(True)
         atexit.register(_destroy_default_group)
@@ -60,3 +68,4 @@ def close_group_at_exit() -> None:
 def _destroy_default_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(RELEASE_S)  # the GIL is free: a gloo worker finishing a collective's release takes it now
