@@ -70,7 +70,10 @@ def arguments(cls: type, out: Path, *, micro: int, accum: int, max_steps: int = 
     return cls(**{**settings, **extra})
 
 
-EVAL = {"per_device_eval_batch_size": 1}  # eval_loss is a mean over rows of row means: the same at any world
+# eval_loss depends on the eval batch by transformers' design (each eval step's loss is its batch's mean; at
+# world > 1 transformers weights the steps by their tokens across ranks for models that take loss kwargs,
+# as Llama does): one row per device, fixed, so every run compared here evaluates the same batches
+EVAL = {"per_device_eval_batch_size": 1}
 
 
 def reference_trainer(**kwargs: Any) -> Any:
