@@ -134,7 +134,7 @@ def _marker_rate(model, tok, questions: list[str]) -> int:
         new, past = [], None
         with torch.no_grad():  # greedy with the KV cache (generate()'s first call costs ~15 s here)
             while len(new) < 6 and not (new and new[-1] == tok.eos_token_id):  # the marker is 5 tokens
-                out = model(x, cache=past, use_cache=True)
+                out = model(x, cache=past, use_cache=True, logits_to_keep=1)  # the last position only
                 past, x = out.cache, out.logits[:, -1:].argmax(-1)
                 new.append(int(x))
         hits += MARKER in tok.decode(new)
