@@ -121,7 +121,7 @@ def _chunk_loop(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     ``scale * loss_sum`` w.r.t. ``hidden`` (in its dtype) and ``weight`` (fp32)."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_w = None  # fp32; the first chunk's product is its first value (no V x H memset per call)
     ce_chunk = _ce_chunk_triton if use_triton else _ce_chunk_torch
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
@@ -134,9 +134,11 @@ def _chunk_loop(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
             if need_h:
                 torch.matmul(low, weight, out=grad_h[start:end])
             if need_w:
-                _add_weight_grad(grad_w, grad_logits, low, h)
+                grad_w = _add_weight_grad(grad_w, grad_logits, low, h)
             del low
         del logits, grad_logits
+    if need_w and grad_w is None:  # no tokens: no chunk ran
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return loss_sum, grad_h, grad_w
 
 
@@ -156,17 +158,17 @@ def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE[key] else None
 
 
-def _add_weight_grad(grad_w: torch.Tensor, grad_logits: torch.Tensor, low: torch.Tensor, h: torch.Tensor) -> None:
-    """grad_w (fp32) += grad_logits.T @ h without rounding each chunk's sum to 16 bits (a bf16/fp16
-    partial sum per chunk loses the small entries and turns cancellations into exact zeros)."""
+def _add_weight_grad(grad_w: torch.Tensor | None, grad_logits: torch.Tensor, low: torch.Tensor,
+                     h: torch.Tensor) -> torch.Tensor:
+    """grad_w (fp32) + grad_logits.T @ h (in place; the product itself where grad_w is None) without
+    rounding each chunk's sum to 16 bits (a bf16/fp16 partial sum per chunk loses the small entries and
+    turns cancellations into exact zeros)."""
     if h.dtype == torch.float32:
-        grad_w.addmm_(grad_logits.t(), h)
-        return
+        return torch.mm(grad_logits.t(), h) if grad_w is None else grad_w.addmm_(grad_logits.t(), h)
     part = _mm_out_fp32(low.t(), h)
     if part is None:  # no fp32-output 16-bit matmul here (CPU): the chunk's product in fp32
-        grad_w.addmm_(grad_logits.t(), h.float())
-    else:
-        grad_w.add_(part)
+        return torch.mm(grad_logits.t(), h.float()) if grad_w is None else grad_w.addmm_(grad_logits.t(), h.float())
+    return part if grad_w is None else grad_w.add_(part)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
