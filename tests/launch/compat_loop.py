@@ -6,6 +6,7 @@ ZeRO-3 in fp32 on a small MLP whose blocks sit in a ModuleList; the batch of a s
 (step, rank) alone, so a resumed run sees the data an uninterrupted one does.  Each rank appends one
 JSON line per step to ``--out`` (the loss as ``float.hex``: compared bit for bit).  ``--die_at R:S``:
 rank R SIGKILLs itself before step S, once (a marker file beside ``--out`` remembers it).
+``main(argv)`` also runs on the ranks of the session's gloo pool (tests/launch/conftest.py's reference).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=8)
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--ckpt_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--die_at", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     deepspeed.init_distributed()
     torch.manual_seed(0)
     model = Net()
@@ -75,6 +76,11 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         if step % args.save_every == 0:
             engine.save_checkpoint(args.ckpt_dir)
+
+
+def on_pool_rank(work: str) -> None:
+    """``main`` on a rank of the session's gloo pool, with the arguments the launcher gives a worker."""
+    main([f"--local_rank={os.environ['LOCAL_RANK']}", "--ckpt_dir", f"{work}/ckpt", "--out", f"{work}/losses.jsonl"])
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The launcher tests' shared references: one uninterrupted one-node world-2 run of compat_loop.py, and one
-of the app (test_cli_restart.RUN).
+"""The launcher tests' shared references: one uninterrupted world-2 run of compat_loop.py (on the session's
+gloo pool), and one of the app (test_cli_restart.RUN).
 
 Each is computed once per pytest run, not once per xdist worker: the files that compare against them
 (test_cli_restart, test_cli_ssh, test_node_restart) usually land on different workers, and each
-reference is a 2-rank launch.  The first worker to ask computes it under a file lock in the run's temp
+reference is a 2-rank run.  The first worker to ask computes it under a file lock in the run's temp
 dir (shared by the workers, fresh per run) and leaves it there as JSON; the other one waits and reads it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.launch.compat_runs import final_losses, run_loop
+from tests.launch.compat_runs import final_losses
 
 
 def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], Any]) -> Any:
@@ -35,14 +35,20 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: C
 
 
 def _one_node(work: Path) -> list[list]:
-    code, err, rows = run_loop(["--num_gpus=2"], work)
-    assert code == 0, err[-3000:]
+    """The session's world-2 gloo pool runs the script's ``main`` (the same plain computation as
+    ``deepshard --num_gpus=2 compat_loop.py``, one thread per rank as the launcher's workers have, without a
+    launch of its own: ~12 s of CPU here)."""
+    from tests.gloo_pool import pool
+    from tests.launch.compat_loop import on_pool_rank
+
+    pool(2).run(on_pool_rank, str(work))
+    rows = [json.loads(line) for line in (work / "losses.jsonl").read_text().splitlines()]
     return [[rank, step, loss] for (rank, step), loss in final_losses(rows).items()]
 
 
 @pytest.fixture(scope="session")
 def one_node_losses(tmp_path_factory) -> dict[tuple[int, int], str]:
-    """``deepshard --num_gpus=2 compat_loop.py``: 8 ZeRO-3 steps on 2 ranks, (rank, step) -> loss."""
+    """compat_loop.py uninterrupted on 2 ranks (the session's gloo pool): 8 ZeRO-3 steps, (rank, step) -> loss."""
     losses = {(rank, step): loss for rank, step, loss in once_per_run(tmp_path_factory, "one_node", _one_node)}
     assert sorted(losses) == [(r, s) for r in (0, 1) for s in range(1, 9)]
     return losses

@@ -284,3 +284,16 @@ def test_the_command_does_not_import_the_engine_or_dtensor():
             " 'deepshard.core.memory', 'transformers') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_launcher_of_several_nodes_does_not_import_torch(tmp_path):
+    """The ``deepshard`` process that starts the nodes over ssh (or srun) runs no worker and no agent: torch
+    (~1.5 s of CPU before the first ssh, and in each refusal) is imported by each node's agent only."""
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    (tmp_path / "train.py").write_text("")
+    code = ("import sys; from deepshard.launch import cli, remote\n"
+            "remote.run_over_ssh = lambda lines, **_: (print(sorted(lines)), (0, None))[1]  # ssh itself: not here\n"
+            "print(cli.run(['-H', 'hosts', '--no_ssh_check', 'train.py']), cli.run(['-H', 'hosts', 'nothing.py']))\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines() == ["['127.0.0.1', '127.0.0.2']", "0 2", "False"], out.stdout + out.stderr

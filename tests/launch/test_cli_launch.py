@@ -101,12 +101,11 @@ def job(tmp_path):
     return tmp_path
 
 
-def test_one_node_script_module_and_env_file(job):
-    (job / ".deepspeed_env").write_text("# forwarded to every worker\nFROM_ENV_FILE=a b=c\n")
-    code, out, err = launch([*DEEPSHARD, "--num_gpus", "2", "script.py", "--lr", "1"], job)
-    assert code == 0, err
+def test_one_node_script_module_and_env_file(job, one_node_cifar):
+    code, out, err = one_node_cifar  # a script with its own arguments, and .deepspeed_env
+    assert code == 0, err[-3000:]
     rows = results(out)
-    assert [r["argv"] for r in rows] == [["--local_rank=0", "--lr", "1"], ["--local_rank=1", "--lr", "1"]]
+    assert [r["argv"] for r in rows] == [["--local_rank=0", *CIFAR_ARGS], ["--local_rank=1", *CIFAR_ARGS]]
     assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"], r["env"]["WORLD_SIZE"]) for r in rows] == [
         ("0", "0", "2"), ("1", "1", "2")]
     assert all(r["env"]["MASTER_ADDR"] and r["env"]["MASTER_PORT"].isdigit() for r in rows)
@@ -213,26 +212,44 @@ def test_unreachable_host_is_named_before_anything_starts(job, tmp_path):
     assert err.startswith("error: host 127.0.0.1 cannot be reached over ssh: ssh: connect to host: No route to host")
 
 
+# DeepSpeedExamples' CIFAR script on deepshard.compat, which also prints what SCRIPT prints (the launcher's
+# variables and a collective over the world, before the script joins the group): one launch serves
+# test_one_node_script_module_and_env_file and test_a_deepspeed_script_on_deepshard_compat (a world-2
+# launch costs ~10 s of CPU here, its CIFAR epoch ~1 s)
 DS_SCRIPT = """
 import json, math, os, sys
 sys.path.insert(0, {harness!r})
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
 from tests.compat.ds_script_harness import add_argument, cifar_main  # DeepSpeedExamples' CIFAR script on deepshard.compat
 args = add_argument(sys.argv[1:])  # argparse with --local_rank and DeepSpeed's config arguments
 assert args.local_rank == int(os.environ["LOCAL_RANK"]), (args.local_rank, os.environ["LOCAL_RANK"])
-losses = cifar_main(args)
+losses = cifar_main(args)  # deepspeed.init_distributed() joins the group above
 assert losses and all(math.isfinite(x) for x in losses)
-os.write(1, f"RESULT {{json.dumps(dict(argv=sys.argv[1:], env=dict(RANK=os.environ['RANK']), sum=len(losses)))}}\\n".encode())
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FROM_ENV_FILE")
+row = dict(argv=sys.argv[1:], env={{k: os.environ.get(k) for k in keys}}, sum=t.item(), steps=len(losses))
+os.write(1, f"RESULT {{json.dumps(row)}}\\n".encode())
 """
+CIFAR_ARGS = ["--epochs", "1", "--dtype", "fp32", "--stage", "3"]
 
 
-def test_a_deepspeed_script_on_deepshard_compat(tmp_path):
+@pytest.fixture(scope="module")
+def one_node_cifar(tmp_path_factory) -> tuple[int, str, str]:
+    """``deepshard --num_gpus 2 cifar.py ARGS`` with a ``.deepspeed_env``: (exit code, stdout, stderr)."""
+    work = tmp_path_factory.mktemp("one_node_cifar")
     harness = str(Path(__file__).resolve().parents[2])  # the repo root: tests.* by package path
-    (tmp_path / "cifar.py").write_text(DS_SCRIPT.format(harness=harness))
-    code, out, err = launch([*DEEPSHARD, "--num_gpus", "2", "cifar.py", "--epochs", "1", "--dtype", "fp32",
-                             "--stage", "3"], tmp_path)
+    (work / "cifar.py").write_text(DS_SCRIPT.format(harness=harness))
+    (work / ".deepspeed_env").write_text("# forwarded to every worker\nFROM_ENV_FILE=a b=c\n")
+    return launch([*DEEPSHARD, "--num_gpus", "2", "cifar.py", *CIFAR_ARGS], work)
+
+
+def test_a_deepspeed_script_on_deepshard_compat(one_node_cifar):
+    code, out, err = one_node_cifar
     assert code == 0, err[-3000:]
     rows = results(out)
-    assert [r["env"]["RANK"] for r in rows] == ["0", "1"] and rows[0]["sum"] == rows[1]["sum"] > 0
+    assert [r["env"]["RANK"] for r in rows] == ["0", "1"] and rows[0]["steps"] == rows[1]["steps"] > 0
     assert rows[1]["argv"][0] == "--local_rank=1"
 
 

@@ -127,8 +127,9 @@ def test_an_hf_trainer_script_resumes_from_its_checkpoint_after_a_restart(tmp_pa
         assert code == 0, err[-3000:]
         return err, json.loads(out.read_text())
 
-    _, whole = job("whole")
-    err, cut = job("cut", "--max_restarts=1", script_args=("--die_at", "1:6"))
+    # the uninterrupted run first, in the same workers (hf_trainer_loop's --whole_first): one launch, not two
+    err, cut = job("cut", "--max_restarts=1", script_args=("--die_at", "1:6", "--whole_first", str(tmp_path / "whole")))
+    whole = json.loads((tmp_path / "whole.json").read_text())
     assert err.count("restarting the workers (restart 1 of 1)") == 1, err[-3000:]
     resumed = [line for line in err.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "/checkpoint-4/global_step4/step-00000004 at step 4" in resumed[0], err[-3000:]

@@ -6,6 +6,10 @@ Every node (one, or each host of a hostfile) runs ``elastic_launch`` with a c10d
 times when one fails, and stops the rest when one dies.  This module turns the agent's verdict
 into one line (``rank 1 on host-a died with SIGKILL``) and an exit code, and watches the workers'
 heartbeats (``deepshard.launch.heartbeat``) to name a rank that hangs.
+
+torch (and :mod:`.local`, which imports it) is imported where a node's agent runs, not when this module
+is: the ``deepshard`` process that only starts the nodes over ssh or srun never needs it (its import:
+~1.5 s of CPU here, before the first ssh and in each refusal).
 """
 
 from __future__ import annotations
@@ -23,13 +27,6 @@ from pathlib import Path
 
 from deepshard.launch.deaths import DeathWatch
 from deepshard.launch.heartbeat import ENV_DIR, Watchdog, agent_beat_dir, read_beats, remove_dead_beats
-from deepshard.launch.local import (
-    _describe,
-    elastic_log_dir,
-    killed_for_memory_line,
-    scoped_environment,
-    worker_threads,
-)
 from deepshard.launch.memory import OomWatch
 from deepshard.launch.parent_death import guarded
 
@@ -84,6 +81,8 @@ def describe(failures: dict[int, object], host: str, *, oom: OomWatch | None = N
     first, then an error, then a worker stopped by the agent; its host, rank and cause.  A SIGKILL the
     memory cgroup's OOM killer sent (``oom``) is named as a kill for memory, with the rank's last
     heartbeat (``beats``) and the limit."""
+    from deepshard.launch.local import _describe, killed_for_memory_line
+
     failures = {rank: _without_empty_error(f) for rank, f in failures.items()}
     described = {rank: _describe(rank, f) for rank, f in failures.items()}
     rank = min(described, key=lambda r: (described[r][0], getattr(failures[r], "timestamp", 0), r))
@@ -166,6 +165,8 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from deepshard.launch.local import elastic_log_dir, scoped_environment, worker_threads
 
     deaths = DeathWatch()  # who died first: the agent reports one failed worker, not always the cause
     _quiet_agent(node.host, on_restart=deaths.clear)

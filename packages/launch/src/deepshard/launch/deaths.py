@@ -18,6 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# what a rank sees when a peer it talks to is gone: a consequence, not a cause
+COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Connection closed by peer",
+               "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+
+
+def lost_peer(message: str) -> bool:
+    """Whether an error message says a peer is gone (a consequence of its end, not a cause)."""
+    return any(s in message for s in COMM_ERRORS)
+
 
 @dataclass(frozen=True)
 class Death:

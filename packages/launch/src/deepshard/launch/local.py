@@ -28,6 +28,7 @@ from deepshard.core.checkpoint.plain_files import open_file
 from deepshard.core.host_malloc import set_mmap_threshold
 from deepshard.core.mesh import free_port
 from deepshard.launch import worker_server
+from deepshard.launch.deaths import lost_peer
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
@@ -36,16 +37,6 @@ _PEER_GRACE_S = 1.0
 
 # this process's environment when this module was imported: in a forkserver worker, the server's
 _ENV_AT_IMPORT = dict(os.environ)
-
-# what a rank sees when a peer it talks to is gone: a consequence, not a cause
-_COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "Connection closed by peer",
-                "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
-
-
-def _lost_peer(message: str) -> bool:
-    """Whether an error message says a peer is gone (a consequence of its end, not a cause)."""
-    return any(s in message for s in _COMM_ERRORS)
-
 
 class JobFailed(RuntimeError):
     """The job's root cause in one line (``str``), its rank and kind, and every rank's traceback."""
@@ -75,7 +66,7 @@ def _describe(rank: int, failure: Any) -> tuple[int, str, str, str, str]:
         return prio, "signal", name, f"rank {rank} died with {name}", trace
     if message:
         error_type = message.split(":", 1)[0]
-        prio = 2 if _lost_peer(message) else 1
+        prio = 2 if lost_peer(message) else 1
         return prio, "exception", error_type, f"rank {rank}: {message}", trace
     return 2, "exit", "", f"rank {rank} exited with code {failure.exitcode}", trace
 
@@ -203,7 +194,7 @@ def _in_launch_env(env: dict[str, str], parent: int | None, fn: Callable[..., An
     try:
         return fn(*args)
     except Exception as err:
-        if _lost_peer(str(err)):  # a peer is gone: the launcher must see its end first,
+        if lost_peer(str(err)):  # a peer is gone: the launcher must see its end first,
             time.sleep(_PEER_GRACE_S)  # the cause (a forked worker exits in ms; the launcher polls each 0.1 s)
         raise
     finally:  # a forked worker leaves by os._exit: its exit handlers (swap-file removal, ...) run here

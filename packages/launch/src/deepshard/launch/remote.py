@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from deepshard.launch.deaths import lost_peer
 from deepshard.launch.env_file import shell_name
 from deepshard.launch.hostfile import Resources
-from deepshard.launch.local import _lost_peer
 from deepshard.launch.parent_death import guarded
 
 SSH_ARGS_ENV = "PDSH_SSH_ARGS_APPEND"
@@ -226,7 +226,7 @@ def run_over_ssh(lines: dict[str, str], *, port: int | None, poll_s: float = 0.2
     if not order:
         return 0, None
     # the cause: a node whose line is not a lost peer's, one whose rank died of a signal, the first seen
-    bad = min(order, key=lambda i: (_lost_peer(last.get(i, "")), (procs[i].returncode or 0) <= 128,
+    bad = min(order, key=lambda i: (lost_peer(last.get(i, "")), (procs[i].returncode or 0) <= 128,
                                     order.index(i)))
     proc = procs[bad]
     line = last.get(bad) or f"node {hosts[bad]} failed (ssh exit {proc.returncode})"
