@@ -10,7 +10,9 @@ the all-reduce across the replicas is quantized too, not only the reduce-scatter
   LoCo, within 2%); HSDP + qgZ (int8, int4) over 60 steps ends within 2% of the unquantized loss (the
   tolerance of the qgZ training test).
 
-One launch (~60 s on 2 cores).
+One launch, on the 2-block model (``TWO_BLOCKS``): 37 CPU-s, 21 s wall on 2 cores by the CPU census (before
+issue 47, 4 blocks: 96 CPU-s, 55 s).  Cross-node bytes per step there: HSDP 52,564, + qgZ 13,180 (0.25x), int4
+9,896 (4 blocks: 92,756, 23,244, 17,448).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.zeropp.zeropp_harness import (
+    TWO_BLOCKS,
     ByteCounter,
     build_engine,
     data,
@@ -55,7 +58,7 @@ def _replica_mean() -> torch.Tensor:
 
 
 def _bytes(counter: ByteCounter, ids, labels, dp_replicate: int, grad_accum: int = 1, **zero) -> float:
-    engine = build_engine(dp_replicate, grad_accum=grad_accum, **zero)
+    engine = build_engine(dp_replicate, TWO_BLOCKS, grad_accum=grad_accum, **zero)
     step = train if grad_accum == 1 else train_accumulating
     step(engine, ids, labels, range(1))  # warm-up
     counter.on, counter.cross = True, 0
@@ -77,12 +80,12 @@ def _worker():
                     "hsdp+qgz int4": _bytes(counter, ids, labels, 2, 2, **QGZ, quantized_gradients_bits=4)}
     ids, labels = data(ACCUM_STEPS, rows=8)
     for name, zero in (("accum hsdp", {}), ("accum hsdp+qgz", QGZ), ("accum hsdp+qgz loco", dict(QGZ, loco=True))):
-        engine = build_engine(2, grad_accum=2, **zero)
+        engine = build_engine(2, TWO_BLOCKS, grad_accum=2, **zero)
         out[name] = (train_accumulating(engine, ids, labels, range(ACCUM_STEPS)), full_params(engine))
         out[name + " census"] = engine.memory()["measured"].buffer_parts
     ids, labels = data(STEPS)
     for name, zero in (("hsdp", {}), ("hsdp+qgz", QGZ), ("hsdp+qgz int4", dict(QGZ, quantized_gradients_bits=4))):
-        out[name] = train(build_engine(2, **zero), ids, labels, range(STEPS))
+        out[name] = train(build_engine(2, TWO_BLOCKS, **zero), ids, labels, range(STEPS))
     return out
 
 
@@ -113,7 +116,7 @@ def test_cross_node_bytes_shrink(runs):
 
 
 def test_gradient_accumulation_matches_reference(runs):
-    ref_losses, ref_params = reference(ACCUM_STEPS, rows=8)
+    ref_losses, ref_params = reference(ACCUM_STEPS, rows=8, cfg=TWO_BLOCKS)
     for rank in range(4):
         losses, params = runs[rank]["accum hsdp"]
         assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -131,7 +134,7 @@ def test_loco_buffers_cover_the_replica_all_reduce(runs):
     at least 4 bytes x (1 + 1/2 + 1/4) per parameter (more with the padding to whole blocks)."""
     from tests.zeropp.zeropp_harness import model
 
-    psi = sum(p.numel() for p in model().parameters())
+    psi = sum(p.numel() for p in model(TWO_BLOCKS).parameters())
     for rank in range(4):
         assert "loco_error_feedback" not in runs[rank]["accum hsdp+qgz census"]
         assert runs[rank]["accum hsdp+qgz loco census"]["loco_error_feedback"] >= 4 * psi * (1 + 1 / 2 + 1 / 4)
@@ -142,7 +145,7 @@ def test_training_hsdp_qgz_within_2_percent(runs):
     print("\nstep  hsdp      hsdp+qgZ  (int4)")
     for s in (0, 9, 24, 49, STEPS - 1):
         print(f"{s + 1:4d}  {base[s]:.5f}  {runs[0]['hsdp+qgz'][s]:.5f}   {runs[0]['hsdp+qgz int4'][s]:.5f}")
-    assert base[-1] < 0.7 * base[0]  # it really trained (60 steps: 0.66x the first loss, measured)
+    assert base[-1] < 0.7 * base[0]  # it really trained (60 steps: 0.64x the first loss, measured)
     for name in ("hsdp+qgz", "hsdp+qgz int4"):
         assert runs[0][name][-1] == pytest.approx(base[-1], rel=2e-2), name
         assert runs[0][name] != base

@@ -3,6 +3,8 @@ and an engine run of the same steps on a given mesh layout."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -10,6 +12,9 @@ from deepshard.finetune.models.llama import Llama, LlamaConfig
 
 # the README model's shape, scaled down so a world-4 launch on 2 cores stays short
 MICRO = LlamaConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=72, max_seq_len=32)
+# HSDP + qgZ's test (tests/zeropp/test_hsdp_qgz.py): its checks are per unit, on bytes per step and on final
+# losses; two blocks (three FSDP2 units with the root) make every kind of unit and hop that four do, for less CPU
+TWO_BLOCKS = replace(MICRO, n_layers=2)
 SEQ, ROWS = 16, 4  # global batch: 4 rows, one per rank at world 4
 LR, BETAS, EPS, WD, CLIP = 2e-3, (0.9, 0.95), 1e-6, 0.1, 0.05
 
@@ -39,10 +44,10 @@ def data(num_steps: int, rows: int = ROWS, seed: int = 7, cfg: LlamaConfig = MIC
     return ids, labels
 
 
-def reference(num_steps: int, rows: int = ROWS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(num_steps: int, rows: int = ROWS, cfg: LlamaConfig = MICRO) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, the whole global batch at once: summed token loss / valid count, AdamW with
     decay on matrices, clip_grad_norm_.  Shares no code with the engine."""
-    m = model()
+    m = model(cfg)
     decay = [p for p in m.parameters() if p.dim() >= 2]
     no_decay = [p for p in m.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],

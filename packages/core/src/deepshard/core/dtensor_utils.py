@@ -12,12 +12,20 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["copy_global", "dtensor_replication", "like_param", "local_slices", "local_tensor", "storage_bytes"]
+__all__ = ["copy_global", "dtensor_replication", "like_param", "local_slices", "local_tensor", "param_shard",
+           "storage_bytes"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a DTensor (tensor parallel), or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_shard(p: torch.Tensor) -> torch.Tensor:
+    """``local_tensor(p.data)`` for a step's hot path: a Parameter(DTensor)'s ``.data`` and ``to_local()``
+    each build a new wrapper (~50 us per parameter measured here, paid per parameter by every step's
+    parameter norm); the DTensor's own local tensor, detached, is the same elements at no such cost."""
+    return p._local_tensor.detach() if isinstance(p, DTensor) else p.data
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's hook types
 from torch.distributed.tensor import DTensor, Shard
 
-from deepshard.core.dtensor_utils import dtensor_replication, local_tensor
+from deepshard.core.dtensor_utils import dtensor_replication, local_tensor, param_shard
 from deepshard.core.zero.collectives import GlooAllGather, GlooReduceScatter
 from deepshard.core.zero.stages import ZeroStage, held_grad_bytes, param_grads, trainable
 
@@ -141,7 +141,7 @@ class FullyShardedStage(ZeroStage):
         return {} if self.error_feedback is None else {"loco_error_feedback": self.error_feedback.nbytes()}
 
     def local_params(self) -> list[torch.Tensor]:
-        return [local_tensor(p.data) for p in self.params]
+        return [param_shard(p) for p in self.params]
 
     def shard_group(self) -> dist.ProcessGroup | None:
         """FSDP2's Shard(0) mesh dim (HSDP: dp_shard; the replicas hold identical shards)."""

@@ -36,8 +36,8 @@ from deepshard.kernels.quantize import (
     quantize_blockwise,
 )
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "node_mesh", "trim_codes", "untrim_codes",
-           "zeropp_all_gather"]
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "node_mesh", "pack_rows", "trim_codes", "unpack_rows",
+           "untrim_codes", "zeropp_all_gather"]
 
 
 class _PlainAlloc:
@@ -87,18 +87,17 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
             work = _all_gather(output_tensor, rank, world, group)
             return work if async_op else work.wait() and None
         nb = num_blocks(seg, self.block_size)
-        codes = torch.empty(world * seg, dtype=torch.int8, device=output_tensor.device)
-        scales = torch.empty(world * nb, dtype=torch.float32, device=output_tensor.device)
+        # one message per rank: its block scales' bytes, then its codes (one broadcast per rank, not two)
+        packed = torch.empty(world, 4 * nb + seg, dtype=torch.uint8, device=output_tensor.device)
         my_codes, my_scales = quantize_blockwise(input_tensor.reshape(-1), block_size=self.block_size, bits=8)
-        codes[rank * seg:(rank + 1) * seg].copy_(my_codes)
-        scales[rank * nb:(rank + 1) * nb].copy_(my_scales)
-        works = _all_gather(codes, rank, world, group).works + _all_gather(scales, rank, world, group).works
+        packed[rank].copy_(pack_rows(my_codes, my_scales, 1).view(-1))
+        works = _all_gather(packed.view(-1), rank, world, group).works
 
         def finish() -> None:
+            codes, scales = unpack_rows(packed, nb, torch.int8, flat=False)
             for r in range(world):
                 output_tensor[r * seg:(r + 1) * seg].copy_(dequantize_blockwise(
-                    codes[r * seg:(r + 1) * seg], scales[r * nb:(r + 1) * nb], seg, block_size=self.block_size,
-                    bits=8, dtype=output_tensor.dtype))
+                    codes[r], scales[r], seg, block_size=self.block_size, bits=8, dtype=output_tensor.dtype))
 
         work = _Dequantized(works, finish)
         if async_op:
@@ -129,6 +128,22 @@ def trim_codes(codes: torch.Tensor, rows: int, seg: int, seg_p: int, bits: int) 
     if seg == seg_p:
         return codes
     return codes.view(rows, code_bytes(seg_p, bits))[:, :code_bytes(seg, bits)].reshape(-1)
+
+
+def pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` equal rows of codes and their block scales as one uint8 message [rows, bytes]: each row
+    its scales' bytes, then its codes' (one collective carries both; the same bytes as two)."""
+    return torch.cat([scales.view(rows, scales.numel() // rows).view(torch.uint8),
+                      codes.view(rows, codes.numel() // rows).view(torch.uint8)], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, scales_per_row: int, dtype: torch.dtype, *,
+                flat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_rows`: ``(codes, scales)``, flat (``flat``) or one row per rank."""
+    sb = 4 * scales_per_row
+    scales = packed[:, :sb].contiguous().view(torch.float32)
+    codes = packed[:, sb:].view(dtype)
+    return (codes.reshape(-1), scales.view(-1)) if flat else (codes, scales)
 
 
 def untrim_codes(sent: torch.Tensor, rows: int, seg: int, seg_p: int, bits: int) -> torch.Tensor:
@@ -167,12 +182,12 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         g, seg_p = group.size(), parts.shape[-1]
         rows = parts.numel() // seg_p
         codes, scales = self._quantize(parts, hop)
-        if g > 1:
-            sent = trim_codes(codes, rows, seg, seg_p, self.bits)
-            recv, recv_scales = torch.empty_like(sent), torch.empty_like(scales)
+        if g > 1:  # one all-to-all: to each peer its rows' scales and codes (the padding stays home)
+            sent = pack_rows(trim_codes(codes, rows, seg, seg_p, self.bits), scales, g)
+            recv = torch.empty_like(sent)
             dist.all_to_all_single(recv, sent, group=group)
-            dist.all_to_all_single(recv_scales, scales, group=group)
-            codes, scales = untrim_codes(recv, rows, seg, seg_p, self.bits), recv_scales
+            got, scales = unpack_rows(recv, scales.numel() // g, codes.dtype)
+            codes = untrim_codes(got, rows, seg, seg_p, self.bits)
         return dequantize_blockwise(codes, scales, parts.numel(), block_size=self.block_size,
                                     bits=self.bits).view(parts.shape)
 

@@ -29,7 +29,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
 from deepshard.core.zero.collectives import all_gather_in_place
 from deepshard.core.zero.loco import ErrorFeedback
-from deepshard.core.zero.quantized import QuantizedReduceScatter, node_mesh, trim_codes, untrim_codes
+from deepshard.core.zero.quantized import (
+    QuantizedReduceScatter,
+    node_mesh,
+    pack_rows,
+    trim_codes,
+    unpack_rows,
+    untrim_codes,
+)
 from deepshard.kernels.quantize import (
     DEFAULT_BLOCK,
     code_bytes,
@@ -72,20 +79,17 @@ class QuantizedReplicaAllReduce:
         chunks = torch.zeros(r, seg_p, dtype=torch.float32, device=tensor.device)
         chunks[:, :seg] = flat.view(r, seg)
         codes, scales = self._quantize(chunks, "replica_scatter", self.bits)
-        sent = trim_codes(codes, r, seg, seg_p, self.bits)  # the padding stays home
-        recv, recv_scales = torch.empty_like(sent), torch.empty_like(scales)
-        dist.all_to_all_single(recv, sent, group=self.group)
-        dist.all_to_all_single(recv_scales, scales, group=self.group)
-        mine = dequantize_blockwise(untrim_codes(recv, r, seg, seg_p, self.bits), recv_scales, r * seg_p,
+        sent = pack_rows(trim_codes(codes, r, seg, seg_p, self.bits), scales, r)  # the padding stays home
+        recv = torch.empty_like(sent)
+        dist.all_to_all_single(recv, sent, group=self.group)  # scales and codes in one message per peer
+        got, recv_scales = unpack_rows(recv, nb, codes.dtype)
+        mine = dequantize_blockwise(untrim_codes(got, r, seg, seg_p, self.bits), recv_scales, r * seg_p,
                                     block_size=self.block_size, bits=self.bits).view(r, seg_p).sum(dim=0) / r
         my_codes, my_scales = self._quantize(mine, "replica_gather", 8)  # the fp32 mean of this chunk
-        cb = code_bytes(seg, 8)
-        all_codes = torch.empty(r * cb, dtype=my_codes.dtype, device=tensor.device)
-        all_scales = torch.empty(r * nb, dtype=torch.float32, device=tensor.device)
-        all_codes[rank * cb:(rank + 1) * cb].copy_(trim_codes(my_codes, 1, seg, seg_p, 8))
-        all_scales[rank * nb:(rank + 1) * nb].copy_(my_scales)
-        all_gather_in_place(all_codes, rank, r, self.group).wait()
-        all_gather_in_place(all_scales, rank, r, self.group).wait()
+        packed = torch.empty(r, 4 * nb + code_bytes(seg, 8), dtype=torch.uint8, device=tensor.device)
+        packed[rank].copy_(pack_rows(trim_codes(my_codes, 1, seg, seg_p, 8), my_scales, 1).view(-1))
+        all_gather_in_place(packed.view(-1), rank, r, self.group).wait()  # one broadcast per replica
+        all_codes, all_scales = unpack_rows(packed, nb, my_codes.dtype)
         out = dequantize_blockwise(untrim_codes(all_codes, r, seg, seg_p, 8), all_scales, r * seg_p,
                                    block_size=self.block_size, bits=8)
         tensor.view(-1).copy_(out.view(r, seg_p)[:, :seg].reshape(-1)[:n])
