@@ -147,7 +147,10 @@ def launch(path: Path, world: int, *, python: str = sys.executable, group: Path 
         if when_ready is not None:
             for p in procs:
                 line = p.stdout.readline()
-                assert line.strip() == "ready", (line, p.poll())
+                if line.strip() != "ready":  # it ended before joining: say why (its stderr), not just its code
+                    p.wait(timeout=30)
+                    raise AssertionError(f"a worker ended before it was ready (exit {p.returncode}, stdout "
+                                         f"{line!r}): {p.stderr.read()[-3000:]}")
             when_ready()
             for p in procs:
                 p.stdin.write("go\n")
