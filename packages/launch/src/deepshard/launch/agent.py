@@ -167,7 +167,9 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from deepshard.launch.local import elastic_log_dir, scoped_environment, worker_threads
+    from deepshard.launch.rendezvous_names import name_steps_cheaply
 
+    name_steps_cheaply()
     deaths = DeathWatch()  # who died first: the agent reports one failed worker, not always the cause
     _quiet_agent(node.host, on_restart=deaths.clear)
     env = dict(node.env)

@@ -32,6 +32,7 @@ from deepshard.launch.deaths import lost_peer
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
+from deepshard.launch.rendezvous_names import name_steps_cheaply
 
 _PEER_GRACE_S = 1.0
 
@@ -272,6 +273,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    name_steps_cheaply()
     if heartbeat_dir is not None:
         beat_dir = Path(heartbeat_dir)
         beat_dir.mkdir(parents=True, exist_ok=True)
