@@ -22,6 +22,8 @@ time), in the order it was written, as ``capture_output`` would have read it.
 from __future__ import annotations
 
 import atexit
+import gc
+import importlib
 import json
 import os
 import select
@@ -161,6 +163,7 @@ def _serve() -> None:
     out_r, err_r = _stdio_to_pipes()
 
     import hydra  # noqa: F401  what main.py and app.py import, so a child finds them loaded
+    import torch._dynamo  # noqa: F401  the preflight's model on the meta device imports it (~1 s a run)
     import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
 
     from deepshard.finetune import app
@@ -169,7 +172,12 @@ def _serve() -> None:
     from deepshard.launch.local import start_worker_server
     from deepshard.launch.worker_server import server_pid
 
-    start_worker_server(app.train_worker, preload=tokenizer_modules("any"))
+    preload = tokenizer_modules("any")
+    for module in preload:  # the launcher checks the data with the tokenizer too (transformers: ~1 s a run)
+        importlib.import_module(module)
+    start_worker_server(app.train_worker, preload=preload)
+    gc.collect()  # what the imports left is settled: a run's own full collections (the launcher trims
+    gc.freeze()  # its heap before launching) then walk the run's objects, not the runner's ~0.3 s of them
     _say(answers, server=server_pid())
     for line in requests:
         request = json.loads(line)
