@@ -53,7 +53,7 @@ def _plan(layout: str, root: Path, model: str) -> dict[str, dict[str, Any]]:
     stage = 2 if layout == "zero2" else 3
     with_optimizer = write_ds_config(root / "ds_optimizer.json", stage)  # the plain Trainer's (issue 26's recording)
     stock = write_ds_config(root / "ds.json", stage, optimizer=False)  # TRL's stock shape: no optimizer section
-    runs = [("trainer", TRAINER, ["--ds_config", with_optimizer]),
+    runs = [("trainer", TRAINER, ["--ds_config", with_optimizer, "--evaluate"]),
             ("sft", SFT, ["--model", model, "--ds_config", stock, "--save", "--evaluate", "before", "after"]),
             ("sft_lora", SFT, ["--model", model, "--ds_config", stock, "--lora", "--save"]),
             ("dpo", DPO, ["--model", model, "--ds_config", stock, "--save"]),

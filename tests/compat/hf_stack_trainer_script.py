@@ -3,7 +3,7 @@ write it with DeepSpeed installed (issue 41): no deepshard import.  Started by `
 whose workers find deepshard's engine under the name ``deepspeed``.  One launch checks training,
 checkpoint-N, resume and saving: train 4 steps saving checkpoint-2 and -4, ``save_model`` (the engine's
 logits on held-out rows go with the result, for the test to hold ``from_pretrained`` of the saved model
-against), then a fresh Trainer resumes from checkpoint-2.  ``evaluate()`` on held-out rows (one per device) by
+against), then a fresh Trainer resumes from checkpoint-2.  ``--evaluate``: ``evaluate()`` on held-out rows (one per device) by
 a fresh Trainer before any ``train()`` (transformers' ``deepspeed_init(inference=True)``: ``deepspeed.initialize``
 without an optimizer) and by the trained one after it: each gives its ``eval_loss`` or the one line of what stopped
 it.  Rank 0 writes what happened to ``--result`` (JSON).  The model, rows and
@@ -55,17 +55,18 @@ def main() -> None:
     ap.add_argument("--ds_config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--evaluate", action="store_true", help="evaluate() before and after train()")
     opts, _ = ap.parse_known_args()  # --local_rank=N from the launcher
     out = Path(opts.out)
     import deepspeed
 
     # before train(), on a trainer of its own: under DeepSpeed transformers 5.25's train() after an evaluate()
     # fails (transformers#44889)
-    eval_before = evaluated(trainer(out / "eval", opts.ds_config))
+    eval_before = evaluated(trainer(out / "eval", opts.ds_config)) if opts.evaluate else None
     full = trainer(out / "run", opts.ds_config, save_strategy="steps", save_steps=2)
     assert full.is_deepspeed_enabled, "transformers did not take the DeepSpeed path"
     full.train()
-    eval_after = evaluated(full)
+    eval_after = evaluated(full) if opts.evaluate else None
     engine = full.model_wrapped
     full.save_model(str(out / "final"))
     with torch.no_grad():  # the test loads out/final with from_pretrained (no ZeRO-3 there) and compares
