@@ -4,13 +4,14 @@ in a fresh worker, so a script's logs are those of its own launch, at a launch's
 layout instead of per script.
 
 - ``zero2``: ``deepshard --num_gpus 2``, the ZeRO-2 ds_configs: the plain Trainer (a ds_config with an
-  optimizer section), ``SFTTrainer`` full (``evaluate()`` before and after training) and with LoRA, ``DPOTrainer`` (each
-  saving checkpoint-2/-4 and the model, then resuming checkpoint-2 in a fresh trainer), ``GRPOTrainer``
-  (checkpoint-3 resumed);
+  optimizer section) and ``SFTTrainer`` full (both ``evaluate()`` before and after training), ``SFTTrainer`` with
+  LoRA, ``DPOTrainer`` (each saving checkpoint-2/-4 and the model, then resuming checkpoint-2 in a fresh
+  trainer), ``GRPOTrainer`` (checkpoint-3 resumed);
 - ``zero3_offload``: ``deepshard --accelerate_config deepspeed_zero3.yaml`` (TRL's yaml shape): first the LoRA
   ``SFTTrainer`` with no ``deepspeed=`` (accelerate's variables carry the layout), then, without accelerate's
   variables (what ``deepshard --num_gpus 2`` gives its workers), the ZeRO-3 + CPU optimizer offload
-  ds_configs: the same five (saving and resuming; the full ``SFTTrainer`` evaluates before and after training)."""
+  ds_configs: the same five (saving and resuming; the plain Trainer and the full ``SFTTrainer`` evaluate before and
+  after training)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _plan(layout: str, root: Path, model: str) -> dict[str, dict[str, Any]]:
     stage = 2 if layout == "zero2" else 3
     with_optimizer = write_ds_config(root / "ds_optimizer.json", stage)  # the plain Trainer's (issue 26's recording)
     stock = write_ds_config(root / "ds.json", stage, optimizer=False)  # TRL's stock shape: no optimizer section
-    runs = [("trainer", TRAINER, ["--ds_config", with_optimizer]),
+    runs = [("trainer", TRAINER, ["--ds_config", with_optimizer, "--evaluate"]),
             ("sft", SFT, ["--model", model, "--ds_config", stock, "--save", "--evaluate", "before", "after"]),
             ("sft_lora", SFT, ["--model", model, "--ds_config", stock, "--lora", "--save"]),
             ("dpo", DPO, ["--model", model, "--ds_config", stock, "--save"]),

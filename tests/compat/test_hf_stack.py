@@ -4,7 +4,8 @@ offloaded to the CPU), each script against real DeepSpeed 0.19.8's recorded run 
 bench/record_hf_stack_ds.py; the plain Trainer's: fixtures/hf_trainer_ds.json, bench/record_hf_trainer_ds.py):
 
 - the plain ``transformers.Trainer`` with ``TrainingArguments(deepspeed="ds_config.json")``: checkpoint-2 resumed
-  gives the uninterrupted losses; the saved model loads in transformers with the engine's logits;
+  gives the uninterrupted losses; the saved model loads in transformers with the engine's logits; ``evaluate()``
+  before any ``train()`` (ZeRO-3) and after it gives transformers' own eval_loss without DeepSpeed;
 - TRL's ``SFTTrainer`` (full fine-tune, chat rows, loss on completions only, the model by path: ``zero.Init`` under
   ``from_pretrained`` at ZeRO-3), also against TRL's own SFTTrainer without DeepSpeed in one process on the same
   rows per step (recorded); checkpoint-2 resumed by a fresh trainer gives the uninterrupted steps 3-4 and the saved
@@ -122,6 +123,51 @@ def test_plain_trainer_trains_saves_resumes_like_deepspeed(layouts, layout):
     with torch.no_grad():
         gap = (loaded(**probe_batch()).logits - torch.tensor(out["logits"])).abs().max().item()
     assert gap < 1e-5, f"{layout}: the saved model's logits differ from the engine's by {gap}"
+
+
+def _eval_loss_alone(model, tmp: Path) -> float:
+    """transformers' own ``Trainer.evaluate()`` without DeepSpeed, in this process (world 1), over the script's
+    held-out rows two per batch: each batch holds the rows of one eval step of the world-2 run (one per rank).
+    The same number as transformers' own world-2 run without DeepSpeed (``use_cpu``, gloo; measured 2026-12-07 on
+    these rows without the prompt-only one: 5.575145721435547 both)."""
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tests.compat.hf_stack_trainer_script import EVAL_BATCH, eval_rows
+    from tests.compat.hf_trainer_harness import collate
+
+    args = transformers.TrainingArguments(output_dir=str(tmp), per_device_eval_batch_size=2 * EVAL_BATCH, use_cpu=True,
+                                          report_to=[], remove_unused_columns=False, disable_tqdm=True)
+    try:
+        trainer = transformers.Trainer(model=model, args=args, data_collator=collate)
+        return trainer.evaluate(eval_dataset=eval_rows())["eval_loss"]
+    finally:
+        AcceleratorState._reset_state(True)  # leave no accelerate state in this pytest process
+        GradientState._reset_state()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zero3_offload", "zero2"])
+def test_plain_trainer_evaluate_gives_transformers_eval_loss(layouts, layout, tmp_path):
+    """The plain ``transformers.Trainer``'s ``evaluate()`` on held-out rows (one per device, one prompt-only):
+    before any ``train()`` (transformers' ``deepspeed_init(inference=True)``: ``deepspeed.initialize`` without an
+    optimizer, our forward-only engine) the eval_loss of transformers without DeepSpeed on the initial model (real
+    DeepSpeed 0.19.8 stops there on its batch-size assertion: no recording); after ``train()`` that of transformers
+    without DeepSpeed on the saved model.  Below ZeRO-3 transformers itself refuses the evaluate() before train()."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.compat.hf_trainer_harness import tiny_llama
+
+    out = layouts(layout)["runs"][f"trainer_{layout}"]
+    gaps = {}
+    if layout == "zero3_offload":
+        gaps["before"] = abs(out["eval_before"]["eval_loss"] - _eval_loss_alone(tiny_llama(), tmp_path / "before"))
+    else:
+        assert out["eval_before"]["error"].startswith("ValueError: ZeRO inference only makes sense"), out["eval_before"]
+    trained = AutoModelForCausalLM.from_pretrained(Path(out["tmp"]) / "out" / "final")
+    gaps["after"] = abs(out["eval_after"]["eval_loss"] - _eval_loss_alone(trained, tmp_path / "after"))
+    print(f"\n{layout}: eval_loss {out['eval_before']}, {out['eval_after']}; gaps to transformers alone {gaps}")
+    assert max(gaps.values()) < 1e-6, gaps
 
 
 @pytest.mark.slow
