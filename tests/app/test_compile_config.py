@@ -29,11 +29,16 @@ def test_compile_key_reaches_the_engine_and_defaults_off():
     s = _settings(["compile=true", "+zero=stage3", "ac=full", "+peft=lora"])
     assert s.engine.compile is True
     assert _settings(["compile=true", "parallel.sp=2"]).engine.compile is True  # tests/app/test_compile.py
+    assert _settings(["compile=true", "parallel.tp=2"]).engine.compile is True  # full-length rows: one length
+    assert _settings(["compile=true", "parallel.tp=2", "data.seq_len=64", "data.pack=false",
+                      "data.pad_to_multiple_of=16"]).engine.compile is True  # 4 lengths x 2 kinds
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
     (["parallel.pp=2"], r"^compile=true with parallel.pp=2: "),
-    (["parallel.tp=2"], r"^compile=true with parallel.tp=2: a compiled block with DTensor weights trains at one"),
+    (["parallel.tp=2", "data.seq_len=64", "data.pack=false", "data.pad_to_multiple_of=8"],
+     r"^compile=true with parallel.tp=2 and data.pad_to_multiple_of=8: tp blocks compile a static graph per "
+     r"length .* is 8 lengths x 2 graph kinds > the recompile limit 8; use data.pad_to_multiple_of >= 16, "),
     (["model.mlp_tiles=2"], r"^compile=true with model.mlp_tiles=2: "),
     (["+zero=stage3", "+offload=nvme", "offload.params=nvme", "offload.nvme_path=/tmp"], r"^compile=true with offload.params=nvme: "),
     (["compile=2"], r"^compile=2: must be true or false"),

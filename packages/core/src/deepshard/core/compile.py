@@ -12,6 +12,13 @@ and every later length reuses that graph (no bucketing, so no padding is added).
 and the end-of-run sample add one graph each.  ``recompile_limit`` caps the graphs per block code;
 past it the run stops with :class:`RecompileStorm`, one line naming the block and dynamo's reason,
 instead of running on in eager.
+
+Tensor-parallel blocks (DTensor weights) compile with ``dynamic=False``: one static graph per
+sequence length.  On torch 2.13 the symbolic graph of a changed length fails while AOT autograd
+traces its backward over DTensor (``BackendCompilerFailed``: ``RecursionError`` in
+``proxy_tensor._compute_proxy``, the lazy proxies of the symbolic sizes recursing in the row-parallel
+``down_proj``'s ``ViewBackward0``); static graphs are exact, and ``data.pad_to_multiple_of`` bounds
+the lengths (config/compile_check.py refuses more buckets than the recompile limit holds).
 """
 
 from __future__ import annotations
@@ -115,8 +122,8 @@ def _settled(a: Any) -> Any:
     return a.clone() if isinstance(a, AsyncCollectiveTensor) else a
 
 
-def _compiled_forward(forward: Callable[..., Any], name: str) -> Callable[..., Any]:
-    compiled = torch.compile(forward, fullgraph=True, backend=_counting_inductor)
+def _compiled_forward(forward: Callable[..., Any], name: str, dynamic: bool | None) -> Callable[..., Any]:
+    compiled = torch.compile(forward, fullgraph=True, dynamic=dynamic, backend=_counting_inductor)
     seen: list[str] = []  # distinct input signatures, for the storm's one line
 
     @functools.wraps(forward)
@@ -145,18 +152,20 @@ def is_compiled(block: nn.Module) -> bool:
     return any(hasattr(m.__dict__.get("forward"), "_deepshard_compiled") for m in (block, inner) if m is not None)
 
 
-def apply_compile(blocks: nn.Module, *, inside_checkpoint: bool = False) -> None:
+def apply_compile(blocks: nn.Module, *, inside_checkpoint: bool = False, dynamic: bool | None = None) -> None:
     """Compile every block of ``blocks`` (a ModuleList, or a pipeline stage's ModuleDict) in place:
     its forward becomes ``torch.compile(forward, fullgraph=True)`` with inductor.  A checkpointed
     block is compiled with its checkpoint (traced into the graph, as torchtitan does), except with
     ``inside_checkpoint`` (AC offload: ``save_on_cpu``'s hooks cannot be traced): then the block
     inside the checkpoint is compiled and the checkpoint runs eagerly around it.  Blocks already
-    compiled are left as they are (``engine.compile()`` after the config's ``compile``)."""
+    compiled are left as they are (``engine.compile()`` after the config's ``compile``).
+    ``dynamic``: torch.compile's (None: automatic dynamic shapes; False: a static graph per length,
+    what tensor-parallel blocks need on torch 2.13, see the module's docstring)."""
     if not _CONFIGURED:
         configure_compile()
     for key, block in blocks.named_children():
         if is_compiled(block):
             continue
         target = getattr(block, "_checkpoint_wrapped_module", block) if inside_checkpoint else block
-        target.forward = _compiled_forward(target.forward, key)
+        target.forward = _compiled_forward(target.forward, key, dynamic)
         _STATS.blocks.append(key)

@@ -15,6 +15,7 @@ and no collective is added): with ``data.pad_to_multiple_of`` the batches are sh
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
@@ -224,16 +226,17 @@ class TrainingLoop:
             c = compile_stats()
             summary.update(compile_graphs=c.graphs, compile_s=c.compile_s,
                            recompiles=c.graphs - self.graphs_after_first)
-        if sample.prompt:
-            summary["sample"] = greedy_sample(self.stepper, self.tokenizer, sample.prompt,
-                                              num_tokens=sample.num_tokens, max_seq_len=sample.max_seq_len,
-                                              chat_template=sample.chat_template)
+        if sample.prompt:  # eager even under compile: its length grows by a token per forward
+            with torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext():
+                summary["sample"] = greedy_sample(self.stepper, self.tokenizer, sample.prompt,
+                                                  num_tokens=sample.num_tokens, max_seq_len=sample.max_seq_len,
+                                                  chat_template=sample.chat_template)
             self.logger.print(f"sample: {sample.prompt!r} -> {summary['sample']!r}")
         what = "preempted" if ckpt.preempted else "done"
         self.logger.print(
             f"{what}: steps {self.start_step + 1}-{self.start_step + ran} in {elapsed:.1f}s, loss "
             f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of first/last {k}), "
-            f"{summary['tokens_per_s']:,.0f} tok/s, {mfu_text(summary['mfu'])}{compile_text(summary)}"
+            f"{summary['tokens_per_s']:,.0f} tok/s (positions computed, padding included), {mfu_text(summary['mfu'])}{compile_text(summary)}"
             f"{f'{guard.skipped} step(s) skipped (non-finite), ' if guard.skipped else ''}logs in {self.run_dir}"
             f"{unsaved(ckpt)}")
         dist.destroy_process_group()
