@@ -1,7 +1,8 @@
 """Each native family trained by its own recipe at world 2 equals transformers' own model trained
 by plain torch (3 steps of AdamW on masked chat-like rows, fp32): ZeRO-3 for every family (Qwen3's
 embedding and head in vocabulary tiles), tp=2 (Qwen2, Qwen3, Mistral, Phi-3, Gemma 3), pp=2 (Mistral
-with rows longer than its window, Qwen2, Qwen3, Phi-3), Ulysses sp=2 (Gemma 2 and 3 with sliding and
+with rows longer than its window, Qwen2, Qwen3, Phi-3, Llama and Gemma 3 with their heads tied to the embedding:
+the last stage's copy trained as one tensor with it; Llama's checkpoint resumed at pp=1), Ulysses sp=2 (Gemma 2 and 3 with sliding and
 global layers, Qwen2, Qwen3, Mistral, Phi-3), CPU offload of parameters and optimizer state (Qwen2,
 Qwen3, Mistral, Phi-3, Gemma 3), LoRA at ZeRO-3 on every projection against PEFT's (Qwen2, Qwen3,
 Mistral) and against plain-torch LoRA on the rows of Phi-3's fused projections: losses and every
@@ -18,8 +19,17 @@ import torch
 
 from deepshard.finetune.models import registry
 from deepshard.launch.local import launch_local
-from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, hf_model, save_hf
-from tests.models.train_harness import CASES, LORA, OFFLOAD, check_offloaded_figure, reference, worker
+from tests.models.hf_refs import FAMILIES, SEQ, VOCAB, hf_config, hf_model, save_hf
+from tests.models.train_harness import (
+    CASES,
+    LORA,
+    OFFLOAD,
+    RESUME,
+    STEPS,
+    check_offloaded_figure,
+    reference,
+    worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +58,7 @@ def _merged(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
     return params
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in RESUME])
 def test_the_family_recipe_trains_as_transformers_does(runs, references, name):
     ranks, _ = runs
     family = CASES[name][0]
@@ -56,6 +66,8 @@ def test_the_family_recipe_trains_as_transformers_does(runs, references, name):
     losses = ranks[-1][name]["losses"]  # the pipeline's losses exist on its last stage
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
     ours = _merged(ranks, name)
+    if "lm_head.weight" in ours and hf_config(family).tie_word_embeddings:  # pp: the last stage's copy
+        assert torch.equal(ours.pop("lm_head.weight"), ours["embed_tokens.weight"])  # trained as one tensor
     # as the family's HF tensors (Phi-3's fused ones: their pieces concatenated, as the export writes them)
     hf = {name: torch.cat([ours[n] for n in pieces]) for name, pieces in registry.get(family).hf.tensors(list(ours))}
     assert set(hf) == set(ref_params)
@@ -64,6 +76,24 @@ def test_the_family_recipe_trains_as_transformers_does(runs, references, name):
     start = dict(hf_model(family).named_parameters())
     moved = {n for n, p in ref_params.items() if n not in start or (p - start[n]).abs().max() > 1e-3}
     assert moved == ({n for n in ref_params if ".lora_" in n} if name in LORA else set(ref_params))
+
+
+@pytest.mark.parametrize("name", sorted(RESUME))
+def test_a_checkpoint_saved_under_one_layout_resumes_under_another(runs, references, name):
+    """A tied Llama's checkpoint saved at pp=2 after step 2 (its embedding and the last stage's copy of it
+    saved as one tensor, the embedding's) resumed at pp=1 x dp=2, where the head is the embedding: the
+    last step's loss and every parameter as the uninterrupted run's (transformers' own, plain torch)."""
+    ranks, _ = runs
+    family = CASES[name][0]
+    ref_losses, ref_params = references[name]
+    losses = ranks[-1][name]["losses"]
+    assert len(losses) == 1 and abs(losses[0] - ref_losses[STEPS - 1]) < 1e-5, (losses, ref_losses)
+    assert abs(ranks[-1][RESUME[name]]["losses"][-1] - losses[0]) < 1e-5  # the run that saved it, uninterrupted
+    ours = _merged(ranks, name)
+    hf = {name: torch.cat([ours[n] for n in pieces]) for name, pieces in registry.get(family).hf.tensors(list(ours))}
+    assert set(hf) == set(ref_params)
+    worst = max(((hf[n] - ref_params[n]).abs().max().item(), n) for n in hf)
+    assert worst[0] < 1e-5, worst
 
 
 @pytest.mark.parametrize("family", FAMILIES)

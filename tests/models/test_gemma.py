@@ -155,8 +155,13 @@ def test_what_gemma_cannot_represent_is_refused_by_key(tmp_path, name, key, valu
 def test_layouts_gemma_cannot_run_are_refused_before_start():
     cfg = registry.get("gemma3").config(vocab_size=130, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48)
     spec = registry.spec_of(cfg)
-    with pytest.raises(ValueError, match=r"parallel.pp=2: Gemma's head is its embedding \(tied\)"):
-        spec.check_parallel(cfg, pp=2)
+    spec.check_parallel(cfg, pp=2)  # the last stage's copy of the tied head (test_family_training's pp2_gemma3)
+    with pytest.raises(ValueError, match=r"^parallel.pp=4: Gemma ties its head to its embedding; the first and last "
+                                         r"stages sum their two copies' gradients at parallel.pp=2 only; use "
+                                         r"parallel.pp=2$"):
+        spec.check_parallel(cfg, pp=4)
+    with pytest.raises(ValueError, match=r"^parallel.pp=2 with parallel.tp=2: Gemma's stages are not tensor-parallel"):
+        spec.check_parallel(cfg, pp=2, tp=2)
     spec.check_parallel(cfg, tp=2, sp=2)
     with pytest.raises(ValueError, match="parallel.tp=4 does not divide model.vocab_size=130"):
         spec.check_tp(cfg, 4)

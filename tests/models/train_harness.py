@@ -8,7 +8,8 @@ longer than the window).  Issue 39's cells: Phi-3 at tp=2 (its fused q/k/v and g
 so each piece is column-sharded by heads) and pp=2; Ulysses sp=2 (ZeRO-3 over dp x sp, each rank
 holding half of every row) for Gemma 3 (a sliding and a global layer, rows longer than the window),
 Gemma 2 (attention scores soft-capped), Qwen2, Qwen3, Mistral and Phi-3 (longrope: the whole row's
-length picks the factors); Qwen2 and Mistral at tp=2, Qwen2 and Qwen3 at pp=2; ZeRO-3 with the
+length picks the factors); Qwen2 and Mistral at tp=2, Qwen2 and Qwen3 at pp=2, Llama and Gemma 3 with their tied heads at pp=2
+(Llama's checkpoint after step 2 resumed at pp=1 for the last step); ZeRO-3 with the
 parameters and the optimizer state in host memory (``offload.params=cpu``, ``offload.device=cpu``)
 for Qwen2, Qwen3, Mistral, Phi-3 and Gemma 3 (each records its measured model-state bytes); LoRA on
 every projection at ZeRO-3 for Qwen2, Qwen3, Mistral (against PEFT) and Phi-3 (against plain-torch
@@ -44,6 +45,9 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "pp2_phi3": ("phi3", 2, 1, 1, 1, {}),
          "pp2_qwen2": ("qwen2", 2, 1, 1, 0, {}),
          "pp2_qwen3": ("qwen3", 2, 1, 1, 1, {}),
+         "pp2_llama": ("llama", 2, 1, 1, 1, {}),  # tied head: the last stage's copy of the embedding
+         "pp2_gemma3": ("gemma3", 2, 1, 1, 1, {}),  # tied, soft-capped head; the scaled embedding first
+         "resume_pp1_llama": ("llama", 1, 2, 1, 1, {}),  # pp2_llama's checkpoint after step 2, at pp=1
          "sp2_gemma3": ("gemma3", 1, 1, 1, 3, {}),
          "sp2_gemma2": ("gemma2", 1, 1, 1, 3, {}),
          "sp2_qwen2": ("qwen2", 1, 1, 1, 3, {}),
@@ -63,6 +67,9 @@ CASES = {"zero3_qwen3": ("qwen3", 1, 2, 1, 3, {"vocab_tile_size": 48}),
          "tp2_phi3": ("phi3", 1, 1, 2, 0, {}),
          "tp2_qwen2": ("qwen2", 1, 1, 2, 1, {}),
          "tp2_mistral": ("mistral", 1, 1, 2, 0, {})}
+# a case that resumes another's checkpoint, saved after step STEPS - 1 (under another layout), and
+# trains the last step: the uninterrupted run's last loss and parameters
+RESUME = {"resume_pp1_llama": "pp2_llama"}
 SP = {name: 2 for name in CASES if name.startswith("sp2_")}  # Ulysses: the sp axis takes the world
 OFFLOAD = {name for name in CASES if name.startswith("offload_")}  # CPU params (FSDP2's) + CPU optimizer state
 # adapters on every projection (Qwen2's q/k/v carry their frozen biases, Qwen3's q/k feed its norms), base frozen
@@ -172,6 +179,8 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     if pp > 1:
         trainer = spec.pipeline(model, mesh, config, schedule="gpipe", microbatches=2)
         for step in range(STEPS):
+            if step == STEPS - 1 and name in RESUME.values():
+                save_checkpoint(Path(ckpt_root) / name, step, trainer.optimizer, mesh["dp"], app_state={"step": step})
             losses.append(trainer.train_step(ids[step, rows], labels[step, rows]).loss)
         modules = trainer.pipeline.modules
         params = {n: _full(p) for m in modules for n, p in m.named_parameters()}
@@ -180,7 +189,14 @@ def _run(name: str, hf_dir: str, ckpt_root: str) -> dict:
     recipe = partial(spec.parallelize, mesh=mesh, zero=config.zero, dtype="fp32", ac="none", offload_params=offload)
     engine = initialize(model, config, mesh=mesh, parallelize_fn=recipe, offload_params=offload,
                         store_factory=CpuStateStore if name in OFFLOAD else DeviceStateStore)
-    losses += train_steps(engine, ids, labels, rows, zero_mesh(mesh).get_group(), cols)
+    first = 0
+    if name in RESUME:
+        from deepshard.core.checkpoint.state import load_checkpoint, step_dir_name
+
+        first = STEPS - 1
+        load_checkpoint(Path(ckpt_root) / RESUME[name] / step_dir_name(first), engine.optimizer, zero_mesh(mesh),
+                        model=engine.model)
+    losses += train_steps(engine, ids[first:], labels[first:], rows, zero_mesh(mesh).get_group(), cols)
     out = {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
     if name in OFFLOAD:  # what the estimator's model-states figure is held against: the bytes after a backward
         out["memory"] = measure_after_backward(engine, ids[0, rows, cols], labels[0, rows, cols])

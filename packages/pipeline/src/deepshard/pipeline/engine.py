@@ -10,6 +10,7 @@ every pp stage and tp shard counts).  The loss is reported as the true global me
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,8 +176,12 @@ class PipelineEngine:
 
 
 def build_engine(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
-                  store_factory: StoreFactory = DeviceStateStore) -> PipelineEngine:
+                 store_factory: StoreFactory = DeviceStateStore, tied: Sequence[tuple[str, str]] = ()
+                 ) -> PipelineEngine:
     """Optimizer, loss scaler and LR schedule over the ZeRO stages ``parallelize_fn`` returned.
+
+    ``tied``: ``(kept, copy)`` names of parameters the split left on two stages (a tied head: see
+    :mod:`deepshard.pipeline.tied`); with more than one stage their gradients are summed each step.
 
     ``config.ac`` is the parallelize_fn's business (it wraps blocks); ``config.grad_accum`` is the
     caller's: a step's accumulation is the schedule's microbatches (build the pipeline with
@@ -190,4 +195,9 @@ def build_engine(pipeline: Pipeline, config: EngineConfig, *, mesh: DeviceMesh,
     optimizer = build_optimizer(zero, config, store_factory=store_factory, fp32_masters=masters)
     counted = [p.num_params for p in parts]
     num_params = sum(counted) if None not in counted else None
+    if tied and pipeline.num_stages > 1:
+        from deepshard.pipeline.tied import TiedPipelineEngine
+
+        return TiedPipelineEngine(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype,
+                                  num_params=num_params, tied=tied)
     return PipelineEngine(pipeline, optimizer, mesh=mesh, dtype=config.precision.dtype, num_params=num_params)

@@ -99,11 +99,14 @@ def split_model(
 
 
 def _check_no_shared_params(model: nn.Module, spec: DecoderSpec, num_stages: int) -> None:
-    """Tied embeddings would need a cross-stage gradient sum; refuse them with more than one stage."""
+    """A parameter shared by the first and last stages needs a copy on each and a cross-stage gradient sum
+    (``deepshard.pipeline.tied``: ``untie`` the model, then ``build_engine(..., tied=pairs)``); refused here
+    with more than one stage, so a model passed without that never trains two copies apart."""
     if num_stages == 1:
         return
     first = {id(p) for n in spec.first if getattr(model, n) is not None for p in getattr(model, n).parameters()}
     last = {id(p) for n in spec.last if getattr(model, n) is not None for p in getattr(model, n).parameters()}
     if first & last:
         raise ValueError("model.tie_embeddings=True with parallel.pp > 1: the embedding and the head would "
-                         "live on different stages; untie them or use pp=1")
+                         "live on different stages; give the head its own copy (deepshard.pipeline.tied.untie) "
+                         "and sum the copies' gradients (build_engine(..., tied=pairs)), or use pp=1")

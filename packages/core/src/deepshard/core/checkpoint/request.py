@@ -27,7 +27,7 @@ from deepshard.core.checkpoint.json_state import rng_state
 from deepshard.core.optim import ZeroOptimizer
 
 __all__ = ["FRESH_STATE_DICT", "SaveRequest", "checkpoint_bytes", "clean_name", "fresh_keys", "held", "mesh_on",
-           "save_request", "state_kinds", "training_state", "unsupported_reason"]
+           "save_request", "state_kinds", "tied_aliases", "training_state", "unsupported_reason"]
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 # A state store whose ``state_dict`` returns tensors made for the caller (read from its files, kept by no
@@ -132,7 +132,10 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
                                                 layout if key in experts else None)
     if model is not None:
         trained = {clean_name(n) for n in stage.names}
+        aliases = tied_aliases(model, trained)
         for name, t in model.state_dict().items():
+            if clean_name(name) in aliases:  # a tied head: the trained tensor, saved once under its own name
+                continue
             if clean_name(name) in experts and clean_name(name) not in trained:  # frozen experts: canonical too
                 local = t.to_local() if isinstance(t, DTensor) else t
                 out["model." + clean_name(name)] = _as_dtensor(local, t, stage.zero_stage if isinstance(t, DTensor)
@@ -140,6 +143,19 @@ def training_state(optimizer: ZeroOptimizer, dp_mesh: DeviceMesh, model: nn.Modu
             elif clean_name(name) not in trained:
                 out["model." + clean_name(name)] = t
     return out
+
+
+def tied_aliases(model: nn.Module, trained: set[str]) -> set[str]:
+    """Clean names under which ``model`` lists a trained parameter a second time (a head tied to the
+    embedding): the checkpoint holds it once, under the trained name, whatever the pipeline layout (a
+    pp=2 run's last stage holds its own copy and saves it under that name too)."""
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = clean_name(name)
+        if first.setdefault(id(p), key) != key and first[id(p)] in trained:
+            aliases.add(key)
+    return aliases
 
 
 def fresh_keys(optimizer: ZeroOptimizer) -> frozenset[str]:

@@ -74,6 +74,7 @@ from deepshard.core.checkpoint.request import (
     mesh_on,
     save_request,
     state_kinds,
+    tied_aliases,
     training_state,
     unsupported_reason,
 )
@@ -250,7 +251,11 @@ def load_checkpoint(
     state = training_state(optimizer, dp_mesh, model)
     saved_keys = {k: rename(k) if rename is not None else k for k in state}
     loading = {saved_keys[k]: v for k, v in state.items()}
-    mismatch = model_mismatch(path, model_mismatch_of_rank(path, metadata, loading))
+    problem, unloaded = model_mismatch_of_rank(path, metadata, loading)
+    if model is not None:  # a tied head saved twice by earlier versions: its second copy is not read
+        aliases = {f"model.{a}" for a in tied_aliases(model, {clean_name(n) for n in stage.names})}
+        unloaded = [k for k in unloaded if k not in aliases]
+    mismatch = model_mismatch(path, (problem, unloaded))
     if mismatch:
         raise CheckpointError(mismatch + architecture_diff(manifest, meta))
     try:

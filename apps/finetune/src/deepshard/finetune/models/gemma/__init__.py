@@ -2,7 +2,7 @@
 and gemma3: a vision-language checkpoint whose text part is read): one decoder (``model.py``), two
 configs whose defaults are each version's (Gemma 2: soft-capping on, sliding every other layer, one
 RoPE base; Gemma 3: soft-capping off, q/k norms, five sliding layers to a global one, a RoPE base per
-kind of layer).  PP is refused before start (``parallelize.check_parallel``)."""
+kind of layer).  PP runs at pp=2, the tied head a copy on the last stage (``parallelize.pipeline_gemma``)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,16 @@ def _ids(ids: dict[str, Any]) -> dict[str, Any]:
                                                                              "pad_token_id")}}
 
 
-def _no_pipeline(*args: Any, **kwargs: Any) -> Any:
-    """The spec's pipeline and stage_init: refused (settings refuse parallel.pp > 1 before this)."""
-    check_parallel(None, pp=2)
+def _pipeline(model: Any, mesh: Any, config: Any, **kwargs: Any) -> Any:
+    from deepshard.finetune.models.gemma.parallelize import pipeline_gemma
+
+    return pipeline_gemma(model, mesh, config, **kwargs)
+
+
+def _stage_init(seed: int = 0, **kwargs: Any) -> Any:
+    from deepshard.finetune.models.gemma.parallelize import gemma_stage_init
+
+    return gemma_stage_init(seed, **kwargs)
 
 
 def _parallelize(model: Any, mesh: Any, **kwargs: Any) -> Any:
@@ -94,7 +101,7 @@ def _parallelize(model: Any, mesh: Any, **kwargs: Any) -> Any:
 
 def _spec(name: str, config: type, hf: HFAdapter) -> ModelSpec:
     return register(ModelSpec(name=name, config=config, build=Gemma, parallelize=_parallelize,
-                              pipeline=_no_pipeline, stage_init=_no_pipeline, check_tp=check_tp, hf=hf,
+                              pipeline=_pipeline, stage_init=_stage_init, check_tp=check_tp, hf=hf,
                               activation_memory=activation_memory, check_parallel=check_parallel))
 
 

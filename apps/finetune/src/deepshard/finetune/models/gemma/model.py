@@ -9,7 +9,8 @@ GELU); attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` and may 
 with a RoPE base of their own (``rope_local_theta``) and global layers' RoPE optionally stretched
 linearly; Gemma 3 normalizes each q and k head; the logits may be soft-capped too.  The head is the
 embedding (Gemma ties them always), so there is no ``lm_head`` module: under TP the embedding is
-vocabulary-sharded and the head reads the same shard (see ``_logits``).
+vocabulary-sharded and the head reads the same shard (see ``_logits``).  A pipeline names it
+``lm_head`` (:func:`add_head_module`) so that the last stage holds its own copy.
 
 The final soft-cap is applied inside the chunked loss (``softcap_cross_entropy``: each chunk's
 logits capped, then its cross-entropy, recomputed in backward), so the [tokens, vocab] logits never
@@ -239,7 +240,7 @@ class Gemma(nn.Module):
         """The tied head (soft-capped): under TP the embedding's vocabulary shard gives this rank's
         columns of the logits, then all-gathered (the loss then sees every rank's vocabulary), as a
         column-parallel head does."""
-        w = self.embed_tokens.weight
+        w = self.head_weight()
         if isinstance(w, DTensor):  # h enters as Replicate: its gradient is summed over the vocabulary shards
             hd = DTensor.from_local(h, w.device_mesh, [Replicate()], run_check=False)
             logits = torch.matmul(hd, w.t()).full_tensor()
@@ -248,10 +249,20 @@ class Gemma(nn.Module):
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def head_weight(self) -> torch.Tensor:
+        """The tied head's weight: the embedding's, or on a pipeline's last stage (no embedding) its own
+        copy of it (``lm_head``, :func:`add_head_module`)."""
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        h = h * h.new_tensor(self.cfg.dim ** 0.5)  # the scale rounded to the embedding's dtype first, as HF
+        """A pipeline stage without the embedding takes hidden states as ``input_ids`` (the scale was
+        applied on the first stage); one without the final norm returns hidden states."""
+        if self.embed_tokens is None:
+            h = input_ids
+        else:
+            h = self.embed_tokens(input_ids)
+            h = h * h.new_tensor(self.cfg.dim ** 0.5)  # the scale rounded to the embedding's dtype first, as HF
         masks = {SLIDING: None, FULL: None}
         if doc_ids is not None:  # flex (CUDA) holds the window in its BlockMask; not with soft-capped scores
             fused = use_flex(doc_ids.device, self.cfg.kernels) and not self.cfg.attn_softcap
@@ -260,8 +271,10 @@ class Gemma(nn.Module):
         for layer in self.layers:
             kind = SLIDING if layer.sliding else FULL
             h = layer(h, getattr(self, f"rope_{kind}"), masks[kind])
+        if self.norm is None:
+            return h
         h = self.norm(h)
-        w = self.embed_tokens.weight
+        w = self.head_weight()
         if labels is None or self.cfg.loss_chunk_size == 0 or isinstance(w, DTensor):
             logits = self._logits(h)
             if labels is None:
@@ -273,3 +286,11 @@ class Gemma(nn.Module):
                                          chunk_size=self.cfg.loss_chunk_size, reduction=reduction)
         return linear_cross_entropy(h.flatten(0, 1), w, labels.flatten(), ignore_index=IGNORE_INDEX,
                                     reduction=reduction, chunk_size=self.cfg.loss_chunk_size, backend=self.cfg.kernels)
+
+
+def add_head_module(model: Gemma) -> None:
+    """Name the tied head ``lm_head`` (a module whose weight is the embedding's, no new tensor), so a
+    pipeline split can give the last stage its own copy of it (``deepshard.pipeline.tied``)."""
+    if model.lm_head is None:
+        model.lm_head = nn.Linear(model.cfg.dim, model.cfg.vocab_size, bias=False, device="meta")
+        model.lm_head.weight = model.embed_tokens.weight

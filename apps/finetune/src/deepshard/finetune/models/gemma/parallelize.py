@@ -5,7 +5,8 @@ TP plan: Llama's (q/k/v and gate/up column-parallel, o/down row-parallel with Lo
 norms replicated, Gemma 3's q/k norms on each rank's heads, the embedding vocabulary-sharded) plus
 Gemma's two more norms per block.  The head is the tied embedding's vocabulary shard: each rank
 computes its columns of the logits, soft-caps them and all-gathers them (``Gemma._logits``), so the
-tie holds under TP.  PP is refused (the tied embedding and head would sit on different stages); sp
+tie holds under TP.  PP runs at pp=2 as Llama's with a tied head (the last stage holds its own copy of
+the embedding as ``lm_head``, their gradients summed each step: ``deepshard.pipeline.tied``); sp
 (Ulysses) runs as Llama's does, the attention taking whole sequences for its heads.
 """
 
@@ -30,10 +31,15 @@ def check_tp(cfg: GemmaConfig, tp: int) -> None:
 
 
 def check_parallel(cfg: GemmaConfig, *, pp: int = 1, tp: int = 1, sp: int = 1, lora: Any = None) -> None:
-    """Before start: pipeline parallelism is refused, with the reason."""
-    if pp > 1:
-        raise ValueError(f"parallel.pp={pp}: Gemma's head is its embedding (tied), which would sit on the first and "
-                         "the last stage at once; use parallel.pp=1 (ZeRO, tp and sp run Gemma)")
+    """Before start: pp=2 runs (the tied head a copy on the last stage, ``pipeline_gemma``); larger pp,
+    and pp with tp, are refused with the reason."""
+    from deepshard.pipeline.tied import check_tied_pp
+
+    check_tied_pp(pp, what="Gemma ties its head to its embedding")
+    if pp > 1 and tp > 1:
+        raise ValueError(f"parallel.pp={pp} with parallel.tp={tp}: Gemma's stages are not tensor-parallel "
+                         f"(untested: the last stage's copy of the tied head would need the embedding's "
+                         f"vocabulary split); use parallel.tp=1 with pp")
 
 
 def gemma_tp_plan(model: nn.Module) -> dict[str, Any]:
@@ -52,3 +58,23 @@ def parallelize_gemma(model: nn.Module, mesh: Any, **kwargs: Any) -> Any:
 
     check_tp(model.cfg, mesh["tp"].size())
     return parallelize_llama(model, mesh, tp_plan=gemma_tp_plan, **kwargs)
+
+
+def pipeline_gemma(model: nn.Module, mesh: Any, config: Any, **kwargs: Any) -> Any:
+    """Llama's pipeline with Gemma's plan: the tied head named ``lm_head`` first, so the split gives the
+    last stage its own copy of the embedding (the embedding's scale stays on the first stage, the final
+    norm and the soft-capped head on the last: ``Gemma.forward``)."""
+    from deepshard.finetune.models.gemma.model import add_head_module
+    from deepshard.finetune.models.llama.parallelize import pipeline_llama
+
+    check_parallel(model.cfg, pp=mesh["pp"].size(), tp=mesh["tp"].size())
+    add_head_module(model)
+    return pipeline_llama(model, mesh, config, tp_plan=gemma_tp_plan, **kwargs)
+
+
+def gemma_stage_init(seed: int = 0, **kwargs: Any) -> Any:
+    """Llama's stage init on Gemma, whose full model names its tied head as ``pipeline_gemma`` did."""
+    from deepshard.finetune.models.gemma.model import add_head_module
+    from deepshard.finetune.models.llama.parallelize import llama_stage_init
+
+    return llama_stage_init(seed, prepare=add_head_module, **kwargs)

@@ -43,14 +43,14 @@ def _stage_init(seed: int = 0, **kwargs: Any) -> Callable[[nn.Module], None]:
 
 
 def check_parallel(cfg: LlamaConfig, *, pp: int = 1, tp: int = 1, sp: int = 1, lora: Any = None, ep: int = 1) -> None:
-    """Before start: a tied head (Llama 3.2, SmolLM2, Qwen2.5/Qwen3's small models) with pipeline stages
-    is refused.  The head is the embedding; split, the last stage would hold a copy that trains apart
-    from the first stage's embedding (no cross-stage gradient sum is built).  (``ep``: the settings' own
-    check says that a dense model has no experts.)"""
-    if pp > 1 and cfg.tie_embeddings:
-        raise ValueError(f"parallel.pp={pp} with model.tie_embeddings=True (config.json tie_word_embeddings): the "
-                         f"head is the embedding, which would sit on the first and the last stage at once and train "
-                         f"as two copies; use parallel.pp=1 (ZeRO, tp and sp run tied models)")
+    """Before start: a tied head (Llama 3.2, SmolLM2, Qwen2.5/Qwen3's small models) runs at pp=2 (the last
+    stage's copy of the embedding, its gradient summed with the first stage's: ``deepshard.pipeline.tied``)
+    and is refused at larger pp.  (``ep``: the settings' own check says that a dense model has no experts.)"""
+    if cfg.tie_embeddings:
+        from deepshard.pipeline.tied import check_tied_pp
+
+        check_tied_pp(pp, what="the model ties its head to its embedding (model.tie_embeddings=True, config.json "
+                               "tie_word_embeddings)")
 
 
 def decoder_spec(name: str, config: type, hf: HFAdapter, presets: Mapping[str, Any] | None = None) -> ModelSpec:

@@ -48,6 +48,7 @@ from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
 from deepshard.finetune.models.ulysses import apply_ulysses, check_sp
 from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
 from deepshard.pipeline import PipelineEngine, build_engine, build_pipeline
+from deepshard.pipeline.tied import TiedPair, check_tied_pp, untie
 
 __all__ = ["check_tp", "llama_loss", "llama_stage_init", "llama_tp_plan", "parallelize_llama", "pipeline_llama"]
 
@@ -142,36 +143,45 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, *, zero: ZeroConfig, d
     return part
 
 
-def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = None) -> Callable[[nn.Module], None]:
-    """``init_fn`` for a pipeline split of a meta-device Llama: the stage gets exactly the weights
-    ``Llama(cfg).init_weights(seed)`` gives the full model (single-process parity), plus its RoPE
-    tables.  The full model is materialized once on the host, lazily, and shared by the stages of
-    this rank; a run that loads a checkpoint afterwards can skip this (any init_fn will do).
+def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = None,
+                     prepare: Callable[[nn.Module], None] | None = None) -> Callable[[nn.Module], None]:
+    """``init_fn`` for a pipeline split of a meta-device Llama (or a decoder of its shape: the stage's
+    own class is built): the stage gets exactly the weights ``init_weights(seed)`` gives the full model
+    (single-process parity), and its buffers (RoPE tables).  The full model is materialized once on the
+    host, lazily, and shared by the stages of this rank; a run that loads a checkpoint afterwards can
+    skip this (any init_fn will do).
 
     ``full``: builds the materialized full model instead (the app's: HF weights, LoRA adapters with
     their seeded init or a PEFT folder's), so a stage's adapters equal the unsplit model's.
+    ``prepare``: what the pipeline did to the model before splitting it (Gemma names its tied head).
     """
     cache: dict[str, nn.Module] = {}
 
-    def build(cfg: LlamaConfig) -> nn.Module:
+    def build(stage: nn.Module) -> nn.Module:
         if full is not None:
-            return full()
-        with torch.device("meta"):  # init_weights writes every parameter: skip the default init
-            model = Llama(cfg)
-        model.to_empty(device="cpu")
-        model.init_weights(seed)
+            model = full()
+        else:
+            with torch.device("meta"):  # init_weights writes every parameter: skip the default init
+                model = type(stage)(stage.cfg)
+            model.to_empty(device="cpu")
+            if stage.cfg.tie_embeddings and getattr(model, "lm_head", None) is not None:  # to_empty untied it
+                model.lm_head.weight = model.embed_tokens.weight
+            model.init_weights(seed)
+        if prepare is not None:
+            prepare(model)
         return model
 
     def init(stage: nn.Module) -> None:
         if "full" not in cache:
-            cache["full"] = build(stage.cfg)
+            cache["full"] = build(stage)
         whole = cache["full"]
         own = dict(whole.named_parameters(remove_duplicate=False))  # a tied head too (the last stage's copy)
+        buffers = dict(whole.named_buffers())
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 p.copy_(own[name])
-            stage.rope_cos.copy_(whole.rope_cos)
-            stage.rope_sin.copy_(whole.rope_sin)
+            for name, b in stage.named_buffers():
+                b.copy_(buffers[name])
 
     return init
 
@@ -191,22 +201,38 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def pipeline_llama(model: Llama, mesh: DeviceMesh, config: EngineConfig, *, schedule: str = "1f1b",
                    microbatches: int = 1, partition: str = "uniform", virtual_stages: int | None = None,
                    init_fn: Callable[[nn.Module], None] | None = None, store_factory: StoreFactory = DeviceStateStore,
-                   offload_params: ParamOffload | None = None, device: torch.device | None = None) -> PipelineEngine:
+                   offload_params: ParamOffload | None = None, device: torch.device | None = None,
+                   tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None) -> PipelineEngine:
     """The whole 3D recipe: split ``model`` into ``mesh["pp"]`` stages, parallelize each (TP, AC,
     ZeRO per ``config``), and return the pipeline engine (``train_step(input_ids, labels)``).
 
     Works for pp=1 too (one stage holding everything), so TP / ZeRO runs take the same path.
+    A tied head at pp=2 is the last stage's copy of the embedding (:func:`tied_head`).
     ``model`` on meta needs ``init_fn`` (``llama_stage_init(seed)``, or a checkpoint loader by FQN);
-    ``store_factory``/``offload_params`` as in ``deepshard.core.initialize``.
+    ``store_factory``/``offload_params`` as in ``deepshard.core.initialize``; ``tp_plan``: another
+    decoder's plan for the same recipe (Gemma's).
     """
     check_tp(model.cfg, mesh["tp"].size())
+    tied = tied_head(model, pp=mesh["pp"].size())
 
     def parallelize(stage: nn.Module) -> ShardedPart:
         return parallelize_llama(stage, mesh, zero=config.zero, dtype=config.precision.dtype, ac=config.ac,
                                  offload_params=offload_params, ac_offload=config.ac_offload,
-                                 compile=config.compile)
+                                 compile=config.compile, tp_plan=tp_plan)
 
     pipe = build_pipeline(model, mesh["pp"], loss_fn=llama_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, device=device or local_device())
-    return build_engine(pipe, config, mesh=mesh, store_factory=store_factory)
+    return build_engine(pipe, config, mesh=mesh, store_factory=store_factory, tied=tied)
+
+
+def tied_head(model: nn.Module, *, pp: int) -> tuple[TiedPair, ...]:
+    """Over several stages, a head tied to the embedding becomes the last stage's own copy (``model`` is
+    changed: its ``lm_head`` gets a parameter of its own, a clone of the embedding's; on meta, the stage's
+    ``init_fn`` fills it from the embedding's tensor by name); returns the pair the engine sums."""
+    if pp == 1 or not model.cfg.tie_embeddings:
+        return ()
+    check_tied_pp(pp, what="the model ties its head to its embedding (model.tie_embeddings=True)")
+    tied = (("embed_tokens.weight", "lm_head.weight"),)
+    untie(model, tied)
+    return tied

@@ -13,10 +13,11 @@ transformers' own embeddings, mask function, rotary embedding, blocks and norm, 
 Parameter names stay those of the unsplit model (``hf.<base>.<layers>.<i>...``).
 
 A tied head (GPT-2's ``lm_head`` is ``wte``) is kept Megatron's and DeepSpeed's way: the last stage holds
-its own copy, loaded from the same tensor, and :class:`TiedHeadEngine` sums the two copies' gradients
-before every step, so both take the same update; each copy counts half in the global norms.  It is done
-at pp=2 (the pp group is the two holders); larger pp with a tie, other architectures and pp with tp are
-refused before start (:func:`check_pipeline`).
+its own copy, loaded from the same tensor, and :class:`~deepshard.pipeline.tied.TiedPipelineEngine` sums the two copies' gradients
+before every step, so both take the same update; each copy counts half in the global norms; a checkpoint
+holds it once, under the embedding's name (``deepshard.pipeline.tied``, shared with the native families).
+It is done at pp=2 (the pp group is the two holders); larger pp with a tie, other architectures and pp
+with tp are refused before start (:func:`check_pipeline`).
 """
 
 from __future__ import annotations
@@ -26,25 +27,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.core.config import EngineConfig
 from deepshard.core.mesh import local_device
-from deepshard.core.optim import StepStats
 from deepshard.core.parallelize import IGNORE_INDEX, ShardedPart, parallelize_model
 from deepshard.core.state_store import DeviceStateStore, StoreFactory
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.transformers_path.model import (
-    WRAPPER,
     TransformersConfig,
     TransformersLM,
     hf_config_object,
     positions_in_documents,
 )
 from deepshard.pipeline import DecoderSpec, PipelineEngine, build_engine, build_pipeline
+from deepshard.pipeline.tied import TiedPair, check_tied_pp, untie
 
 
 @dataclass(frozen=True)
@@ -76,10 +75,8 @@ def check_pipeline(cfg: TransformersConfig, *, pp: int, tp: int = 1) -> None:
         raise ValueError(f"parallel.pp={pp}: the transformers path splits {list(TESTED)} only ({cfg.arch} is "
                          f"untested: its blocks must form one ModuleList that a stage forward runs in "
                          f"order); use parallel.pp=1")
-    if cfg.tie_embeddings and pp != 2:
-        raise ValueError(f"parallel.pp={pp}: {cfg.arch} ties its head to its embedding (tie_word_embeddings); "
-                         f"the first and last stages sum their two copies' gradients at parallel.pp=2 only; "
-                         f"use parallel.pp=2")
+    if cfg.tie_embeddings:
+        check_tied_pp(pp, what=f"{cfg.arch} ties its head to its embedding (tie_word_embeddings)")
     if tp > 1:
         raise ValueError(f"parallel.pp={pp} with parallel.tp={tp}: the transformers path's stages are not "
                          f"tensor-parallel (untested); use tp=1 with pp")
@@ -103,11 +100,12 @@ class PipelineView(nn.Module):
         self.parts = parts
         head = next(n for n, m in self.hf.named_modules() if m is self.hf.get_output_embeddings())
         embed = next(n for n, m in self.hf.named_modules() if m is self.hf.get_input_embeddings())
-        # the tied pair's names: (embedding on the first stage, head's own copy on the last) or ()
-        self.tied_names: tuple[str, ...] = ()
+        # the tied pair: (the embedding on the first stage, the head's own copy on the last), or none
+        self.tied: tuple[TiedPair, ...] = ()
         if model.cfg.tie_embeddings:  # the last stage's own copy, loaded from the same tensor by name
-            self.hf.get_output_embeddings().weight = nn.Parameter(self.hf.get_input_embeddings().weight.detach().clone())
-            self.tied_names = (f"hf.{embed}.weight", f"hf.{head}.weight")
+            self.tied = ((f"{embed}.weight", f"{head}.weight"),)
+            untie(self.hf, self.tied)
+            self.tied = tuple((f"hf.{kept}", f"hf.{copy}") for kept, copy in self.tied)
         alias = {f"pp_first_{n}": (base, n) for n in parts.first} | {f"pp_last_{n}": (base, n) for n in parts.last}
         alias |= {LAYERS: (base, parts.layers), HEAD: ("", head)}
         self.__dict__["_alias"] = alias
@@ -222,42 +220,4 @@ def pipeline_transformers(model: TransformersLM, mesh: DeviceMesh, config: Engin
     pipe = build_pipeline(view, mesh["pp"], loss_fn=pipeline_loss, schedule=schedule, microbatches=microbatches,
                           partition=partition, virtual_stages=virtual_stages, parallelize_fn=parallelize,
                           init_fn=init_fn, spec=view.spec, device=device or local_device())
-    engine = build_engine(pipe, config, mesh=mesh, store_factory=store_factory)
-    if not view.tied_names:
-        return engine
-    return TiedHeadEngine(pipe, engine.optimizer, mesh=mesh, dtype=engine.dtype, num_params=engine.num_params,
-                          tied_names=view.tied_names)
-
-
-class TiedHeadEngine(PipelineEngine):
-    """The pipeline engine of a model whose head is tied to its embedding: the first stage's embedding
-    and the last stage's copy of it get the sum of their gradients before each step (one all-reduce over
-    the pp group of two, or a local sum where one rank holds both), so the copies stay equal; each is
-    one tensor held twice, so it counts half in the global grad and param norms."""
-
-    def __init__(self, *args: Any, tied_names: tuple[str, ...], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        index = {id(p): i for i, p in enumerate(self.zero.params)}
-        self.tied = [index[id(p)] for m in self.pipeline.modules for n, p in m.named_parameters()
-                     if n.replace(WRAPPER, "") in tied_names]
-        counted = self.zero.replication
-
-        def replication() -> list[int]:
-            return [r * 2 if i in self.tied else r for i, r in enumerate(counted())]
-
-        self.zero.replication = replication  # type: ignore[method-assign]
-
-    def step(self) -> StepStats:
-        grads = self.zero.local_grads()
-        mine = [grads[i] for i in self.tied]
-        with torch.no_grad():
-            if len(mine) == 2:  # one rank holds both stages (a V-shaped schedule), the other neither
-                mine[0].add_(mine[1])
-                mine[1].copy_(mine[0])
-            elif mine:  # at pp=2 the other rank holds the other copy
-                dist.all_reduce(mine[0], group=self.pipeline.pp_mesh.get_group())
-        handed = self.zero.handed_over()
-        for i in self.tied:
-            if i in handed:  # ZeRO-2 handed the store this gradient during backward, before the sum
-                self.store.grad_ready(i, grads[i])
-        return super().step()
+    return build_engine(pipe, config, mesh=mesh, store_factory=store_factory, tied=view.tied)
