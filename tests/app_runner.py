@@ -169,13 +169,14 @@ def _serve() -> None:
     from deepshard.finetune import app
     from deepshard.finetune.config import ds_config  # noqa: F401
     from deepshard.finetune.data.tokenizer import tokenizer_modules
+    from deepshard.finetune.recipe.assemble import WORKER_IMPORTS
     from deepshard.launch.local import start_worker_server
     from deepshard.launch.worker_server import server_pid
 
     preload = tokenizer_modules("any")
     for module in preload:  # the launcher checks the data with the tokenizer too (transformers: ~1 s a run)
         importlib.import_module(module)
-    start_worker_server(app.train_worker, preload=preload)
+    start_worker_server(app.train_worker, preload=[*preload, *WORKER_IMPORTS])
     gc.collect()  # what the imports left is settled: a run's own full collections (the launcher trims
     gc.freeze()  # its heap before launching) then walk the run's objects, not the runner's ~0.3 s of them
     _say(answers, server=server_pid())

@@ -27,7 +27,7 @@ from deepshard.finetune.data.tokenizer import tokenizer_modules
 from deepshard.finetune.preempted import preemption_outcome
 from deepshard.finetune.preflight import killed_for_memory, plan_memory
 from deepshard.finetune.prelaunch import check_data_fits, check_inputs, holding_job_dirs, write_hydra_files
-from deepshard.finetune.recipe.assemble import train_worker
+from deepshard.finetune.recipe.assemble import WORKER_IMPORTS, train_worker
 from deepshard.finetune.recipe.divergence import TrainingDiverged
 from deepshard.launch.heartbeat import read_beats
 from deepshard.launch.local import JobFailed, launch_local, start_worker_server
@@ -113,7 +113,7 @@ def _run(settings: Settings, run_dir: str) -> dict:
                                      int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # and offload buffers chosen to fit
                                      forked=local_workers)
     if local_workers:  # their imports, in the background, while the checks below read the inputs
-        start_worker_server(train_worker, preload=tokenizer_modules(settings.model_path))
+        start_worker_server(train_worker, preload=[*tokenizer_modules(settings.model_path), *WORKER_IMPORTS])
     check_inputs(settings)  # user data read through once, model=hf's files
     if not local_workers:
         return _inline(settings, run_dir)

@@ -240,6 +240,12 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
     return loop
 
 
+# what a worker imports during its run rather than at this module's import (a launcher reading a config
+# skips them): the pipeline package (torch.distributed.pipelining; every model family's recipe module
+# imports it) and rank 0's TensorBoard writer; a launcher's forkserver holds them once for all its ranks
+# instead of each rank importing them after the fork (~0.3-0.5 s of CPU each, per rank and launch)
+WORKER_IMPORTS = ("deepshard.pipeline", "torch.utils.tensorboard")
+
 def train_worker(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> dict:
     """Train on this rank; returns the run's summary (identical on every rank).  ``settings``: the
     validated ``config.Settings``; ``datasets`` are the (train, eval) sets the launcher built in its
