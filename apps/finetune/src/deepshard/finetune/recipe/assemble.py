@@ -246,6 +246,7 @@ def assemble(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset 
 # instead of each rank importing them after the fork (~0.3-0.5 s of CPU each, per rank and launch)
 WORKER_IMPORTS = ("deepshard.pipeline", "torch.utils.tensorboard")
 
+
 def train_worker(settings: Settings, run_dir: str, datasets: tuple[Dataset, Dataset | None] | None = None) -> dict:
     """Train on this rank; returns the run's summary (identical on every rank).  ``settings``: the
     validated ``config.Settings``; ``datasets`` are the (train, eval) sets the launcher built in its
