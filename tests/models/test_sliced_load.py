@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepshard.finetune.recipe.assemble import to_empty_tied
+from deepshard.finetune.models.materialize import to_empty_tied
 from tests.models.hf_refs import save_hf
 
 

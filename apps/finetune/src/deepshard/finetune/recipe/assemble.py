@@ -35,6 +35,7 @@ from deepshard.finetune.data.resumable import ResumableStream
 from deepshard.finetune.data.tokenizer import load_tokenizer
 from deepshard.finetune.models import registry
 from deepshard.finetune.models.lora import apply_lora, init_adapters
+from deepshard.finetune.models.materialize import to_empty_tied
 from deepshard.finetune.recipe import chaos
 from deepshard.finetune.recipe.checkpointing import agree_run_dir, start_checkpointing
 from deepshard.finetune.recipe.divergence import DivergenceGuard
@@ -83,19 +84,6 @@ def build_model(s: Settings, device: torch.device, *, materialize: bool = True) 
         to_empty_tied(model, device)
         init_model(model, s)
     return model
-
-
-def to_empty_tied(model: nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device)`` with its tied parameters still one: from the meta device each module
-    gets a new parameter, which unties a shared one (the embedding and head of Llama 3.2 and SmolLM2,
-    whose checkpoints then hold no ``lm_head.weight`` to load)."""
-    owner: dict[int, str] = {}
-    ties = [(name, owner.setdefault(id(p), name)) for name, p in model.named_parameters(remove_duplicate=False)]
-    model.to_empty(device=device)
-    for name, first in ties:
-        if name != first:
-            module, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(module), attr, model.get_parameter(first))
 
 
 def _materializer(s: Settings, offload_params: ParamOffload | None):

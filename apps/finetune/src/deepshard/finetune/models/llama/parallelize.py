@@ -45,6 +45,7 @@ from deepshard.core.tensor_parallel import ColwiseWithChildren, ReplicateParalle
 from deepshard.core.zero import ParamOffload
 from deepshard.finetune.models.llama.model import Llama, LlamaConfig
 from deepshard.finetune.models.lora import LORA_COLWISE, LORA_ROWWISE
+from deepshard.finetune.models.materialize import to_empty_tied
 from deepshard.finetune.models.ulysses import apply_ulysses, check_sp
 from deepshard.finetune.models.vocab_tiling import apply_vocab_tiling, model_tile_rows, sharded_numel
 from deepshard.pipeline import PipelineEngine, build_engine, build_pipeline
@@ -163,9 +164,7 @@ def llama_stage_init(seed: int = 0, *, full: Callable[[], nn.Module] | None = No
         else:
             with torch.device("meta"):  # init_weights writes every parameter: skip the default init
                 model = type(stage)(stage.cfg)
-            model.to_empty(device="cpu")
-            if stage.cfg.tie_embeddings and getattr(model, "lm_head", None) is not None:  # to_empty untied it
-                model.lm_head.weight = model.embed_tokens.weight
+            to_empty_tied(model, torch.device("cpu"))
             model.init_weights(seed)
         if prepare is not None:
             prepare(model)

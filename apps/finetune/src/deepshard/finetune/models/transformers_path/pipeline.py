@@ -103,9 +103,8 @@ class PipelineView(nn.Module):
         # the tied pair: (the embedding on the first stage, the head's own copy on the last), or none
         self.tied: tuple[TiedPair, ...] = ()
         if model.cfg.tie_embeddings:  # the last stage's own copy, loaded from the same tensor by name
-            self.tied = ((f"{embed}.weight", f"{head}.weight"),)
-            untie(self.hf, self.tied)
-            self.tied = tuple((f"hf.{kept}", f"hf.{copy}") for kept, copy in self.tied)
+            untie(self.hf, ((f"{embed}.weight", f"{head}.weight"),))
+            self.tied = ((f"hf.{embed}.weight", f"hf.{head}.weight"),)
         alias = {f"pp_first_{n}": (base, n) for n in parts.first} | {f"pp_last_{n}": (base, n) for n in parts.last}
         alias |= {LAYERS: (base, parts.layers), HEAD: ("", head)}
         self.__dict__["_alias"] = alias
