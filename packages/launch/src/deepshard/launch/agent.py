@@ -166,10 +166,12 @@ def run_node(node: NodeConfig, entry: str, args: Sequence[str]) -> Failure | Non
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from deepshard.launch.failed_group_stop import stop_failed_groups_within
     from deepshard.launch.local import elastic_log_dir, scoped_environment, worker_threads
     from deepshard.launch.rendezvous_names import name_steps_cheaply
 
     name_steps_cheaply()
+    stop_failed_groups_within()  # a restart after a death waits seconds for a stuck survivor, not torch's 30
     deaths = DeathWatch()  # who died first: the agent reports one failed worker, not always the cause
     _quiet_agent(node.host, on_restart=deaths.clear)
     env = dict(node.env)

@@ -29,6 +29,7 @@ from deepshard.core.host_malloc import set_mmap_threshold
 from deepshard.core.mesh import free_port
 from deepshard.launch import worker_server
 from deepshard.launch.deaths import lost_peer
+from deepshard.launch.failed_group_stop import stop_failed_groups_within
 from deepshard.launch.heartbeat import ENV_DIR, Hang, Watchdog, read_beats, remove_dead_beats
 from deepshard.launch.memory import OomWatch, raise_oom_score
 from deepshard.launch.parent_death import die_with_parent
@@ -274,6 +275,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads_per_wor
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     name_steps_cheaply()
+    stop_failed_groups_within()  # a failed group's stuck survivor is killed in seconds, not torch's 30
     if heartbeat_dir is not None:
         beat_dir = Path(heartbeat_dir)
         beat_dir.mkdir(parents=True, exist_ok=True)
