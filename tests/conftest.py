@@ -36,9 +36,12 @@ def mount_tmpfs(tmp_path):
 # The files that take a minute or more (.ci/run's durations), heaviest first.  Under the two xdist workers
 # (which take whole files in collection order) they start first, so the workers end together on the quick
 # tests instead of one of them finishing a long file alone.
-HEAVY_FIRST = ("tests/models/test_smollm2.py", "tests/models/test_smollm2_qlora.py", "tests/launch/test_cli_launch.py",
+# The two SmolLM2 files go to one worker, one after the other (the first converts the weights, ~20 CPU-s; the
+# second finds them), while the other worker starts on the compile tests.
+HEAVY_FIRST = ("tests/models/test_smollm2.py", "tests/app/test_compile.py", "tests/models/test_smollm2_qlora.py",
+               "tests/launch/test_cli_launch.py",
                "tests/launch/test_cli_restart.py", "tests/launch/test_node_restart.py",
-               "tests/compat/test_hf_stack_launch.py", "tests/compat/test_hf_stack.py", "tests/app/test_compile.py",
+               "tests/compat/test_hf_stack_launch.py", "tests/compat/test_hf_stack.py",
                "tests/zeropp/test_quantized.py", "tests/faults/test_slow_saves.py", "tests/faults/test_checkpoint_faults.py",
                "tests/compat/test_hf_trainer.py", "tests/faults/test_async_checkpoint_faults.py",
                "tests/faults/test_run_faults.py", "tests/checkpoint/test_app_preempt.py", "tests/zeropp/test_hsdp_qgz.py")

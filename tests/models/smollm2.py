@@ -66,12 +66,24 @@ def convert(gguf: Path, out: Path) -> None:
 
 
 def smollm2_dir() -> tuple[Path, float]:
-    """The converted folder (converted now if the cache lacks it) and the seconds the conversion took."""
+    """The converted folder (converted now if the cache lacks it) and the seconds the conversion took.
+    One process converts at a time (the suite's two workers may both start with a SmolLM2 file): the
+    other waits for its folder instead of converting it a second time."""
+    import fcntl
+
     target = cache_dir()
     if (target / "config.json").is_file():
         return target, 0.0
-    gguf = gguf_file()
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _convert_once(target)
+
+
+def _convert_once(target: Path) -> tuple[Path, float]:
+    if (target / "config.json").is_file():  # converted by the process that held the lock before us
+        return target, 0.0
+    gguf = gguf_file()
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
     try:
