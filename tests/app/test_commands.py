@@ -53,6 +53,10 @@ def test_help_exits_0_and_says_what_the_command_does(name):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for words in HELP_NAMES[name]:
         assert words in proc.stdout, (words, proc.stdout)
+    # --help answers at once: no torch imported (python -X importtime names every module it imported)
+    imported = subprocess.run([sys.executable, "-X", "importtime", command(name), "--help"], capture_output=True,
+                              text=True, timeout=60).stderr
+    assert not re.search(r"\|\s+torch$", imported, re.MULTILINE), name
 
 
 @pytest.mark.parametrize("name, args, named", [
@@ -131,3 +135,10 @@ def test_the_report_says_the_provider_is_active_when_asked_for():
     proc = run("deepshard-report", env={"DEEPSHARD_DEEPSPEED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert answer(proc.stdout, "deepspeed provider") == "yes"
+
+
+def test_exports_dtype_choices_are_the_dtypes_hf_export_writes():
+    from deepshard.finetune.tools.export import DTYPE_NAMES
+    from deepshard.finetune.tools.hf_export import DTYPES
+
+    assert sorted(DTYPE_NAMES) == sorted(DTYPES)

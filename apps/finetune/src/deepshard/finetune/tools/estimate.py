@@ -15,9 +15,10 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from deepshard.core.memory import Residence, residence
-from deepshard.finetune.models.memory_plan import count_frozen, count_params, offload_buffers
+if TYPE_CHECKING:  # the estimates import torch; --help and a bad argument need none of it
+    from deepshard.core.memory import Residence
 
 OFFLOADS = ("none", "cpu", "nvme")
 
@@ -35,6 +36,8 @@ def all_estimates(num_params: int, *, dp: int, dtype: str, nvme_buffer_bytes: in
                   frozen_params: int = 0, param_buffer_bytes: int = 0, experts: int = 0, ep: int = 1) -> list[Residence]:
     """Every stage x offload choice (optimizer offload needs stage >= 1, parameter offload stage 3);
     ``experts``: this rank's expert parameters under ``parallel.ep`` (in ``num_params``, sharded over dp / ep)."""
+    from deepshard.core.memory import residence
+
     out = []
     for stage in range(4):
         for offload in OFFLOADS:
@@ -83,6 +86,7 @@ def _fmt(n: int) -> str:
 def report(cfg: dict) -> tuple[str, list[Residence], int, int]:
     """The printed table, the estimates, the parameter count per rank and the dp size."""
     from deepshard.finetune.config import validate
+    from deepshard.finetune.models.memory_plan import count_frozen, count_params, offload_buffers
 
     settings = validate(cfg)
     world, dims = settings.world_size, settings.parallel

@@ -7,7 +7,8 @@ import json
 import sys
 
 from deepshard.finetune.tools.cli import ArgumentParser
-from deepshard.finetune.tools.hf_export import DTYPES, export_checkpoint
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32")  # hf_export.DTYPES' keys: --help and a bad argument need no torch
 
 
 def parse_size(text: str) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.fine
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint directory")
     parser.add_argument("out_dir", help="where to write the HF model folder")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 500MB, 2GB)")
     lora = parser.add_mutually_exclusive_group()  # +peft=lora checkpoints (adapter_export.py)
     lora.add_argument("--adapter", action="store_true", help="write a PEFT adapter folder (PeftModel.from_pretrained)")
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m deepshard.fine
     args = parser.parse_args(argv)
     try:
         from deepshard.finetune.tools import adapter_export as ax
+        from deepshard.finetune.tools.hf_export import export_checkpoint
 
         if args.adapter:
             summary = ax.export_adapter(args.checkpoint, args.out_dir, dtype=args.dtype)
