@@ -11,7 +11,9 @@ sp=2 at ZeRO-3 (Ulysses' all-to-alls inside the block as functional collectives,
 the sp ranks) on variable lengths; TP=2 on two lengths (its first block's input, the embedding's async
 all-reduce, must get its gradient; its blocks compile with ``dynamic=False``, a static graph per
 length, because the symbolic graph fails over DTensor on torch 2.13: one graph per distinct length).
-TP runs first: dynamo's automatic dynamic shapes remember per code which dims changed.
+TP runs first: dynamo's automatic dynamic shapes remember per code which dims changed.  TP=2 with AC:
+the checkpoint stays eager around the compiled block (traced into the graph over DTensor weights it
+fails on torch 2.13), so the compiled forward runs twice a step, the second time in backward's recompute.
 Under LoRA the first block's input needs no grad (the embedding is frozen) and the second's does:
 two graphs per length kind.  Dynamo's caches are kept across the cases (ZeRO-3 reuses ZeRO-0's
 graphs where its guards pass), as one process of a run would: each graph costs 5-25 s here, compiled in
@@ -37,6 +39,7 @@ TWO = (16, 24, 16, 24, 24)  # tp: a static graph per length, so two lengths (eac
 ROWS = 4
 # name -> (zero stage, ac, lora, lengths per step, layout: dp, tp, sp over the 2 ranks)
 CASES = {"tp2_two_lengths": (0, "none", False, TWO, (1, 2, 1)),  # first: before any length turns dynamic
+         "tp2_ac": (0, "full", False, ONE, (1, 2, 1)),  # the checkpoint eager around the compiled block
          "zero0": (0, "none", False, VARIABLE, (2, 1, 1)), "zero3": (3, "none", False, VARIABLE, (2, 1, 1)),
          "zero3_ac_lora": (3, "full", True, ONE, (2, 1, 1)),
          "sp2_zero3": (3, "none", False, VARIABLE, (1, 1, 2))}
@@ -104,7 +107,9 @@ def _train(stage: int, ac: str, lora: bool, lengths: tuple[int, ...], layout: tu
         losses.append(total.item() / num_items.item())
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in engine.model.named_parameters()}
-    calls = [getattr(b.__dict__.get("forward"), "calls", 0) for b in engine.model.layers]  # compiled forwards' calls
+    # compiled forwards' calls: on the block, or (tp under AC) on the block inside the eager checkpoint
+    calls = [getattr(getattr(b, "_checkpoint_wrapped_module", b).__dict__.get("forward")
+                     or b.__dict__.get("forward"), "calls", 0) for b in engine.model.layers]
     return {"losses": losses, "params": params, "calls": calls}
 
 
@@ -203,12 +208,14 @@ def test_compiled_blocks_train_as_eager(results, case):
 def test_every_block_ran_compiled_in_one_graph_each_length_bounded(results, case):
     for res in results:
         r = res[case]
-        assert r["compiled"]["calls"] == [STEPS, STEPS]
+        stage, ac, lora, lengths, layout = CASES[case]
+        recomputed = ac != "none" and layout[1] > 1  # tp: the compiled block runs again in the eager checkpoint
+        assert r["compiled"]["calls"] == [STEPS * (2 if recomputed else 1)] * 2, r["compiled"]["calls"]
         assert r["eager"]["calls"] == [0, 0]
         assert r["breaks"] == 0
         # 2 blocks share one code: per input kind (LoRA: two), one static graph, then one symbolic one
         # for every later length (ZeRO-3 may reuse ZeRO-0's); tp: one static graph per length
-        stage, _, lora, lengths, layout = CASES[case]
         per_kind = len(set(lengths)) if layout[1] > 1 else min(len(set(lengths)), 2)
         assert r["graphs"] <= (2 if lora else 1) * per_kind, r["graphs"]
-        assert r["graphs"] >= 1 or case == "zero3", r["graphs"]
+        # ZeRO-3 may run ZeRO-0's graphs, and tp2 under AC tp2's graph of length 16: the same block code
+        assert r["graphs"] >= 1 or case in ("zero3", "tp2_ac"), r["graphs"]

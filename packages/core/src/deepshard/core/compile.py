@@ -156,8 +156,10 @@ def apply_compile(blocks: nn.Module, *, inside_checkpoint: bool = False, dynamic
     """Compile every block of ``blocks`` (a ModuleList, or a pipeline stage's ModuleDict) in place:
     its forward becomes ``torch.compile(forward, fullgraph=True)`` with inductor.  A checkpointed
     block is compiled with its checkpoint (traced into the graph, as torchtitan does), except with
-    ``inside_checkpoint`` (AC offload: ``save_on_cpu``'s hooks cannot be traced): then the block
-    inside the checkpoint is compiled and the checkpoint runs eagerly around it.  Blocks already
+    ``inside_checkpoint`` (AC offload: ``save_on_cpu``'s hooks cannot be traced; tensor parallelism:
+    traced with the checkpoint, torch 2.13's AOT autograd saves a DTensor's DeviceMesh as a tensor for
+    backward and fails): then the block inside the checkpoint is compiled and the checkpoint runs
+    eagerly around it.  Blocks already
     compiled are left as they are (``engine.compile()`` after the config's ``compile``).
     ``dynamic``: torch.compile's (None: automatic dynamic shapes; False: a static graph per length,
     what tensor-parallel blocks need on torch 2.13, see the module's docstring)."""

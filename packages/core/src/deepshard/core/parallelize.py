@@ -89,8 +89,10 @@ def parallelize_model(
     elif ac != "none" or compile:
         raise ValueError("ac and compile need the blocks as an nn.ModuleList or ModuleDict")
     if compile:  # after TP and AC (the checkpoint is traced into the graph), before ZeRO's hooks
-        # DTensor weights: a static graph per length (a symbolic one fails to compile on torch 2.13)
-        apply_compile(blocks, inside_checkpoint=ac_offload, dynamic=False if tp_size > 1 else None)
+        # DTensor weights: a static graph per length (a symbolic one fails to compile on torch 2.13), and the
+        # checkpoint left eager around the compiled block (traced with it, AOT autograd saves the weights'
+        # DeviceMesh among the tensors for backward and fails: "expected all tensors_saved_with_vc_check")
+        apply_compile(blocks, inside_checkpoint=ac_offload or tp_size > 1, dynamic=False if tp_size > 1 else None)
     psi = num_params(p for p in model.parameters() if p.requires_grad)
     dp_mesh = zero_mesh(mesh)  # dp, or dp x sp flattened: sequence-parallel ranks share the shards
     torch_dtype = DTYPES[dtype]
