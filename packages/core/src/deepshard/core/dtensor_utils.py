@@ -61,6 +61,17 @@ def dtensor_replication(p: torch.Tensor) -> int:
     return n
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``'s local piece, laid out as ``p``'s.  Under tensor parallelism torch may hand a parameter a
+    gradient of other placements (the vocab-parallel embedding, Shard(0), gets a Replicate one under bf16
+    compute): it is redistributed to the parameter's placements first (Replicate to Shard is a local
+    slice, no communication); the stages then find the rows they own where they look for them."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local_tensor(g)
+
+
 def like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Wrap a local gradient as a DTensor when the param is one (tensor parallel), else ``g`` itself."""
     if isinstance(p, DTensor):

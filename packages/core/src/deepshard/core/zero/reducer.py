@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepshard.core.dtensor_utils import like_param, local_tensor
+from deepshard.core.dtensor_utils import like_param, local_grad, local_tensor
 from deepshard.core.zero.collectives import exchange_with_peer, pairwise_reduce_scatter
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import BucketLayout, group_into_buckets, local_shard
@@ -76,7 +76,7 @@ class _HookedReducer:
 
     def _grad_or_zeros(self, i: int) -> torch.Tensor:
         p = self.params[i]
-        return local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
+        return local_grad(p) if p.grad is not None else torch.zeros_like(local_tensor(p.data))
 
     def finish(self) -> None:
         """Launch buckets whose params got no gradient, wait for all, and write results out."""
@@ -151,7 +151,7 @@ class AllReduceReducer(_HookedReducer):
         p = self.params[i]
         view = self.grad(i)
         if local_tensor(p.grad).data_ptr() != view.data_ptr():
-            view.copy_(local_tensor(p.grad))
+            view.copy_(local_grad(p))
             p.grad = like_param(p, view)
 
     def _accumulate(self, i: int) -> None:
@@ -161,7 +161,7 @@ class AllReduceReducer(_HookedReducer):
         if self.as_views[i]:
             self._home(i)
         else:
-            self.grad(i).add_(local_tensor(p.grad))
+            self.grad(i).add_(local_grad(p))
             p.grad = None
 
     def _gather_home(self, b: int) -> None:

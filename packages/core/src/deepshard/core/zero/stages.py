@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepshard.core.dtensor_utils import dtensor_replication, local_tensor, storage_bytes
+from deepshard.core.dtensor_utils import dtensor_replication, local_grad, local_tensor, storage_bytes
 from deepshard.core.zero.gather import ShardGatherer
 from deepshard.core.zero.handoff import GradHandoff
 from deepshard.core.zero.layout import local_shard
@@ -86,7 +86,7 @@ class ZeroStage(ABC):
 
 def param_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
     """Each param's local gradient, zeros where backward left none (stages whose grads live in ``.grad``)."""
-    return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data)) for p in params]
+    return [local_grad(p) if p.grad is not None else torch.zeros_like(local_tensor(p.data)) for p in params]
 
 
 def held_grad_bytes(params: list[nn.Parameter]) -> int:
