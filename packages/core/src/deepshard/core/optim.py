@@ -99,8 +99,20 @@ class ZeroOptimizer:
         self.num_updates = 0
         # seconds spent waiting for the stage's collectives, for profilers (they read and reset it)
         self.comm_wait_s = {"backward": 0.0, "optimizer": 0.0}
+        self.shared: dict[int, int] = {}  # see count_shared
         for handoff, offset in stage.grad_handoffs():  # final shards reach the store during backward
             handoff.bind(store.grad_ready, offset=offset)
+
+    def count_shared(self, holders: dict[int, int]) -> None:
+        """Gradients held, summed and equal, by ranks beyond the stage's own group (a weight tied across
+        pipeline stages: each stage keeps a copy): ``holders`` maps the gradient's index to how many
+        hold it, and each copy counts ``1/k`` in the global grad and param norms."""
+        self.shared = dict(holders)
+
+    def replication(self) -> list[int]:
+        """Per local gradient, how many ranks hold the same values: the stage's count, times
+        :meth:`count_shared`'s."""
+        return [r * self.shared.get(i, 1) for i, r in enumerate(self.stage.replication())]
 
     def finish_backward(self) -> None:
         """Wait for the reductions launched during backward (timed as communication wait)."""
@@ -115,7 +127,7 @@ class ZeroOptimizer:
         for i, g in enumerate(grads):
             if i not in handed_over:  # the rest reached the store while backward ran
                 self.store.grad_ready(i, g)
-        sq = global_grad_sq_norm(grads, self.stage.replication())
+        sq = global_grad_sq_norm(grads, self.replication())
         scale = self.scaler.scale
         lr = self.lr_at(self.num_updates)
         if not torch.isfinite(sq):
@@ -150,10 +162,10 @@ class ZeroOptimizer:
         of the update whose state it measures (``settle``: the owed one, applied now; else the newest
         applied in full, or None before any); ``of`` is None when the norm is of the params now."""
         if not self.store.defers_update:
-            return global_param_norm(self.stage.local_params(), self.stage.replication()), None
+            return global_param_norm(self.stage.local_params(), self.replication()), None
         got = self.store.applied_param_sq(settle=settle)
         device = local_device()
-        sq = sum(x / r for x, r in zip(got[1], self.stage.replication(), strict=True)) if got else 0.0
+        sq = sum(x / r for x, r in zip(got[1], self.replication(), strict=True)) if got else 0.0
         both = torch.tensor([sq, 0.0 if got else 1.0], dtype=torch.float64, device=device)
         if dist.is_initialized():
             dist.all_reduce(both)

@@ -60,12 +60,7 @@ class TiedPipelineEngine(PipelineEngine):
             if i is not None:  # the copy is saved and loaded as the one tensor it is
                 self.zero.names[i] = kept
         held = {i for pair in self.tied for i in pair if i is not None}
-        counted = self.zero.replication
-
-        def replication() -> list[int]:  # each of the two copies counts half in the global norms
-            return [r * 2 if i in held else r for i, r in enumerate(counted())]
-
-        self.zero.replication = replication  # type: ignore[method-assign]
+        self.optimizer.count_shared(dict.fromkeys(held, 2))  # each of the two copies counts half in the norms
         self.held = sorted(held)
 
     def step(self) -> StepStats:

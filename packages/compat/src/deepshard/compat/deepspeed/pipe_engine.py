@@ -111,16 +111,9 @@ class PipelineEngine(nn.Module, DeepSpeedQueries):
     def _count_tied_once(self) -> None:
         """The gradient norm (clipping, ``get_global_grad_norm``) counts a tied weight once, as DeepSpeed
         does: each of the ``k`` stages holding its (summed, equal) gradient contributes ``1/k``."""
-        zero = self.engine.zero
         holders = {i: dist.get_world_size(group) for i, group in self._tied_indices()}
-        if not holders:
-            return
-        replication = zero.replication
-
-        def counted_once() -> list[int]:
-            return [r * holders.get(i, 1) for i, r in enumerate(replication())]
-
-        zero.replication = counted_once  # this engine's own stage object
+        if holders:
+            self.engine.optimizer.count_shared(holders)
 
     def _tied_indices(self) -> list[tuple[int, Any]]:
         """(index in the stage's params, group) of every tied weight shared with another stage."""
