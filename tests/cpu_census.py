@@ -1,6 +1,7 @@
 """Where the suite's CPU goes: with ``DEEPSHARD_TEST_CPU=FILE``, each test's wall time and the CPU
 seconds its pytest worker's whole process tree spent meanwhile (the worker, its gloo pool and app
-runner, every launcher and rank they started) are appended to FILE as JSON lines.
+runner, every launcher and rank they started) are appended to FILE as JSON lines, with the test's start
+(epoch seconds: what the other worker ran meanwhile, for a test whose wall time its CPU does not explain).
 
 Two workers share two cores, so a test's wall time depends on its neighbour; its CPU does not, and
 the suite's wall time on a fresh clone is bounded below by the CPU all tests spend over the cores.
@@ -38,9 +39,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not _FILE:
         yield
         return
-    cpu, wall = tree_cpu_seconds(), time.perf_counter()
+    cpu, wall, start = tree_cpu_seconds(), time.perf_counter(), time.time()
     yield
-    record = {"test": item.nodeid, "wall": round(time.perf_counter() - wall, 2),
+    record = {"test": item.nodeid, "start": round(start, 2), "wall": round(time.perf_counter() - wall, 2),
               "cpu": round(tree_cpu_seconds() - cpu, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
