@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,12 @@ def _cache_file() -> Path:
     return Path(base) / "deepshard" / "peak_flops.json"
 
 
+def _gemm_clock(threads: int) -> tuple[str, Callable[[], float]]:
+    """What times one GEMM at ``threads`` threads, and its name in the cache key: at one thread the
+    thread's CPU time (the GEMM runs on it), else the clock."""
+    return ("cpu time", time.thread_time) if threads == 1 else ("wall", time.perf_counter)
+
+
 def _host_key(threads: int) -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -91,15 +98,15 @@ def _host_key(threads: int) -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    timer = "cpu time" if threads == 1 else "wall"  # cpu time: entries timed by the clock are not reused
-    return f"{platform.node()}|{cpu}|torch {torch.__version__}|threads {threads}|{timer}"
+    clock = _gemm_clock(threads)[0]  # entries timed by another clock are not reused
+    return f"{platform.node()}|{cpu}|torch {torch.__version__}|threads {threads}|{clock}"
 
 
 def measure_cpu_gemm(threads: int, budget_s: float = 1.0) -> float:
     """The best fp32 GEMM rate (TFLOP/s) of square 1024 (three times) then 2048 matmuls at ``threads``
     threads, stopping once ``budget_s`` is spent (a 2048 GEMM is run only where it fits).  At one
     thread each GEMM is timed by this thread's CPU time (the core's rate, whatever else runs on it)."""
-    timer = time.thread_time if threads == 1 else time.perf_counter
+    timer = _gemm_clock(threads)[1]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     best, start = 0.0, time.perf_counter()
